@@ -1,0 +1,1 @@
+"""zgraph runtime (installed as ``zgraph.runtime``): process groups, sharded state, executors."""

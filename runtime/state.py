@@ -1,0 +1,140 @@
+"""The training state a compiled step reads and writes: parameters, buffers, optimizers.
+
+A ``Binding`` is built from the modules and optimizers a step call uses. It numbers every *unique* parameter
+(tied parameters, the same tensor under several names, are one entry with several names) and every buffer,
+and remembers where each lives (module attribute slots, optimizer param groups), so that capture can swap in
+traced tensors and the executor can read inputs and write results back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class ParamRecord:
+    """One unique parameter.
+
+    Attributes:
+        index: position among the binding's parameters (graph inputs are numbered by it).
+        names: fully qualified names, first one canonical (tied parameters have several).
+        slots: ``(module, attribute)`` pairs holding the parameter; empty for a tensor only an optimizer holds.
+        tensor: the live object (``nn.Parameter``, or the optimizer's tensor).
+    """
+
+    index: int
+    names: list[str]
+    slots: list[tuple[nn.Module, str]]
+    tensor: Tensor
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class BufferRecord:
+    """One unique buffer, found through its module slots."""
+
+    index: int
+    names: list[str]
+    slots: list[tuple[nn.Module, str]]
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def get(self) -> Tensor | None:
+        module, attr = self.slots[0]
+        return module._buffers.get(attr)
+
+    def set(self, value: Tensor | None) -> None:
+        for module, attr in self.slots:
+            module._buffers[attr] = value
+
+
+@dataclass
+class OptimizerRecord:
+    """One optimizer and, per param group, the binding indices of its parameters."""
+
+    index: int
+    name: str
+    optimizer: torch.optim.Optimizer
+    group_params: list[list[int]] = field(default_factory=list)
+
+
+class Binding:
+    """Modules and optimizers of a step call, with their parameters numbered once."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], optimizers: list[tuple[str, torch.optim.Optimizer]]):
+        self.modules = modules
+        self.params: list[ParamRecord] = []
+        self.buffers: list[BufferRecord] = []
+        self._param_by_id: dict[int, int] = {}
+        self._buffer_by_id: dict[int, int] = {}
+        prefix_modules = len(modules) > 1
+        for label, root in modules:
+            prefix = f"{label}." if prefix_modules else ""
+            for mod_name, module in root.named_modules(remove_duplicate=False):
+                for attr, p in module._parameters.items():
+                    if p is not None:
+                        self._add_param(p, prefix + _join(mod_name, attr), (module, attr))
+                for attr, b in module._buffers.items():
+                    if b is not None:
+                        self._add_buffer(b, prefix + _join(mod_name, attr), (module, attr))
+        self.optimizers: list[OptimizerRecord] = []
+        for o_index, (label, opt) in enumerate(optimizers):
+            record = OptimizerRecord(o_index, label, opt)
+            for g_index, group in enumerate(opt.param_groups):
+                indices = []
+                for p_index, p in enumerate(group["params"]):
+                    if id(p) not in self._param_by_id:
+                        self._add_param(p, f"{label}.param_groups[{g_index}][{p_index}]", None)
+                    indices.append(self._param_by_id[id(p)])
+                record.group_params.append(indices)
+            self.optimizers.append(record)
+
+    def _add_param(self, p: Tensor, name: str, slot: tuple[nn.Module, str] | None) -> None:
+        index = self._param_by_id.get(id(p))
+        if index is None:
+            index = len(self.params)
+            self._param_by_id[id(p)] = index
+            self.params.append(ParamRecord(index, [], [], p))
+        record = self.params[index]
+        if name not in record.names:
+            record.names.append(name)
+        if slot is not None and slot not in record.slots:
+            record.slots.append(slot)
+
+    def _add_buffer(self, b: Tensor, name: str, slot: tuple[nn.Module, str]) -> None:
+        index = self._buffer_by_id.get(id(b))
+        if index is None:
+            index = len(self.buffers)
+            self._buffer_by_id[id(b)] = index
+            self.buffers.append(BufferRecord(index, [], []))
+        record = self.buffers[index]
+        record.names.append(name)
+        if slot not in record.slots:
+            record.slots.append(slot)
+
+    def param_index(self, t: Tensor) -> int | None:
+        """Index of ``t`` if it is one of the bound parameters."""
+        return self._param_by_id.get(id(t))
+
+    def buffer_index(self, t: Tensor) -> int | None:
+        index = self._buffer_by_id.get(id(t))
+        if index is not None and self.buffers[index].get() is t:
+            return index
+        return None
+
+    def optimizer_state(self, o_index: int, p_index: int) -> dict:
+        """The live ``optimizer.state`` entry of a parameter (empty dict if the optimizer has none yet)."""
+        opt = self.optimizers[o_index].optimizer
+        return opt.state.get(self.params[p_index].tensor, {})
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,28 @@
+"""zgraph: shard a whole PyTorch training step — forward, backward, optimizer — as compiler passes over one graph.
+
+import zgraph
+
+@zgraph.distribute(zgraph.Config(stage=3))
+def train_step(model, opt, batch):
+    loss = loss_fn(model(batch.x), batch.y)
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    return loss
+"""
+
+from zgraph.config import Config
+from zgraph.errors import CaptureError, PipelineError, RankMismatchError, ShardedParameterError, ZGraphError
+from zgraph.step import DistributedStep, distribute
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "Config",
+    "DistributedStep",
+    "PipelineError",
+    "RankMismatchError",
+    "ShardedParameterError",
+    "ZGraphError",
+    "distribute",
+]

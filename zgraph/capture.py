@@ -1,0 +1,652 @@
+"""Capture a whole training step — forward, every backward call, the optimizer — into one functional aten graph.
+
+How:
+
+1. The step runs once under ``make_fx`` on fake tensors. Every parameter, buffer, ``.grad`` present on entry,
+   optimizer state tensor, numeric optimizer hyper-parameter (0-d float64) and tensor argument is a graph
+   input; the traced tensors are swapped into the modules and optimizers for the duration of the trace, so
+   the user's code runs unchanged. Autograd runs for real during the trace, so ``loss.backward()``,
+   ``out.backward(gradient=g)``, several backward calls, ``torch.autograd.grad`` all become explicit aten ops.
+   Every gradient autograd produces for a parameter passes through ``zgraph::grad_contribution`` (see
+   ``zgraph.ops``). Registered optimizers (``zgraph.optimizers``) run a kernel that reads hyper-parameters
+   from graph inputs; other optimizers run their own ``step()``.
+2. The traced graph (which still mutates its inputs in place) is traced again through
+   ``torch.func.functionalize``: the result is functional. Every piece of state the step changed is a graph
+   output: the new value of a parameter, buffer, optimizer state tensor, mutated tensor argument, and the
+   ``.grad`` left on each parameter. State the step did not change is not an output.
+
+What later code may rely on (the captured graph's contract):
+
+- placeholders carry ``node.meta["zgraph_input"]`` (a ``GraphInput``) and readable names;
+- the output node carries ``node.meta["zgraph_outputs"]``, one ``GraphOutput`` per returned value;
+- every op node carries ``node.meta["phase"]``: ``"forward"``, ``"backward"`` or ``"optimizer"``;
+- the graph is functional: no op mutates its inputs (``copy_`` into inputs has been turned into outputs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.overrides import TorchFunctionMode
+
+from zgraph import optimizers as zopt
+from zgraph.errors import CaptureError
+from zgraph.ops import grad_contribution
+from zgraph.runtime.state import Binding
+
+aten = torch.ops.aten
+
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_ZGRAPH_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__))
+    for m in (__import__("zgraph"), __import__("zgraph.passes"), __import__("zgraph.runtime"))
+)
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """What a placeholder of the step graph stands for.
+
+    Attributes:
+        kind: ``param``, ``grad`` (the ``.grad`` a parameter has on entry), ``buffer``, ``opt_state``,
+            ``hparam`` (a numeric optimizer hyper-parameter), ``input`` (a tensor argument of the step) or
+            ``input_grad`` (the ``.grad`` of a leaf tensor argument).
+        name: readable name (parameter FQN, ``fqn:exp_avg``, ``opt.group0:lr``, ``batch.x``).
+        index: parameter index (param, grad, opt_state), buffer index, or argument-leaf index (input*).
+        field: optimizer state key or hyper-parameter name.
+        optimizer: optimizer index (opt_state, hparam), else -1.
+        group: param-group index (hparam), else -1.
+        layout: ``"full"`` or ``"shard"`` (the rank's dim-0 shard, padded; set by sharding passes).
+    """
+
+    kind: str
+    name: str
+    index: int
+    field: str = ""
+    optimizer: int = -1
+    group: int = -1
+    layout: str = "full"
+
+
+@dataclass(frozen=True)
+class GraphOutput:
+    """What an output of the step graph is written to; ``kind`` is ``user`` (a leaf of the step's return
+    value, ``index`` its position) or one of the state kinds of ``GraphInput``."""
+
+    kind: str
+    name: str
+    index: int
+    field: str = ""
+    optimizer: int = -1
+    layout: str = "full"
+
+
+@dataclass
+class CapturedGraph:
+    """The captured step and what is needed to run it again.
+
+    Attributes:
+        gm: the functional graph (see the module docstring for its contract).
+        result_template: the step's return value with each graph-returned leaf replaced by ``_Returned(i)``.
+        none_grads: parameter indices whose ``.grad`` is None after the step.
+        none_input_grads: argument-leaf indices whose ``.grad`` is None after the step.
+        constant_state: non-tensor optimizer state the step sets: ``(optimizer, param, key, value)``.
+        training_flags: ``(module, training)`` to restore where the step called ``train()``/``eval()``.
+        created_state: ``(optimizer, param)`` pairs whose state the step created (first optimizer step).
+        optimizers_stepped: indices of optimizers whose ``step()`` the step called.
+    """
+
+    gm: fx.GraphModule
+    result_template: Any
+    none_grads: list[int] = field(default_factory=list)
+    none_input_grads: list[int] = field(default_factory=list)
+    constant_state: list[tuple[int, int, str, Any]] = field(default_factory=list)
+    training_flags: list[tuple[nn.Module, bool]] = field(default_factory=list)
+    created_state: list[tuple[int, int]] = field(default_factory=list)
+    optimizers_stepped: list[int] = field(default_factory=list)
+
+
+class _Returned:
+    """Stands for the ``position``-th graph-returned leaf in a result template (deliberately not a dataclass:
+    templates are walked by ``zgraph.tree``, which would look inside one)."""
+
+    __slots__ = ("position",)
+
+    def __init__(self, position: int):
+        self.position = position
+
+
+# --------------------------------------------------------------------------------------------- trace helpers
+class _PhaseMode(TorchFunctionMode):
+    """Tags every op run inside an autograd backward call (any spelling) with phase ``backward``."""
+
+    _BACKWARD = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in self._BACKWARD:
+            with fx_traceback.annotate({"phase": BACKWARD}):
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _batch_norm_with_honest_schema(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # aten.native_batch_norm updates running stats in place without declaring it in its schema, so
+    # functionalization would drop the update. The _legit variants declare it and run the same CPU/CUDA kernels.
+    if running_mean is None or running_var is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    if training:
+        return aten._native_batch_norm_legit.default(
+            input, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+    return aten._native_batch_norm_legit_no_training.default(
+        input, weight, bias, running_mean, running_var, momentum, eps
+    )
+
+
+_TRACE_DECOMPOSITIONS = {aten.native_batch_norm.default: _batch_norm_with_honest_schema}
+
+
+def _user_frame(tb: traceback.StackSummary | list) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's own code (not torch, not zgraph) in a traceback."""
+    found = None
+    for frame in tb:
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH_DIR) or path.startswith(_ZGRAPH_DIRS) or frame.filename.startswith("<"):
+            continue
+        found = frame
+    return found
+
+
+def _where(exc: BaseException) -> str:
+    frame = _user_frame(traceback.extract_tb(exc.__traceback__))
+    if frame is None:
+        return ""
+    return f" at {frame.filename}:{frame.lineno} ({frame.name}): `{(frame.line or '').strip()}`"
+
+
+def _data_dependent(exc: BaseException) -> str | None:
+    """A description of the data-dependent Python operation behind a tracing failure, or None."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(exc, GuardOnDataDependentSymNode):
+        return (
+            "Python control flow depends on the value of a tensor (a branch or conversion on `.item()`, "
+            "`bool(tensor)`, `float(tensor)`, `.tolist()`...)"
+        )
+    if isinstance(exc, DataDependentOutputException):
+        return f"`{exc.func}` returns a Python value computed from tensor data"
+    if isinstance(exc, DynamicOutputShapeException):
+        return f"`{exc.func}` returns a tensor whose shape depends on tensor data"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- state swapping
+@contextlib.contextmanager
+def _swap_module_tensors(binding: Binding, params: list[Tensor], buffers: list[Tensor]) -> Iterator[None]:
+    saved: list[tuple[dict, str, Any]] = []
+    try:
+        for record, value in zip(binding.params, params):
+            for module, attr in record.slots:
+                saved.append((module._parameters, attr, module._parameters[attr]))
+                module._parameters[attr] = value
+        for record, value in zip(binding.buffers, buffers):
+            for module, attr in record.slots:
+                saved.append((module._buffers, attr, module._buffers[attr]))
+                module._buffers[attr] = value
+        yield
+    finally:
+        for store, attr, original in reversed(saved):
+            store[attr] = original
+
+
+_INSTANCE_MISSING = object()
+
+
+@contextlib.contextmanager
+def _swap_optimizers(
+    binding: Binding,
+    params: list[Tensor],
+    states: dict[tuple[int, int], dict[str, Any]],
+    hparams: dict[tuple[int, int], dict[str, Tensor]],
+    created: list[tuple[int, int]],
+    stepped: list[int],
+) -> Iterator[None]:
+    saved = []
+    try:
+        for record in binding.optimizers:
+            opt = record.optimizer
+            saved.append(
+                (
+                    opt,
+                    [g["params"] for g in opt.param_groups],
+                    opt.state,
+                    opt.__dict__.get("step", _INSTANCE_MISSING),
+                    opt.__dict__.get("zero_grad", _INSTANCE_MISSING),
+                )
+            )
+            traced_state: defaultdict = defaultdict(dict)
+            for group, indices in zip(opt.param_groups, record.group_params):
+                group["params"] = [params[i] for i in indices]
+                for i in indices:
+                    if (record.index, i) in states:
+                        traced_state[params[i]] = states[(record.index, i)]
+            opt.state = traced_state
+            opt.step = _traced_step(binding, record.index, params, hparams, created, stepped, opt.step)
+            opt.zero_grad = _in_phase(OPTIMIZER, opt.zero_grad)
+        yield
+    finally:
+        for opt, group_params, state, step, zero_grad in saved:
+            for group, ps in zip(opt.param_groups, group_params):
+                group["params"] = ps
+            opt.state = state
+            for attr, value in (("step", step), ("zero_grad", zero_grad)):
+                if value is _INSTANCE_MISSING:
+                    opt.__dict__.pop(attr, None)
+                else:
+                    opt.__dict__[attr] = value
+
+
+def _in_phase(phase: str, fn: Callable) -> Callable:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with fx_traceback.annotate({"phase": phase}):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _traced_step(
+    binding: Binding,
+    o_index: int,
+    params: list[Tensor],
+    hparams: dict[tuple[int, int], dict[str, Tensor]],
+    created: list[tuple[int, int]],
+    stepped: list[int],
+    original_step: Callable,
+) -> Callable:
+    record = binding.optimizers[o_index]
+    opt = record.optimizer
+    kernel = zopt.kernel_for(opt)
+
+    def step(closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise CaptureError(
+                f"{type(opt).__name__}.step(closure) is not supported inside a zgraph step: the closure "
+                "re-evaluates the model, which zgraph cannot trace. Call step() without a closure."
+            )
+        stepped.append(o_index)
+        with fx_traceback.annotate({"phase": OPTIMIZER}):
+            if kernel is None:
+                before = {id(p): len(opt.state.get(p, {})) for g in opt.param_groups for p in g["params"]}
+                try:
+                    original_step()
+                except CaptureError:
+                    raise
+                except Exception as exc:
+                    raise CaptureError(
+                        f"zgraph cannot trace the optimizer {type(opt).__module__}.{type(opt).__qualname__}: "
+                        f"its step() failed under the tracer ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+                        f"{_where(exc)}. zgraph traces torch.optim.SGD, Adam and AdamW with hyper-parameters as "
+                        "graph inputs, and other optimizers whose step() is plain tensor code."
+                    ) from exc
+                for indices in record.group_params:
+                    for i in indices:
+                        if before.get(id(params[i]), 0) == 0 and opt.state.get(params[i]):
+                            created.append((o_index, i))
+                return
+            with torch.no_grad():
+                for g_index, (group, indices) in enumerate(zip(opt.param_groups, record.group_params)):
+                    with_grad = [i for i in indices if params[i].grad is not None]
+                    for i in with_grad:
+                        if params[i].grad.is_sparse:
+                            raise CaptureError(f"{kernel.name} does not support sparse gradients")
+                    states = []
+                    for i in with_grad:
+                        state = opt.state[params[i]]
+                        if not state and kernel.initial_state is not None:
+                            state.update(kernel.initial_state(params[i], group))
+                            created.append((o_index, i))
+                        states.append(state)
+                    kernel.update(
+                        [params[i] for i in with_grad],
+                        [params[i].grad for i in with_grad],
+                        states,
+                        hparams[(o_index, g_index)],
+                        group,
+                    )
+
+    return step
+
+
+def _group_values(binding: Binding) -> list:
+    return [
+        [{k: v for k, v in g.items() if k != "params"} for g in r.optimizer.param_groups] for r in binding.optimizers
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- capture
+@dataclass
+class _Inputs:
+    specs: list[GraphInput]
+    values: list[Tensor]  # real tensors (or fakes made from metadata) in spec order
+
+
+def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> _Inputs:
+    """The graph inputs of a step call, in graph order, with the tensors they are read from."""
+    specs: list[GraphInput] = []
+    values: list[Tensor] = []
+
+    def add(spec: GraphInput, value: Tensor) -> None:
+        specs.append(spec)
+        values.append(value)
+
+    for r in binding.params:
+        add(GraphInput("param", r.name, r.index), r.tensor)
+    for r in binding.params:
+        if r.tensor.grad is not None:
+            add(GraphInput("grad", r.name, r.index), r.tensor.grad)
+    for r in binding.buffers:
+        value = r.get()
+        if value is not None:
+            add(GraphInput("buffer", r.name, r.index), value)
+    for o in binding.optimizers:
+        for i in sorted({i for indices in o.group_params for i in indices}):
+            for key, value in binding.optimizer_state(o.index, i).items():
+                if isinstance(value, Tensor):
+                    name = f"{binding.params[i].name}:{key}"
+                    add(GraphInput("opt_state", name, i, field=key, optimizer=o.index), value)
+    for o in binding.optimizers:
+        kernel = zopt.kernel_for(o.optimizer)
+        if kernel is None:
+            continue
+        for g_index, group in enumerate(o.optimizer.param_groups):
+            for hp_name, hp_value in kernel.hyperparameters(group).items():
+                name = f"{o.name}.group{g_index}:{hp_name}"
+                add(GraphInput("hparam", name, g_index, field=hp_name, optimizer=o.index, group=g_index), hp_value)
+    for leaf_index, (path, t) in enumerate(user_tensors):
+        add(GraphInput("input", path, leaf_index), t)
+    for leaf_index, (path, t) in enumerate(user_tensors):
+        if t.grad is not None:
+            add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
+    return _Inputs(specs, values)
+
+
+def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs) -> list[Tensor]:
+    fakes = []
+    for spec, value in zip(inputs.specs, inputs.values):
+        if spec.kind == "hparam":
+            with mode:
+                fakes.append(torch.empty((), dtype=torch.float64))
+            continue
+        real = value.detach()
+        fake = mode.from_tensor(real, static_shapes=True)
+        if spec.kind in ("param", "input") and value.requires_grad:
+            fake.requires_grad_(True)
+        fakes.append(fake)
+    return fakes
+
+
+def capture(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    binding: Binding,
+    user_tensors: list[tuple[str, Tensor]],
+    substitute: Callable[[str, Any, dict[int, Tensor]], Any],
+) -> CapturedGraph:
+    """Trace ``fn(*args, **kwargs)`` into a functional graph.
+
+    ``user_tensors`` are the tensor leaves of the arguments that are not bound state; ``substitute(path, leaf,
+    traced)`` maps an argument leaf to what the traced step receives (``traced`` maps ``id`` of bound
+    parameters, buffers and argument tensors to their traced stand-ins).
+    """
+    inputs = collect_inputs(binding, user_tensors)
+    for spec, value in zip(inputs.specs, inputs.values):
+        if spec.kind == "hparam":
+            continue
+        if not isinstance(value, Tensor) or value.is_sparse:
+            raise CaptureError(f"{spec.name}: only dense tensors can be graph inputs, got {type(value).__name__}")
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
+    fakes = _fake_inputs(mode, inputs)
+    result_holder: dict[str, Any] = {}
+    grad_enabled = torch.is_grad_enabled()
+    n_params = len(binding.params)
+
+    def traced_step(*flat: Tensor) -> list[Any]:
+        by_kind: dict[str, dict] = defaultdict(dict)
+        for spec, value in zip(inputs.specs, flat):
+            key = (spec.optimizer, spec.index, spec.field) if spec.kind == "opt_state" else spec.index
+            if spec.kind == "hparam":
+                key = (spec.optimizer, spec.group, spec.field)
+            by_kind[spec.kind][key] = value
+        params = [by_kind["param"][i] for i in range(n_params)]
+        buffers = [by_kind["buffer"].get(r.index) for r in binding.buffers]
+        for i, grad in by_kind["grad"].items():
+            params[i].grad = grad
+        states: dict[tuple[int, int], dict[str, Any]] = defaultdict(dict)
+        for o in binding.optimizers:
+            for i in {i for indices in o.group_params for i in indices}:
+                for key, value in binding.optimizer_state(o.index, i).items():
+                    states[(o.index, i)][key] = by_kind["opt_state"].get((o.index, i, key), value)
+        hparams: dict[tuple[int, int], dict[str, Tensor]] = defaultdict(dict)
+        for (o_index, g_index, name), value in by_kind["hparam"].items():
+            hparams[(o_index, g_index)][name] = value
+        user = [by_kind["input"][i] for i in range(len(user_tensors))]
+        for i, grad in by_kind["input_grad"].items():
+            user[i].grad = grad
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.register_hook(lambda g, i=i: grad_contribution(g, i))
+
+        traced = {id(r.tensor): params[r.index] for r in binding.params}
+        traced.update({id(t): user[i] for i, (_, t) in enumerate(user_tensors)})
+        created: list[tuple[int, int]] = []
+        stepped: list[int] = []
+        flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
+        groups_before = _group_values(binding)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_swap_module_tensors(binding, params, buffers))
+            stack.enter_context(_swap_optimizers(binding, params, states, hparams, created, stepped))
+            stack.enter_context(_PhaseMode())
+            stack.enter_context(torch.set_grad_enabled(grad_enabled))
+            new_args = substitute("args", args, traced)
+            new_kwargs = substitute("kwargs", kwargs, traced)
+            result = fn(*new_args, **new_kwargs)
+            final_buffers = [r.get() for r in binding.buffers]
+            final_states = {
+                (o.index, i): dict(o.optimizer.state.get(params[i], {}))
+                for o in binding.optimizers
+                for i in {i for indices in o.group_params for i in indices}
+            }
+        if _group_values(binding) != groups_before:
+            raise CaptureError(
+                "the step changed optimizer param_groups values (e.g. lr) while it ran; in a zgraph step that "
+                "change would be baked into the graph as a constant. Set them before calling the step (an LR "
+                "scheduler's step() between calls is fine): they are graph inputs."
+            )
+        flags_after = [(m, m.training) for m, _ in flags_before]
+        outs: list[Any] = []
+        roles: list[GraphOutput] = []
+        captured = CapturedGraph(gm=None, result_template=None)  # type: ignore[arg-type]
+
+        def returned(path: str, leaf: Any) -> Any:
+            if isinstance(leaf, (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                outs.append(leaf)
+                roles.append(GraphOutput("user", path, len(roles)))
+                return _Returned(len(outs) - 1)
+            return leaf
+
+        from zgraph.tree import map_leaves
+
+        captured.result_template = map_leaves(result, returned)
+        for r in binding.params:
+            outs.append(params[r.index])
+            roles.append(GraphOutput("param", r.name, r.index))
+        for r in binding.params:
+            if params[r.index].grad is None:
+                captured.none_grads.append(r.index)
+            else:
+                outs.append(params[r.index].grad)
+                roles.append(GraphOutput("grad", r.name, r.index))
+        for r, value in zip(binding.buffers, final_buffers):
+            if value is not None:
+                outs.append(value)
+                roles.append(GraphOutput("buffer", r.name, r.index))
+        for (o_index, i), state in final_states.items():
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    outs.append(value)
+                    name = f"{binding.params[i].name}:{key}"
+                    roles.append(GraphOutput("opt_state", name, i, field=key, optimizer=o_index))
+                else:
+                    captured.constant_state.append((o_index, i, key, value))
+        for i, (path, _) in enumerate(user_tensors):
+            outs.append(user[i])
+            roles.append(GraphOutput("input", path, i))
+            if user[i].requires_grad and user[i].is_leaf:
+                if user[i].grad is None:
+                    captured.none_input_grads.append(i)
+                else:
+                    outs.append(user[i].grad)
+                    roles.append(GraphOutput("input_grad", f"{path}.grad", i))
+        captured.training_flags = [
+            (m, after) for (m, before), (_, after) in zip(flags_before, flags_after) if before != after
+        ]
+        captured.created_state = created
+        captured.optimizers_stepped = sorted(set(stepped))
+        result_holder["captured"] = captured
+        result_holder["roles"] = roles
+        return outs
+
+    gm1 = _trace(traced_step, fakes, mode, fn)
+    captured = result_holder["captured"]
+    roles = result_holder["roles"]
+    captured.gm = _functionalize(gm1, inputs, fakes, mode, roles)
+    return captured
+
+
+def _trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: Callable) -> fx.GraphModule:
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        with fx_traceback.preserve_node_meta(), mode:
+            return make_fx(
+                traced_step,
+                tracing_mode="fake",
+                decomposition_table=_TRACE_DECOMPOSITIONS,
+                _allow_non_fake_inputs=True,
+            )(*fakes)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        detail = _data_dependent(exc)
+        if detail is None:
+            raise CaptureError(
+                f"zgraph could not capture `{name}`: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+                f"{_where(exc)}"
+            ) from exc
+        raise CaptureError(
+            f"zgraph cannot capture `{name}`: {detail}{_where(exc)}. zgraph traces the step once and replays "
+            "the graph on later calls, so Python cannot branch on tensor values inside it. Move the check "
+            "outside the step, or express it with tensor ops (torch.where, masking)."
+        ) from exc
+
+
+def _functionalize(
+    gm1: fx.GraphModule, inputs: _Inputs, fakes: list[Tensor], mode: FakeTensorMode, roles: list[GraphOutput]
+) -> fx.GraphModule:
+    def replay(*flat: Tensor) -> Any:
+        with torch.no_grad():
+            return fx.Interpreter(gm1).run(*flat)
+
+    plain = [f.detach() for f in fakes]
+    with fx_traceback.preserve_node_meta(), mode:
+        gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*plain)
+    graph = gm.graph
+    graph._codegen = fx.graph.CodeGen()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, inputs.specs):
+        node.meta["zgraph_input"] = spec
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    # copy_ into inputs at the end is functionalization's write-back; the new values are already outputs.
+    profiler_nodes = []
+    for node in list(graph.nodes):
+        if node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
+            graph.erase_node(node)
+        elif node.op == "call_function" and str(node.target).startswith("profiler."):
+            profiler_nodes.append(node)  # record_function enter/exit from torch.optim: no effect on values
+    for node in reversed(profiler_nodes):
+        graph.erase_node(node)
+    kept_values, kept_roles = [], []
+    placeholder_of = {_state_key(n.meta["zgraph_input"]): n for n in placeholders}
+    for value, role in zip(values, roles):
+        if role.kind != "user" and placeholder_of.get(_state_key(role)) is value:
+            continue  # state the step did not change
+        kept_values.append(value)
+        kept_roles.append(role)
+    output.args = (tuple(kept_values),)
+    output.meta["zgraph_outputs"] = kept_roles
+    _name_placeholders(graph, placeholders)
+    graph.eliminate_dead_code()
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            phase = (node.meta.get("custom") or {}).get("phase")
+            if phase is not None:
+                node.meta["phase"] = phase
+    gm.recompile()
+    return gm
+
+
+def _state_key(spec: GraphInput | GraphOutput) -> tuple:
+    return (spec.kind, spec.index, spec.field, spec.optimizer)
+
+
+def _readable_name(spec: GraphInput) -> str:
+    if spec.kind in ("opt_state", "hparam"):
+        owner = spec.name.rsplit(":", 1)[0]
+        return f"{spec.field}_{owner}"
+    if spec.kind == "grad":
+        return f"grad_{spec.name}"
+    return spec.name
+
+
+def _name_placeholders(graph: fx.Graph, placeholders: list[fx.Node]) -> None:
+    for node in placeholders:
+        base = _readable_name(node.meta["zgraph_input"])
+        ident = re.sub(r"\W+", "_", base).strip("_") or "input"
+        if ident[0].isdigit():
+            ident = "_" + ident
+        node._rename(ident)
+        node.target = node.name
+
+
+def replace_spec(node: fx.Node, **changes: Any) -> None:
+    """Update a placeholder's ``GraphInput`` (e.g. its layout)."""
+    node.meta["zgraph_input"] = dataclasses.replace(node.meta["zgraph_input"], **changes)

@@ -1,0 +1,27 @@
+"""Exceptions zgraph raises for input it cannot handle.
+
+Every error is raised before any collective runs, so a bad step fails on every rank the same way instead of
+hanging the others.
+"""
+
+from __future__ import annotations
+
+
+class ZGraphError(RuntimeError):
+    """Base class of zgraph's own errors."""
+
+
+class CaptureError(ZGraphError):
+    """The training step could not be traced into one graph (data-dependent Python, untraceable optimizer...)."""
+
+
+class PipelineError(ZGraphError, ValueError):
+    """The pass pipeline is malformed: unknown pass name, or a pass contract that does not hold."""
+
+
+class RankMismatchError(ZGraphError):
+    """Ranks captured different graphs or planned different collectives."""
+
+
+class ShardedParameterError(ZGraphError):
+    """A stage-3 sharded parameter was used outside the compiled step and outside ``zgraph.gather``."""

@@ -1,0 +1,164 @@
+"""Traceable update rules for the ``torch.optim`` classes zgraph lifts hyper-parameters for.
+
+``torch.optim`` reads its hyper-parameters as Python floats, so tracing ``opt.step()`` as written would bake
+``lr``, ``betas``, ``weight_decay``... into the graph as constants. For the classes registered here zgraph
+runs a kernel that follows ``torch.optim``'s single-tensor algorithm op for op, but reads every numeric
+hyper-parameter from a 0-d float64 tensor that is a graph input. Scalar arithmetic on hyper-parameters is done
+in float64 (what Python floats are) and handed to the same aten ops eager uses, so on one process the result
+matches eager bit for bit where the kernels agree, and an LR scheduler or a changed ``param_groups`` value
+takes effect without a retrace. Python branches on hyper-parameters (``weight_decay != 0``, ``amsgrad``...)
+become part of the guard key: flipping one retraces.
+
+Optimizer classes not registered here are traced as they are (their ``step()`` runs under the tracer); their
+numeric hyper-parameters are then constants of the graph, guarded by value (a change retraces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import _get_scalar_dtype
+
+# A group's numeric hyper-parameters, lifted to graph inputs: name -> 0-d float64 tensor.
+HyperParams = dict[str, Tensor]
+
+
+def _scalar(t: Tensor) -> float:
+    """A 0-d tensor as a Python scalar argument (``alpha=``, ``value=``); traced as a graph scalar."""
+    return t.item()
+
+
+@dataclass(frozen=True)
+class OptimizerKernel:
+    """How zgraph traces one ``torch.optim`` class.
+
+    Attributes:
+        name: the optimizer's class name, for messages.
+        hyperparameters: ``fn(group) -> {name: float}``, the numeric values lifted to graph inputs.
+        structure: ``fn(group) -> tuple``, the Python branches the update takes; part of the guard key.
+        initial_state: ``fn(param, group) -> dict``, the state ``torch.optim`` creates on a parameter's first
+            step; None where that state depends on the gradient (it is then created inside the graph).
+        update: ``fn(params, grads, states, hp, group)``: the in-place update of params with grads.
+    """
+
+    name: str
+    hyperparameters: Callable[[dict], dict[str, float]]
+    structure: Callable[[dict], tuple]
+    initial_state: Callable[[Tensor, dict], dict[str, Tensor]] | None
+    update: Callable[[list[Tensor], list[Tensor], list[dict], HyperParams, dict], None]
+
+
+# ----------------------------------------------------------------------------------------------------- SGD
+def _sgd_hp(group: dict) -> dict[str, float]:
+    return {k: float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
+
+
+def _sgd_structure(group: dict) -> tuple:
+    return (
+        float(group["momentum"]) != 0,
+        float(group["weight_decay"]) != 0,
+        bool(group["nesterov"]),
+        bool(group["maximize"]),
+    )
+
+
+def _sgd_update(params: list[Tensor], grads: list[Tensor], states: list[dict], hp: HyperParams, group: dict) -> None:
+    momentum_on, decay_on, nesterov, maximize = _sgd_structure(group)
+    for param, grad, state in zip(params, grads, states):
+        grad = grad if not maximize else -grad
+        if decay_on:
+            grad = grad.add(param, alpha=_scalar(hp["weight_decay"]))
+        if momentum_on:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = torch.clone(grad).detach()
+                state["momentum_buffer"] = buf
+            else:
+                buf.mul_(hp["momentum"]).add_(grad, alpha=_scalar(1 - hp["dampening"]))
+            grad = grad.add(buf, alpha=_scalar(hp["momentum"])) if nesterov else buf
+        param.add_(grad, alpha=_scalar(-hp["lr"]))
+
+
+SGD = OptimizerKernel("SGD", _sgd_hp, _sgd_structure, None, _sgd_update)
+
+
+# ---------------------------------------------------------------------------------------------- Adam / AdamW
+def _adam_hp(group: dict) -> dict[str, float]:
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+    }
+
+
+def _adam_structure(group: dict) -> tuple:
+    return (
+        float(group["weight_decay"]) != 0,
+        bool(group.get("decoupled_weight_decay", False)),
+        bool(group["amsgrad"]),
+        bool(group["maximize"]),
+    )
+
+
+def _adam_initial_state(param: Tensor, group: dict) -> dict[str, Tensor]:
+    state = {
+        "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def _adam_update(params: list[Tensor], grads: list[Tensor], states: list[dict], hp: HyperParams, group: dict) -> None:
+    decay_on, decoupled, amsgrad, maximize = _adam_structure(group)
+    lr, beta1, beta2, eps, weight_decay = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+    for param, grad, state in zip(params, grads, states):
+        grad = grad if not maximize else -grad
+        exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        step_t += 1
+        if decay_on:
+            if decoupled:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(param, alpha=_scalar(weight_decay))
+        exp_avg.lerp_(grad, (1 - beta1).to(exp_avg.dtype))
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=_scalar(1 - beta2))
+        step = step_t.to(torch.float64)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        if amsgrad:
+            max_exp_avg_sq = state["max_exp_avg_sq"]
+            max_exp_avg_sq.copy_(torch.maximum(max_exp_avg_sq, exp_avg_sq))
+            denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=_scalar(-step_size))
+
+
+def _adam_kernel(name: str) -> OptimizerKernel:
+    return OptimizerKernel(name, _adam_hp, _adam_structure, _adam_initial_state, _adam_update)
+
+
+ADAM = _adam_kernel("Adam")
+ADAMW = _adam_kernel("AdamW")
+
+KERNELS: dict[type, OptimizerKernel] = {
+    torch.optim.SGD: SGD,
+    torch.optim.Adam: ADAM,
+    torch.optim.AdamW: ADAMW,
+}
+
+
+def kernel_for(optimizer: torch.optim.Optimizer) -> OptimizerKernel | None:
+    """The registered kernel for ``optimizer``'s exact class (subclasses may change ``step``: not matched)."""
+    return KERNELS.get(type(optimizer))

@@ -1,0 +1,390 @@
+"""``@zgraph.distribute``: the object that replaces the user's training step.
+
+On a call it finds the modules and optimizers the step uses, looks up a compiled graph by a guard key (shapes,
+dtypes, structure, requires_grad, grad mode, training flags, optimizer structure), captures, transforms and
+compiles on a miss, then runs the graph and writes the new state back into the modules and optimizers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import time
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from zgraph import optimizers as zopt
+from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, _Returned, capture
+from zgraph.config import Config
+from zgraph.explain import dump_graphs, explain_table
+from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
+from zgraph.runtime.executor import Executable, compile_graph
+from zgraph.runtime.state import Binding
+from zgraph.tree import children, iter_leaves, map_leaves, structure_key
+
+_STATE_TYPES = (nn.Module, torch.optim.Optimizer)
+
+
+# ------------------------------------------------------------------------------------------------ discovery
+def _bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """``[(name, value)]`` of the call's arguments, named after the step's signature where possible."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return list(bound.arguments.items())
+
+
+def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int], depth: int = 0) -> None:
+    if isinstance(obj, _STATE_TYPES):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            out.append((path, obj))
+        return
+    kids = children(obj)
+    if kids is not None:
+        for suffix, child in kids:
+            _find_state(child, path + suffix, out, seen, depth)
+    elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, Tensor)):
+        # A plain object (a trainer, ``self`` of a method): look at its attributes, one level deep.
+        for name, value in list(vars(obj).items()):
+            _find_state(value, f"{path}.{name}", out, seen, depth + 1)
+
+
+def discover(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[tuple[str, nn.Module]], list]:
+    """Modules and optimizers a step uses: in its arguments (any nesting), its closure, and the globals it names."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, value in _bound_arguments(fn, args, kwargs):
+        _find_state(value, name, found, seen)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                _find_state(cell.cell_contents, name, found, seen, depth=1)
+            except ValueError:  # empty cell
+                continue
+        fn_globals = getattr(fn, "__globals__", {})
+        for name in code.co_names:
+            if name in fn_globals:
+                _find_state(fn_globals[name], name, found, seen, depth=1)
+    modules = [(label, m) for label, m in found if isinstance(m, nn.Module)]
+    optimizers = [(label, o) for label, o in found if isinstance(o, torch.optim.Optimizer)]
+    return modules, optimizers
+
+
+# ------------------------------------------------------------------------------------------------ guard key
+def _tensor_key(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _tensor_key(value)
+    if isinstance(value, _STATE_TYPES):
+        return (type(value), id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value), id(value))
+    return (type(value), value)
+
+
+def guard_key(binding: Binding, args_tree: Any) -> tuple:
+    """Everything a captured graph depends on besides tensor values. A different key retraces."""
+    params = tuple(
+        (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad, _grad_key(r.tensor)) for r in binding.params
+    )
+    buffers = tuple(_maybe_tensor_key(r.get()) for r in binding.buffers)
+    opts = []
+    for o in binding.optimizers:
+        kernel = zopt.kernel_for(o.optimizer)
+        groups = tuple(
+            kernel.structure(g) if kernel else tuple(sorted((k, _value_key(v)) for k, v in g.items() if k != "params"))
+            for g in o.optimizer.param_groups
+        )
+        states = tuple(
+            tuple(sorted((k, _value_key(v)) for k, v in binding.optimizer_state(o.index, i).items()))
+            for indices in o.group_params
+            for i in indices
+        )
+        opts.append((groups, states))
+    training = tuple(m.training for _, root in binding.modules for m in root.modules())
+    leaves = tuple(_value_key(leaf) for _, leaf in iter_leaves(args_tree))
+    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    return (
+        id(binding),
+        torch.is_grad_enabled(),
+        autocast,
+        params,
+        buffers,
+        tuple(opts),
+        training,
+        structure_key(args_tree),
+        leaves,
+    )
+
+
+def _grad_key(t: Tensor) -> tuple | None:
+    g = t.grad
+    return None if g is None else (tuple(g.shape), g.dtype)
+
+
+def _maybe_tensor_key(t: Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.dtype, t.is_contiguous())
+
+
+# ---------------------------------------------------------------------------------------------- compiled step
+@dataclass
+class CompiledStep:
+    """One captured, transformed and compiled variant of the step (one guard key)."""
+
+    captured: CapturedGraph
+    records: list[PassRecord]
+    executable: Executable
+    capture_seconds: float
+    input_specs: list[GraphInput] = field(default_factory=list)
+    output_roles: list[GraphOutput] = field(default_factory=list)
+
+    @property
+    def final(self) -> fx.GraphModule:
+        return self.records[-1].gm if self.records else self.captured.gm
+
+    def graphs(self) -> OrderedDict[str, fx.GraphModule]:
+        out: OrderedDict[str, fx.GraphModule] = OrderedDict(captured=self.captured.gm)
+        for record in self.records:
+            out[record.name] = record.gm
+        out["final"] = self.final
+        return out
+
+
+class DistributedStep:
+    """A training step compiled by zgraph; call it like the original function.
+
+    Attributes:
+        config: the ``zgraph.Config`` it was built with.
+    """
+
+    def __init__(self, fn: Callable, config: Config):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self.config = config
+        self._pipeline = build_pipeline(default_pipeline(), config.disable_passes, config.extra_passes)
+        self._bindings: dict[tuple, Binding] = {}
+        self._cache: dict[tuple, CompiledStep] = {}
+        self._last: CompiledStep | None = None
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
+
+    # -------------------------------------------------------------------------------------------- calling
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        binding = self._binding(args, kwargs)
+        user_tensors = self._user_tensors(binding, args, kwargs)
+        key = guard_key(binding, (args, kwargs))
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compile(binding, args, kwargs, user_tensors)
+            key = guard_key(binding, (args, kwargs))
+            self._cache[key] = compiled
+        self._last = compiled
+        return self._run(compiled, binding, user_tensors)
+
+    def _binding(self, args: tuple, kwargs: dict) -> Binding:
+        modules, optimizers = discover(self._fn, args, kwargs)
+        key = (
+            tuple(id(m) for _, m in modules),
+            tuple((id(o), tuple(tuple(id(p) for p in g["params"]) for g in o.param_groups)) for _, o in optimizers),
+        )
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = Binding(modules, optimizers)
+            self._bindings[key] = binding
+        return binding
+
+    def _user_tensors(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+        out = []
+        seen: set[int] = set()
+        for name, value in _bound_arguments(self._fn, args, kwargs):
+            for path, leaf in iter_leaves(value, name):
+                if not isinstance(leaf, Tensor) or id(leaf) in seen:
+                    continue
+                seen.add(id(leaf))
+                if binding.param_index(leaf) is None and binding.buffer_index(leaf) is None:
+                    out.append((path, leaf))
+        return out
+
+    def _substitute(self, label: str, obj: Any, traced: dict[int, Tensor]) -> Any:
+        return map_leaves(obj, lambda _path, leaf: traced.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf)
+
+    def _compile(self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list) -> CompiledStep:
+        start = time.perf_counter()
+        captured = capture(self._fn, args, kwargs, binding, user_tensors, self._substitute)
+        if self._materialize_created_state(binding, captured):
+            captured = capture(self._fn, args, kwargs, binding, user_tensors, self._substitute)
+        capture_seconds = time.perf_counter() - start
+        ctx = self._context(binding)
+        records = run_pipeline(captured.gm, ctx, self._pipeline)
+        final = records[-1].gm if records else captured.gm
+        specs = [n.meta["zgraph_input"] for n in final.graph.nodes if n.op == "placeholder"]
+        output = next(n for n in reversed(final.graph.nodes) if n.op == "output")
+        executable = compile_graph(final, self.config.backend)
+        return CompiledStep(captured, records, executable, capture_seconds, specs, output.meta["zgraph_outputs"])
+
+    def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
+        """Create, eagerly and exactly as torch.optim would, the optimizer state a first step creates; True if
+        any was created (the step is then captured again with that state as inputs)."""
+        created = False
+        for o_index, p_index in captured.created_state:
+            opt = binding.optimizers[o_index].optimizer
+            kernel = zopt.kernel_for(opt)
+            if kernel is None or kernel.initial_state is None:
+                continue
+            group = next(
+                g for g, idx in zip(opt.param_groups, binding.optimizers[o_index].group_params) if p_index in idx
+            )
+            param = binding.params[p_index].tensor
+            opt.state[param] = kernel.initial_state(param.detach(), group)
+            created = True
+        return created
+
+    def _context(self, binding: Binding) -> PassContext:
+        params = tuple(
+            ParamInfo(r.index, tuple(r.names), tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad)
+            for r in binding.params
+        )
+        return PassContext(config=self.config, params=params)
+
+    def _inputs(self, specs: list[GraphInput], binding: Binding, user_tensors: list) -> list[Tensor]:
+        values = []
+        hyper: dict[tuple[int, int], dict[str, float]] = {}
+        for spec in specs:
+            kind = spec.kind
+            if kind == "param":
+                values.append(binding.params[spec.index].tensor.detach())
+            elif kind == "grad":
+                values.append(binding.params[spec.index].tensor.grad)
+            elif kind == "buffer":
+                values.append(binding.buffers[spec.index].get())
+            elif kind == "opt_state":
+                values.append(binding.optimizer_state(spec.optimizer, spec.index)[spec.field])
+            elif kind == "hparam":
+                group_key = (spec.optimizer, spec.group)
+                if group_key not in hyper:
+                    opt = binding.optimizers[spec.optimizer].optimizer
+                    hyper[group_key] = zopt.kernel_for(opt).hyperparameters(opt.param_groups[spec.group])
+                values.append(torch.tensor(hyper[group_key][spec.field], dtype=torch.float64))
+            elif kind == "input":
+                values.append(user_tensors[spec.index][1].detach())
+            elif kind == "input_grad":
+                values.append(user_tensors[spec.index][1].grad)
+            else:
+                raise AssertionError(f"unknown graph input kind {kind!r}")
+        return values
+
+    def _run(self, compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
+        inputs = self._inputs(compiled.input_specs, binding, user_tensors)
+        outputs = list(compiled.executable.run(inputs))
+        _unalias(outputs, inputs)
+        returned: dict[int, Any] = {}
+        for value, role in zip(outputs, compiled.output_roles):
+            kind = role.kind
+            if kind == "user":
+                returned[len(returned)] = value
+            elif kind == "param":
+                binding.params[role.index].tensor.data = value
+            elif kind == "grad":
+                binding.params[role.index].tensor.grad = value
+            elif kind == "buffer":
+                buffer = binding.buffers[role.index].get()
+                if buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
+                    buffer.data = value
+                else:
+                    binding.buffers[role.index].set(value)
+            elif kind == "opt_state":
+                opt = binding.optimizers[role.optimizer].optimizer
+                opt.state[binding.params[role.index].tensor][role.field] = value
+            elif kind == "input":
+                with torch.no_grad():
+                    user_tensors[role.index][1].copy_(value)
+            elif kind == "input_grad":
+                user_tensors[role.index][1].grad = value
+        captured = compiled.captured
+        for i in captured.none_grads:
+            binding.params[i].tensor.grad = None
+        for i in captured.none_input_grads:
+            user_tensors[i][1].grad = None
+        for o_index, p_index, key, value in captured.constant_state:
+            opt = binding.optimizers[o_index].optimizer
+            opt.state[binding.params[p_index].tensor][key] = value
+        for module, training in captured.training_flags:
+            module.training = training
+        for o_index in captured.optimizers_stepped:
+            binding.optimizers[o_index].optimizer._opt_called = True  # what LR schedulers check
+        user_values = [v for v, r in zip(outputs, compiled.output_roles) if r.kind == "user"]
+        return map_leaves(
+            captured.result_template,
+            lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,
+        )
+
+    # ------------------------------------------------------------------------------------------ inspection
+    def _compiled(self) -> CompiledStep:
+        if self._last is None:
+            raise RuntimeError("the step has not been called yet: graphs exist after the first call")
+        return self._last
+
+    @property
+    def graphs(self) -> OrderedDict[str, fx.GraphModule]:
+        """The graphs of the last call's variant: ``captured``, one per pass, then ``final``."""
+        return self._compiled().graphs()
+
+    def explain(self) -> str:
+        """A table of the pipeline: per pass, node count, collectives (count and bytes by kind), time."""
+        compiled = self._compiled()
+        return explain_table(compiled, self.config)
+
+    def dump(self, directory: str | os.PathLike) -> list[str]:
+        """Write every graph of the last variant as readable Python into ``directory``; returns the paths."""
+        return dump_graphs(self.graphs, directory)
+
+
+def _unalias(outputs: list, inputs: list) -> None:
+    """Outputs that share memory with an input or with each other are cloned, so state never aliases."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+    for i, value in enumerate(outputs):
+        if isinstance(value, Tensor) and value.numel():
+            ptr = value.untyped_storage().data_ptr()
+            if ptr in seen:
+                outputs[i] = value.clone()
+            else:
+                seen.add(ptr)
+
+
+def distribute(config: Config | None = None, **overrides: Any) -> Callable[[Callable], DistributedStep]:
+    """Decorator: compile a training step with zgraph.
+
+    ``@zgraph.distribute(zgraph.Config(stage=3))``, ``@zgraph.distribute(stage=3)`` or both (keywords
+    override the config's fields).
+    """
+    if config is not None and not isinstance(config, Config):
+        if callable(config) and not overrides:
+            raise TypeError("use @zgraph.distribute() (with parentheses) or @zgraph.distribute(zgraph.Config(...))")
+        raise ValueError(f"distribute(config=...) expects a zgraph.Config, got {type(config).__name__}")
+    config = config or Config()
+    if overrides:
+        config = config.replace(**overrides)
+
+    def decorate(fn: Callable) -> DistributedStep:
+        return DistributedStep(fn, config)
+
+    return decorate
