@@ -6,6 +6,7 @@ what it does and what later passes may rely on.
 
 from __future__ import annotations
 
+from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
     ParamInfo,
@@ -19,13 +20,12 @@ from zgraph.passes.pipeline import (
     run_pipeline,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
-from zgraph.passes.tag_phases import tag_phases
 
 
 def default_pipeline() -> list[Pass]:
     """The passes of a distributed step, in order."""
     return [
-        Pass("tag_phases", tag_phases, provides={"phases"}),
+        Pass("cse", eliminate_common_subexpressions),
         Pass(
             "reduce_scatter_grads",
             reduce_scatter_grads,

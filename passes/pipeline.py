@@ -22,7 +22,7 @@ import torch.fx as fx
 from zgraph.errors import PipelineError
 
 # Properties the captured graph has before any pass runs (see zgraph.capture).
-CAPTURED_PROPERTIES = frozenset({"functional", "grad_markers"})
+CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
 
 
 @dataclass(frozen=True)

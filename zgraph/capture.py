@@ -19,7 +19,8 @@ What later code may rely on (the captured graph's contract):
 
 - placeholders carry ``node.meta["zgraph_input"]`` (a ``GraphInput``) and readable names;
 - the output node carries ``node.meta["zgraph_outputs"]``, one ``GraphOutput`` per returned value;
-- every op node carries ``node.meta["phase"]``: ``"forward"``, ``"backward"`` or ``"optimizer"``;
+- every op node carries ``node.meta["phase"]``: ``"forward"``, ``"backward"`` or ``"optimizer"`` (how it is
+  decided: ``_tag_phases``);
 - the graph is functional: no op mutates its inputs (``copy_`` into inputs has been turned into outputs).
 """
 
@@ -345,6 +346,23 @@ def _traced_step(
     return step
 
 
+@contextlib.contextmanager
+def _restore_python_state_on_error(binding: Binding) -> Iterator[None]:
+    """If capture fails, undo what the traced Python did to optimizer param groups and module train flags."""
+    groups = [[dict(g) for g in r.optimizer.param_groups] for r in binding.optimizers]
+    flags = [(m, m.training) for _, root in binding.modules for m in root.modules()]
+    try:
+        yield
+    except BaseException:
+        for record, saved in zip(binding.optimizers, groups):
+            for group, values in zip(record.optimizer.param_groups, saved):
+                group.clear()
+                group.update(values)
+        for module, training in flags:
+            module.training = training
+        raise
+
+
 def _group_values(binding: Binding) -> list:
     return [
         [{k: v for k, v in g.items() if k != "params"} for g in r.optimizer.param_groups] for r in binding.optimizers
@@ -420,12 +438,15 @@ def capture(
     binding: Binding,
     user_tensors: list[tuple[str, Tensor]],
     substitute: Callable[[str, Any, dict[int, Tensor]], Any],
+    materialize_state: Callable[[CapturedGraph], bool] | None = None,
 ) -> CapturedGraph:
     """Trace ``fn(*args, **kwargs)`` into a functional graph.
 
-    ``user_tensors`` are the tensor leaves of the arguments that are not bound state; ``substitute(path, leaf,
-    traced)`` maps an argument leaf to what the traced step receives (``traced`` maps ``id`` of bound
-    parameters, buffers and argument tensors to their traced stand-ins).
+    ``user_tensors`` are the tensor leaves of the arguments that are not bound state; ``substitute(label,
+    arguments, traced)`` rebuilds the arguments the traced step receives (``traced`` maps ``id`` of bound
+    parameters, buffers and argument tensors to their traced stand-ins). If the step creates optimizer state
+    (a first ``step()``) and ``materialize_state(captured)`` creates it for real and returns True, the step is
+    traced again with that state as graph inputs.
     """
     inputs = collect_inputs(binding, user_tensors)
     for spec, value in zip(inputs.specs, inputs.values):
@@ -472,6 +493,7 @@ def capture(
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = _group_values(binding)
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_restore_python_state_on_error(binding))
             stack.enter_context(_swap_module_tensors(binding, params, buffers))
             stack.enter_context(_swap_optimizers(binding, params, states, hparams, created, stepped))
             stack.enter_context(_PhaseMode())
@@ -485,12 +507,12 @@ def capture(
                 for o in binding.optimizers
                 for i in {i for indices in o.group_params for i in indices}
             }
-        if _group_values(binding) != groups_before:
-            raise CaptureError(
-                "the step changed optimizer param_groups values (e.g. lr) while it ran; in a zgraph step that "
-                "change would be baked into the graph as a constant. Set them before calling the step (an LR "
-                "scheduler's step() between calls is fine): they are graph inputs."
-            )
+            if _group_values(binding) != groups_before:
+                raise CaptureError(
+                    "the step changed optimizer param_groups values (e.g. lr) while it ran; in a zgraph step that "
+                    "change would be baked into the graph as a constant. Set them before calling the step (an LR "
+                    "scheduler's step() between calls is fine): they are graph inputs."
+                )
         flags_after = [(m, m.training) for m, _ in flags_before]
         outs: list[Any] = []
         roles: list[GraphOutput] = []
@@ -548,6 +570,8 @@ def capture(
     gm1 = _trace(traced_step, fakes, mode, fn)
     captured = result_holder["captured"]
     roles = result_holder["roles"]
+    if captured.created_state and materialize_state is not None and materialize_state(captured):
+        return capture(fn, args, kwargs, binding, user_tensors, substitute)
     captured.gm = _functionalize(gm1, inputs, fakes, mode, roles)
     return captured
 
@@ -615,13 +639,38 @@ def _functionalize(
     output.meta["zgraph_outputs"] = kept_roles
     _name_placeholders(graph, placeholders)
     graph.eliminate_dead_code()
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            phase = (node.meta.get("custom") or {}).get("phase")
-            if phase is not None:
-                node.meta["phase"] = phase
+    _tag_phases(graph)
     gm.recompile()
     return gm
+
+
+def _tag_phases(graph: fx.Graph) -> None:
+    """Give every op node ``meta["phase"]``.
+
+    The trace tagged what ran inside an autograd backward call (``backward``) and inside ``optimizer.step()``
+    or ``zero_grad()`` (``optimizer``). Of the rest, a node that reads gradients (it depends on a backward
+    node or a ``.grad`` input) and feeds no backward node is gradient post-processing, such as
+    ``clip_grad_norm_``, and belongs to ``optimizer``; everything else is ``forward``.
+    """
+    nodes = list(graph.nodes)
+    for node in nodes:
+        tagged = (node.meta.get("custom") or {}).get("phase")
+        if tagged is not None:
+            node.meta["phase"] = tagged
+    reads_grads: set[fx.Node] = set()
+    for node in nodes:
+        spec = node.meta.get("zgraph_input")
+        if (spec is not None and spec.kind in ("grad", "input_grad")) or node.meta.get("phase") == BACKWARD:
+            reads_grads.add(node)
+        elif any(arg in reads_grads for arg in node.all_input_nodes):
+            reads_grads.add(node)
+    feeds_backward: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if node.meta.get("phase") == BACKWARD or any(u in feeds_backward for u in node.users):
+            feeds_backward.add(node)
+    for node in nodes:
+        if node.op == "call_function" and "phase" not in node.meta:
+            node.meta["phase"] = OPTIMIZER if node in reads_grads and node not in feeds_backward else FORWARD
 
 
 def _state_key(spec: GraphInput | GraphOutput) -> tuple:

@@ -229,9 +229,15 @@ class DistributedStep:
 
     def _compile(self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list) -> CompiledStep:
         start = time.perf_counter()
-        captured = capture(self._fn, args, kwargs, binding, user_tensors, self._substitute)
-        if self._materialize_created_state(binding, captured):
-            captured = capture(self._fn, args, kwargs, binding, user_tensors, self._substitute)
+        captured = capture(
+            self._fn,
+            args,
+            kwargs,
+            binding,
+            user_tensors,
+            self._substitute,
+            materialize_state=functools.partial(self._materialize_created_state, binding),
+        )
         capture_seconds = time.perf_counter() - start
         ctx = self._context(binding)
         records = run_pipeline(captured.gm, ctx, self._pipeline)

@@ -1,0 +1,163 @@
+"""Config validation, the pass pipeline's contracts, and inspection (foundation issue, items 2, 4, 5)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import zgraph
+from zgraph.passes import Pass, default_pipeline
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"stage": 4}, "stage"),
+        ({"stage": -1}, "stage"),
+        ({"stage": "3"}, "stage"),
+        ({"stage": 1.0}, "stage"),
+        ({"stage": True}, "stage"),
+        ({"backend": "cuda"}, "backend"),
+        ({"backend": None}, "backend"),
+        ({"disable_passes": "bucket"}, "disable_passes"),
+        ({"disable_passes": [1]}, "disable_passes"),
+        ({"extra_passes": [42]}, "extra_passes"),
+        ({"extra_passes": "fn"}, "extra_passes"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"Config\.{field}"):
+        zgraph.Config(**kwargs)
+
+
+def test_config_error_lists_allowed_values():
+    with pytest.raises(ValueError, match=r"0, 1, 2, 3"):
+        zgraph.Config(stage=5)
+
+
+def test_config_is_frozen_and_documented():
+    config = zgraph.Config(stage=2)
+    with pytest.raises(AttributeError):
+        config.stage = 3  # type: ignore[misc]
+    for name in zgraph.Config.__dataclass_fields__:
+        assert f"{name}:" in zgraph.Config.__doc__, f"Config.{name} is not documented"
+
+
+def test_distribute_overrides_and_keeps_the_function_callable():
+    def train_step(x):
+        """Doc of the step."""
+        return x * 2
+
+    step = zgraph.distribute(zgraph.Config(stage=1), backend="eager")(train_step)
+    assert step.config == zgraph.Config(stage=1, backend="eager")
+    assert step.__name__ == "train_step" and step.__doc__ == "Doc of the step."
+    assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))
+    assert zgraph.distribute()(train_step).config == zgraph.Config()
+
+
+def test_distribute_without_parentheses_is_a_clear_error():
+    with pytest.raises(TypeError, match="parentheses"):
+        zgraph.distribute(lambda x: x)
+
+
+def _train_setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_unknown_disabled_pass_is_rejected_before_anything_runs():
+    with pytest.raises(zgraph.PipelineError, match="no_such_pass"):
+        zgraph.distribute(disable_passes=["no_such_pass"])(_step)
+
+
+def test_disabling_a_pass_another_needs_is_rejected():
+    needs = Pass("needs_reduced", lambda gm, ctx: gm, requires={"grads_reduced"})
+    with pytest.raises(zgraph.PipelineError, match="needs_reduced.*grads_reduced.*reduce_scatter_grads"):
+        zgraph.distribute(disable_passes=["reduce_scatter_grads"], extra_passes=[needs])(_step)
+
+
+def test_extra_pass_runs_and_its_graph_is_kept():
+    seen = []
+
+    def count_mm(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+        """Count matrix multiplies."""
+        seen.append(sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default))
+        assert ctx.world_size == 1 and ctx.params[0].name == "0.weight"
+        return gm
+
+    step = zgraph.distribute(backend="eager", extra_passes=[count_mm])(_step)
+    model, opt = _train_setup()
+    step(model, opt, torch.randn(5, 4), torch.randint(0, 2, (5,)))
+    assert seen and seen[0] > 0
+    assert list(step.graphs)[-2:] == ["count_mm", "final"]
+
+
+def test_extra_pass_placed_after_a_named_pass():
+    def noop(gm, ctx):
+        return gm
+
+    step = zgraph.distribute(extra_passes=[Pass("noop", noop, after=default_pipeline()[0].name)])(_step)
+    assert [p.name for p in step._pipeline][1] == "noop"
+
+
+def test_a_pass_that_breaks_its_contract_is_caught():
+    def leaves_marker(gm, ctx):
+        return gm
+
+    fake_reducer = Pass("fake_reducer", leaves_marker, provides={"grads_reduced"})
+    step = zgraph.distribute(backend="eager", disable_passes=["reduce_scatter_grads"], extra_passes=[fake_reducer])(
+        _step
+    )
+    model, opt = _train_setup()
+    with pytest.raises(zgraph.PipelineError, match="fake_reducer.*grads_reduced"):
+        step(model, opt, torch.randn(5, 4), torch.randint(0, 2, (5,)))
+
+
+def test_graphs_explain_and_dump(tmp_path):
+    step = zgraph.distribute(backend="eager")(_step)
+    with pytest.raises(RuntimeError, match="not been called"):
+        step.graphs  # noqa: B018
+    model, opt = _train_setup()
+    step(model, opt, torch.randn(5, 4), torch.randint(0, 2, (5,)))
+    names = list(step.graphs)
+    assert names[0] == "captured" and names[-1] == "final"
+    assert [p.name for p in default_pipeline()] == names[1:-1]
+    table = step.explain()
+    for name in names[:-1]:
+        assert name in table
+    assert "final (eager)" in table and "all_gather" in table
+    paths = step.dump(tmp_path / "graphs")
+    assert len(paths) == len(names)
+    assert os.path.basename(paths[0]) == "00_captured.py"
+    text = open(paths[0]).read()
+    assert "0_weight" in text and "exp_avg_0_weight" in text and "lr_" in text
+    assert "arg0_1" not in text
+
+
+def test_every_node_has_a_phase():
+    step = zgraph.distribute(backend="eager")(_step)
+    model, opt = _train_setup()
+    step(model, opt, torch.randn(5, 4), torch.randint(0, 2, (5,)))
+    gm = step.graphs["captured"]
+    phases = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            phases.setdefault(node.meta["phase"], set()).add(node.target)
+    aten = torch.ops.aten
+    assert aten.addmm.default in phases["forward"]
+    assert aten.mm.default in phases["backward"] and aten.addmm.default not in phases["backward"]
+    assert aten.addcdiv.default in phases["optimizer"] and aten.lerp.Tensor in phases["optimizer"]
