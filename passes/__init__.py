@@ -7,6 +7,7 @@ what it does and what later passes may rely on.
 from __future__ import annotations
 
 from zgraph.passes.cse import eliminate_common_subexpressions
+from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
     ParamInfo,
@@ -20,18 +21,23 @@ from zgraph.passes.pipeline import (
     run_pipeline,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
+from zgraph.passes.shard_optimizer import shard_optimizer
+from zgraph.passes.shard_params import shard_params
 
 
 def default_pipeline() -> list[Pass]:
     """The passes of a distributed step, in order."""
     return [
         Pass("cse", eliminate_common_subexpressions),
+        Pass("shard_optimizer", shard_optimizer, requires={"phases"}, provides={"optimizer_sharded"}),
         Pass(
             "reduce_scatter_grads",
             reduce_scatter_grads,
             requires={"phases", "grad_markers"},
             provides={"grads_reduced"},
         ),
+        Pass("shard_params", shard_params, requires={"phases"}, provides={"params_sharded"}),
+        Pass("lower_collectives", lower_collectives, requires={"grads_reduced"}, provides={"collectives_lowered"}),
     ]
 
 

@@ -59,7 +59,9 @@ class ParamInfo:
     """What passes know of one parameter (``index`` is its number in graph inputs and markers).
 
     Attributes:
-        shard: how the parameter and its gradient and optimizer state are split, None when replicated.
+        shard: how the parameter's gradient and optimizer state (and the parameter itself in stage 3) are
+            split across ranks; None when they stay whole (0-d parameters, no process group).
+        persistent: the parameter itself stays whole in stage 3 (a tensor only an optimizer holds).
     """
 
     index: int
@@ -68,6 +70,7 @@ class ParamInfo:
     dtype: torch.dtype
     requires_grad: bool
     shard: ShardSpec | None = None
+    persistent: bool = False
 
     @property
     def name(self) -> str:
@@ -239,7 +242,17 @@ def _check_no_markers(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def _check_lowered(gm: fx.GraphModule) -> str | None:
+    from zgraph.ops import LAYOUT_OPS
+
+    for node in gm.graph.nodes:
+        if node.target in LAYOUT_OPS:
+            return f"layout operator {node.name} ({node.target}) is still in the graph"
+    return None
+
+
 PROPERTY_CHECKS: dict[str, Callable[[fx.GraphModule], str | None]] = {
     "phases": _check_phases,
     "grads_reduced": _check_no_markers,
+    "collectives_lowered": _check_lowered,
 }

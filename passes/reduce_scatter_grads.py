@@ -1,19 +1,96 @@
-"""``reduce_scatter_grads``: turn each rank's local gradients into the global-batch gradient.
+"""``reduce_scatter_grads``: turn each rank's local gradients into the gradient of the global batch.
 
-Placeholder for the single-process case: every ``zgraph::grad_contribution`` marker is replaced by its input.
+Every ``zgraph::grad_contribution(g, i)`` marker (a gradient autograd produced for parameter ``i`` on this rank)
+is replaced by the average over ranks — what DDP gives, and, since every rank's loss is a mean over its
+micro-batch, the gradient of the global-batch mean loss:
+
+- stage ≤ 1: ``zgraph::reduce`` (an all-reduce); gradients stay whole on every rank. Where the optimizer reads
+  the gradient through ``shard(...)`` it slices the reduced gradient.
+- stage ≥ 2: ``zgraph::reduce_shard`` (a reduce-scatter) wherever the gradient is read as a shard; the
+  ``.grad`` a step leaves on a parameter, and one it finds there on entry, are shards. A reader that needs
+  the whole gradient gets ``unshard`` of the reduced shard.
+
+Without a process group (one process) every marker is removed (the average over one rank is the identity).
+
+Provides ``grads_reduced``: no marker is left; later passes may rely on every gradient in the graph being the
+global-batch gradient.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
-from zgraph.ops import GRAD_CONTRIBUTION
+from zgraph.capture import BACKWARD
+from zgraph.ops import GRAD_CONTRIBUTION, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
+from zgraph.passes.graph_utils import (
+    fake_mode,
+    insert,
+    output_node,
+    outputs,
+    placeholders,
+    push_shards,
+    set_input_layout,
+    set_outputs,
+    shard_val,
+)
+from zgraph.passes.pipeline import PassContext
 
 
-def reduce_scatter_grads(gm: fx.GraphModule, ctx: object) -> fx.GraphModule:
-    """Average gradient contributions across ranks (identity on one process)."""
-    for node in list(gm.graph.nodes):
-        if node.target is GRAD_CONTRIBUTION:
+def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Average gradients across ranks: all-reduce (stage <= 1) or reduce-scatter into shards (stage >= 2)."""
+    graph = gm.graph
+    markers = [n for n in graph.nodes if n.target is GRAD_CONTRIBUTION]
+    if not ctx.distributed:
+        for node in markers:
             node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
+            graph.erase_node(node)
+        return gm
+    mode = fake_mode(gm)
+    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    sharded_grads = ctx.config.stage >= 2
+    if sharded_grads:
+        _shard_grad_boundaries(gm, ctx, mode)
+    for node in markers:
+        local, index = node.args
+        info = ctx.params[index]
+        readers_of_shard = [u for u in node.users if u.target is SHARD]
+        if sharded_grads and info.shard is not None:
+            reduced = insert(gm, REDUCE_SHARD, (local, world, rank, group), after=node, phase=BACKWARD, mode=mode)
+            for user in readers_of_shard:
+                user.replace_all_uses_with(reduced)
+                graph.erase_node(user)
+            if node.users:
+                whole = insert(gm, UNSHARD, (reduced, info.shape[0], world, group), after=reduced, mode=mode)
+                node.replace_all_uses_with(whole)
+        else:
+            reduced = insert(gm, REDUCE, (local, world, group), after=node, phase=BACKWARD, mode=mode)
+            node.replace_all_uses_with(reduced)
+        graph.erase_node(node)
     return gm
+
+
+def _shard_grad_boundaries(gm: fx.GraphModule, ctx: PassContext, mode: object) -> None:
+    """Stage >= 2: the ``.grad`` a parameter has on entry and the one the step leaves are shards."""
+    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    for node in placeholders(gm):
+        spec = node.meta["zgraph_input"]
+        info = ctx.params[spec.index] if spec.kind == "grad" else None
+        if info is None or info.shard is None:
+            continue
+        users = list(node.users)
+        set_input_layout(node, "shard", shard_val(node.meta["val"], world))
+        whole = insert(gm, UNSHARD, (node, info.shape[0], world, group), after=node, phase=BACKWARD, mode=mode)
+        for user in users:
+            user.replace_input_with(node, whole)
+    out = output_node(gm)
+    items = []
+    for value, role in outputs(gm):
+        info = ctx.params[role.index] if role.kind == "grad" else None
+        if info is not None and info.shard is not None:
+            value = insert(gm, SHARD, (value, world, rank), before=out, phase=BACKWARD, mode=mode)
+            role = dataclasses.replace(role, layout="shard")
+        items.append((value, role))
+    set_outputs(gm, items)
+    push_shards(gm)

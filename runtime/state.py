@@ -9,6 +9,7 @@ traced tensors and the executor can read inputs and write results back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +72,7 @@ class Binding:
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optimizers: list[tuple[str, torch.optim.Optimizer]]):
         self.modules = modules
+        self.plan: Any = None  # the ShardingPlan (zgraph.runtime.sharded_state), set when the step binds
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}
@@ -119,6 +121,13 @@ class Binding:
         record.names.append(name)
         if slot not in record.slots:
             record.slots.append(slot)
+
+    def replace_param(self, index: int, new: Tensor) -> None:
+        """Record that parameter ``index`` is now the tensor ``new`` (sharding replaces parameters)."""
+        old = self.params[index].tensor
+        del self._param_by_id[id(old)]
+        self._param_by_id[id(new)] = index
+        self.params[index].tensor = new
 
     def param_index(self, t: Tensor) -> int | None:
         """Index of ``t`` if it is one of the bound parameters."""

@@ -85,9 +85,11 @@ def test_unknown_disabled_pass_is_rejected_before_anything_runs():
 
 
 def test_disabling_a_pass_another_needs_is_rejected():
-    needs = Pass("needs_reduced", lambda gm, ctx: gm, requires={"grads_reduced"})
+    with pytest.raises(zgraph.PipelineError, match="lower_collectives.*grads_reduced.*reduce_scatter_grads"):
+        zgraph.distribute(disable_passes=["reduce_scatter_grads"])(_step)
+    needs = Pass("needs_reduced", lambda gm, ctx: gm, requires={"grads_reduced"}, after="cse")
     with pytest.raises(zgraph.PipelineError, match="needs_reduced.*grads_reduced.*reduce_scatter_grads"):
-        zgraph.distribute(disable_passes=["reduce_scatter_grads"], extra_passes=[needs])(_step)
+        zgraph.distribute(extra_passes=[needs])(_step)
 
 
 def test_extra_pass_runs_and_its_graph_is_kept():
@@ -118,7 +120,7 @@ def test_a_pass_that_breaks_its_contract_is_caught():
     def leaves_marker(gm, ctx):
         return gm
 
-    fake_reducer = Pass("fake_reducer", leaves_marker, provides={"grads_reduced"})
+    fake_reducer = Pass("fake_reducer", leaves_marker, provides={"grads_reduced"}, after="shard_params")
     step = zgraph.distribute(backend="eager", disable_passes=["reduce_scatter_grads"], extra_passes=[fake_reducer])(
         _step
     )

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -423,8 +424,11 @@ def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs) -> list[Tensor]:
             with mode:
                 fakes.append(torch.empty((), dtype=torch.float64))
             continue
-        real = value.detach()
-        fake = mode.from_tensor(real, static_shapes=True)
+        if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
+            with mode:
+                fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
+        else:
+            fake = mode.from_tensor(value.detach(), static_shapes=True)
         if spec.kind in ("param", "input") and value.requires_grad:
             fake.requires_grad_(True)
         fakes.append(fake)

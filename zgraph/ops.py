@@ -31,3 +31,79 @@ def _grad_contribution_backward(ctx: object, grad_output: Tensor) -> tuple[Tenso
 grad_contribution.register_autograd(_grad_contribution_backward)
 
 GRAD_CONTRIBUTION = torch.ops.zgraph.grad_contribution.default
+
+
+# ------------------------------------------------------------------------------------------- layout operators
+# The sharding passes express data movement with these four operators; ``lower_collectives`` replaces them by
+# functional collectives (``torch.ops._c10d_functional``) and views. Layout: a tensor of a parameter's shape
+# (d0, ...) is cut along dim 0 into ``world_size`` shards of ``ceil(d0 / world_size)`` rows, the last ones
+# zero-padded, so every rank's shard has the same shape. The real implementations run the collectives, so
+# every intermediate graph of the pipeline can be executed as it is.
+
+
+def _rows(d0: int, world_size: int) -> int:
+    return -(-d0 // world_size)
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    if x.shape[0] == rows:
+        return x
+    pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
+    return torch.cat([x, pad])
+
+
+@torch.library.custom_op("zgraph::shard", mutates_args=())
+def shard(x: Tensor, world_size: int, rank: int) -> Tensor:
+    """This rank's dim-0 shard (zero-padded) of a tensor every rank holds whole."""
+    rows = _rows(x.shape[0], world_size)
+    return _pad_rows(x[rank * rows : (rank + 1) * rows], rows).clone()
+
+
+@shard.register_fake
+def _shard_fake(x: Tensor, world_size: int, rank: int) -> Tensor:
+    return x.new_empty((_rows(x.shape[0], world_size), *x.shape[1:]))
+
+
+@torch.library.custom_op("zgraph::unshard", mutates_args=())
+def unshard(x: Tensor, dim0: int, world_size: int, group: str) -> Tensor:
+    """The whole tensor (first ``dim0`` rows) from every rank's shard: an all-gather."""
+    c10d = torch.ops._c10d_functional
+    full = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world_size, group))
+    return full[:dim0].clone()
+
+
+@unshard.register_fake
+def _unshard_fake(x: Tensor, dim0: int, world_size: int, group: str) -> Tensor:
+    return x.new_empty((dim0, *x.shape[1:]))
+
+
+@torch.library.custom_op("zgraph::reduce", mutates_args=())
+def reduce(x: Tensor, world_size: int, group: str) -> Tensor:
+    """The average over ranks of each rank's ``x``: an all-reduce."""
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "avg", group))
+
+
+@reduce.register_fake
+def _reduce_fake(x: Tensor, world_size: int, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("zgraph::reduce_shard", mutates_args=())
+def reduce_shard(x: Tensor, world_size: int, rank: int, group: str) -> Tensor:
+    """This rank's shard of the average over ranks of each rank's ``x``: a reduce-scatter."""
+    c10d = torch.ops._c10d_functional
+    padded = _pad_rows(x, _rows(x.shape[0], world_size) * world_size).contiguous()
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group))
+
+
+@reduce_shard.register_fake
+def _reduce_shard_fake(x: Tensor, world_size: int, rank: int, group: str) -> Tensor:
+    return x.new_empty((_rows(x.shape[0], world_size), *x.shape[1:]))
+
+
+SHARD = torch.ops.zgraph.shard.default
+UNSHARD = torch.ops.zgraph.unshard.default
+REDUCE = torch.ops.zgraph.reduce.default
+REDUCE_SHARD = torch.ops.zgraph.reduce_shard.default
+LAYOUT_OPS = (SHARD, UNSHARD, REDUCE, REDUCE_SHARD)

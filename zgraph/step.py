@@ -26,7 +26,10 @@ from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, _Returned, ca
 from zgraph.config import Config
 from zgraph.explain import dump_graphs, explain_table
 from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
+from zgraph.runtime.consistency import check_same_graph, describe_graph, digest
 from zgraph.runtime.executor import Executable, compile_graph
+from zgraph.runtime.process_group import ensure_process_group
+from zgraph.runtime.sharded_state import StateIO, apply_plan, make_plan, normalize_state
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, map_leaves, structure_key
 
@@ -153,6 +156,8 @@ class CompiledStep:
     capture_seconds: float
     input_specs: list[GraphInput] = field(default_factory=list)
     output_roles: list[GraphOutput] = field(default_factory=list)
+    description: list[str] = field(default_factory=list)
+    digest: int = 0
 
     @property
     def final(self) -> fx.GraphModule:
@@ -194,22 +199,27 @@ class DistributedStep:
         key = guard_key(binding, (args, kwargs))
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(binding, args, kwargs, user_tensors)
+            try:
+                compiled = self._compile(binding, args, kwargs, user_tensors)
+            except Exception as error:
+                if binding.plan.group.distributed:
+                    check_same_graph(0, [], error)  # tell the other ranks, then re-raise
+                raise
             key = guard_key(binding, (args, kwargs))
             self._cache[key] = compiled
+        if binding.plan.group.distributed:
+            check_same_graph(compiled.digest, compiled.description)
         self._last = compiled
         return self._run(compiled, binding, user_tensors)
 
     def _binding(self, args: tuple, kwargs: dict) -> Binding:
         modules, optimizers = discover(self._fn, args, kwargs)
-        key = (
-            tuple(id(m) for _, m in modules),
-            tuple((id(o), tuple(tuple(id(p) for p in g["params"]) for g in o.param_groups)) for _, o in optimizers),
-        )
-        binding = self._bindings.get(key)
+        binding = self._bindings.get(_binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
-            self._bindings[key] = binding
+            binding.plan = make_plan(self.config.stage, ensure_process_group(), binding)
+            apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
+            self._bindings[_binding_key(modules, optimizers)] = binding
         return binding
 
     def _user_tensors(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
@@ -245,7 +255,17 @@ class DistributedStep:
         specs = [n.meta["zgraph_input"] for n in final.graph.nodes if n.op == "placeholder"]
         output = next(n for n in reversed(final.graph.nodes) if n.op == "output")
         executable = compile_graph(final, self.config.backend)
-        return CompiledStep(captured, records, executable, capture_seconds, specs, output.meta["zgraph_outputs"])
+        description = describe_graph(captured.gm)
+        return CompiledStep(
+            captured,
+            records,
+            executable,
+            capture_seconds,
+            specs,
+            output.meta["zgraph_outputs"],
+            description,
+            digest(description),
+        )
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
         """Create, eagerly and exactly as torch.optim would, the optimizer state a first step creates; True if
@@ -262,69 +282,49 @@ class DistributedStep:
             param = binding.params[p_index].tensor
             opt.state[param] = kernel.initial_state(param.detach(), group)
             created = True
+        normalize_state(binding.plan, binding)
         return created
 
     def _context(self, binding: Binding) -> PassContext:
+        plan = binding.plan
         params = tuple(
-            ParamInfo(r.index, tuple(r.names), tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad)
+            ParamInfo(
+                r.index,
+                tuple(r.names),
+                tuple(r.tensor.shape),
+                r.tensor.dtype,
+                r.tensor.requires_grad,
+                shard=plan.specs[r.index],
+                persistent=plan.persistent[r.index],
+            )
             for r in binding.params
         )
-        return PassContext(config=self.config, params=params)
-
-    def _inputs(self, specs: list[GraphInput], binding: Binding, user_tensors: list) -> list[Tensor]:
-        values = []
-        hyper: dict[tuple[int, int], dict[str, float]] = {}
-        for spec in specs:
-            kind = spec.kind
-            if kind == "param":
-                values.append(binding.params[spec.index].tensor.detach())
-            elif kind == "grad":
-                values.append(binding.params[spec.index].tensor.grad)
-            elif kind == "buffer":
-                values.append(binding.buffers[spec.index].get())
-            elif kind == "opt_state":
-                values.append(binding.optimizer_state(spec.optimizer, spec.index)[spec.field])
-            elif kind == "hparam":
-                group_key = (spec.optimizer, spec.group)
-                if group_key not in hyper:
-                    opt = binding.optimizers[spec.optimizer].optimizer
-                    hyper[group_key] = zopt.kernel_for(opt).hyperparameters(opt.param_groups[spec.group])
-                values.append(torch.tensor(hyper[group_key][spec.field], dtype=torch.float64))
-            elif kind == "input":
-                values.append(user_tensors[spec.index][1].detach())
-            elif kind == "input_grad":
-                values.append(user_tensors[spec.index][1].grad)
-            else:
-                raise AssertionError(f"unknown graph input kind {kind!r}")
-        return values
+        group = plan.group
+        return PassContext(
+            config=self.config,
+            world_size=group.world_size,
+            rank=group.rank,
+            group_name=group.group_name,
+            params=params,
+        )
 
     def _run(self, compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
-        inputs = self._inputs(compiled.input_specs, binding, user_tensors)
+        io = StateIO(binding, binding.plan)
+        hyper: dict[tuple[int, int], dict[str, float]] = {}
+        for spec in compiled.input_specs:
+            if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
+                opt = binding.optimizers[spec.optimizer].optimizer
+                kernel = zopt.kernel_for(opt)
+                hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
+        inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
         outputs = list(compiled.executable.run(inputs))
         _unalias(outputs, inputs)
-        returned: dict[int, Any] = {}
+        user_values = []
         for value, role in zip(outputs, compiled.output_roles):
-            kind = role.kind
-            if kind == "user":
-                returned[len(returned)] = value
-            elif kind == "param":
-                binding.params[role.index].tensor.data = value
-            elif kind == "grad":
-                binding.params[role.index].tensor.grad = value
-            elif kind == "buffer":
-                buffer = binding.buffers[role.index].get()
-                if buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
-                    buffer.data = value
-                else:
-                    binding.buffers[role.index].set(value)
-            elif kind == "opt_state":
-                opt = binding.optimizers[role.optimizer].optimizer
-                opt.state[binding.params[role.index].tensor][role.field] = value
-            elif kind == "input":
-                with torch.no_grad():
-                    user_tensors[role.index][1].copy_(value)
-            elif kind == "input_grad":
-                user_tensors[role.index][1].grad = value
+            if role.kind == "user":
+                user_values.append(value)
+            else:
+                io.write(role, value, user_tensors)
         captured = compiled.captured
         for i in captured.none_grads:
             binding.params[i].tensor.grad = None
@@ -337,7 +337,6 @@ class DistributedStep:
             module.training = training
         for o_index in captured.optimizers_stepped:
             binding.optimizers[o_index].optimizer._opt_called = True  # what LR schedulers check
-        user_values = [v for v, r in zip(outputs, compiled.output_roles) if r.kind == "user"]
         return map_leaves(
             captured.result_template,
             lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,
@@ -362,6 +361,13 @@ class DistributedStep:
     def dump(self, directory: str | os.PathLike) -> list[str]:
         """Write every graph of the last variant as readable Python into ``directory``; returns the paths."""
         return dump_graphs(self.graphs, directory)
+
+
+def _binding_key(modules: list, optimizers: list) -> tuple:
+    return (
+        tuple(id(m) for _, m in modules),
+        tuple((id(o), tuple(tuple(id(p) for p in g["params"]) for g in o.param_groups)) for _, o in optimizers),
+    )
 
 
 def _unalias(outputs: list, inputs: list) -> None:

@@ -1,0 +1,181 @@
+"""Helpers the passes share: inserting nodes with fake values, graph inputs/outputs and their roles, and
+pushing ``zgraph::shard`` through element-wise ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zgraph.ops import SHARD, UNSHARD
+
+aten = torch.ops.aten
+
+
+def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
+    """The fake mode of the graph's values (the one capture traced with)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+            return val.fake_mode
+    raise RuntimeError("graph has no fake tensor values")
+
+
+def _val(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        return arg.meta["val"]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_val(a) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _val(v) for k, v in arg.items()}
+    return arg
+
+
+def compute_val(node: fx.Node, mode: FakeTensorMode) -> None:
+    """Set ``node.meta["val"]`` by running its op on its inputs' fake values."""
+    with mode:
+        node.meta["val"] = node.target(*_val(node.args), **_val(node.kwargs))
+
+
+def insert(
+    gm: fx.GraphModule,
+    target: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    before: fx.Node | None = None,
+    after: fx.Node | None = None,
+    phase: str | None = None,
+    mode: FakeTensorMode | None = None,
+) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value and a phase."""
+    graph = gm.graph
+    context = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
+    with context:
+        node = graph.call_function(target, args, kwargs or {})
+    anchor = before if before is not None else after
+    node.meta["phase"] = phase or anchor.meta.get("phase", "forward")
+    compute_val(node, mode or fake_mode(gm))
+    return node
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def outputs(gm: fx.GraphModule) -> list[tuple[Any, Any]]:
+    """``[(value node, GraphOutput)]`` of the graph."""
+    out = output_node(gm)
+    return list(zip(out.args[0], out.meta["zgraph_outputs"]))
+
+
+def set_outputs(gm: fx.GraphModule, items: Iterable[tuple[Any, Any]]) -> None:
+    values, roles = zip(*items) if items else ((), ())
+    out = output_node(gm)
+    out.args = (tuple(values),)
+    out.meta["zgraph_outputs"] = list(roles)
+
+
+def set_input_layout(node: fx.Node, layout: str, val: torch.Tensor) -> None:
+    """Change what a placeholder receives (e.g. the rank's padded shard instead of the whole tensor)."""
+    node.meta["zgraph_input"] = dataclasses.replace(node.meta["zgraph_input"], layout=layout)
+    node.meta["val"] = val
+
+
+def shard_val(val: torch.Tensor, world_size: int) -> torch.Tensor:
+    rows = -(-val.shape[0] // world_size)
+    with val.fake_mode:
+        return val.new_empty((rows, *val.shape[1:]))
+
+
+# Ops that act element by element without being tagged pointwise.
+_ELEMENTWISE = {
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.copy.default,
+}
+
+
+def is_elementwise(node: fx.Node) -> bool:
+    """An op whose output element ``k`` depends only on element ``k`` of its same-shaped tensor inputs (and on
+    0-d tensors and scalars): it commutes with taking a dim-0 shard."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target not in _ELEMENTWISE and torch.Tag.pointwise not in target.tags:
+        return False
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return False
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            if val.dim() != 0 and val.shape != out.shape:
+                return False
+        elif not isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return False
+    return True
+
+
+def _shard_arg(gm: fx.GraphModule, arg: Any, anchor: fx.Node, shards: dict, work: list, mode: FakeTensorMode) -> Any:
+    """``shard(arg)`` (inserted before ``anchor`` once per argument) for a tensor argument with dims; ``arg``
+    itself for 0-d tensors and scalars."""
+    if not (isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor) and arg.meta["val"].dim()):
+        return arg
+    if arg not in shards:
+        shards[arg] = insert(gm, SHARD, (arg, *anchor.args[1:]), before=anchor, mode=mode)
+        work.append(shards[arg])
+    return shards[arg]
+
+
+def push_shards(gm: fx.GraphModule) -> None:
+    """Move every ``shard(x)`` as far up as it goes, so the work it feeds runs on shards.
+
+    Rules, applied until nothing changes:
+
+    - ``shard(unshard(y))`` is ``y``;
+    - ``shard(f(x1, ..., xn))`` becomes ``f(shard(x1), ..., shard(xn))`` when ``f`` is element-wise
+      (``is_elementwise``) and every user of ``f`` is a ``shard``: the work is then done on 1/N of the
+      elements, and nothing whole is computed that no one reads. 0-d and scalar arguments stay as they are.
+    """
+    mode = fake_mode(gm)
+    work = [n for n in gm.graph.nodes if n.target is SHARD]
+    while work:
+        node = work.pop()
+        if node._erased or node.target is not SHARD:
+            continue
+        source, world_size, rank = node.args
+        if source.target is UNSHARD:
+            node.replace_all_uses_with(source.args[0])
+            gm.graph.erase_node(node)
+            continue
+        if not is_elementwise(source) or any(u.target is not SHARD for u in source.users):
+            continue
+        if any(u.args[1:] != (world_size, rank) for u in source.users):
+            continue
+        shards: dict[fx.Node, fx.Node] = {}
+        args = tuple(_shard_arg(gm, a, node, shards, work, mode) for a in source.args)
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.call_function(source.target, args, dict(source.kwargs))
+        replacement.meta = {k: v for k, v in source.meta.items() if k != "val"}
+        compute_val(replacement, mode)
+        for user in list(source.users):
+            user.replace_all_uses_with(replacement)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(source)
+    gm.graph.eliminate_dead_code()

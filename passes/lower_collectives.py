@@ -1,0 +1,93 @@
+"""``lower_collectives``: replace zgraph's layout operators by functional collectives and views.
+
+- ``shard(x)`` → a dim-0 slice of ``x`` (a view, no copy), padded with zero rows only on the ranks whose rows
+  run past the end;
+- ``unshard(x)`` → ``all_gather_into_tensor`` + ``wait_tensor``, then a slice dropping the padding rows;
+- ``reduce(x)`` → ``all_reduce(avg)`` + ``wait_tensor``;
+- ``reduce_shard(x)`` → zero-pad to whole shards where needed, ``reduce_scatter_tensor(avg)`` + ``wait_tensor``.
+
+Collectives are ``torch.ops._c10d_functional`` ops, so the graph stays functional, traceable and
+inductor-compilable. Every collective is followed directly by its wait; the ``schedule`` pass may move waits.
+
+Provides ``collectives_lowered``: no zgraph layout operator is left; collective nodes carry
+``meta["zgraph_collective"]`` (kind and what it moves) for inspection and for bucketing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from zgraph.ops import LAYOUT_OPS, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
+from zgraph.passes.graph_utils import fake_mode, insert
+from zgraph.passes.pipeline import PassContext
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _rows(d0: int, world: int) -> int:
+    return -(-d0 // world)
+
+
+def _pad_arg(ndim: int, extra_rows: int) -> list[int]:
+    # constant_pad_nd pads from the last dim backwards: (last_lo, last_hi, ..., dim0_lo, dim0_hi)
+    return [0, 0] * (ndim - 1) + [0, extra_rows]
+
+
+def _contiguous(gm: fx.GraphModule, x: fx.Node, before: fx.Node, mode: object, phase: str) -> fx.Node:
+    if x.meta["val"].is_contiguous():
+        return x
+    return insert(gm, aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, before=before, phase=phase)
+
+
+def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Replace shard/unshard/reduce/reduce_shard by slices and functional collectives with their waits."""
+    mode = fake_mode(gm)
+    for node in list(gm.graph.nodes):
+        if node.target not in LAYOUT_OPS:
+            continue
+        phase = node.meta.get("phase")
+        at = dict(before=node, phase=phase, mode=mode)
+        x = node.args[0]
+        val = x.meta["val"]
+        if node.target is SHARD:
+            _, world, rank = node.args
+            rows = _rows(val.shape[0], world)
+            start = min(rank * rows, val.shape[0])
+            stop = min(start + rows, val.shape[0])
+            out = insert(gm, aten.slice.Tensor, (x, 0, start, stop), **at)
+            if stop - start < rows:
+                out = insert(gm, aten.constant_pad_nd.default, (out, _pad_arg(val.dim(), rows - (stop - start))), **at)
+            elif any(u.op == "output" for u in node.users):
+                # a graph output must not be a view: it would keep the whole tensor alive as its base
+                out = insert(gm, aten.clone.default, (out,), **at)
+        elif node.target is UNSHARD:
+            _, dim0, world, group = node.args
+            source = _contiguous(gm, x, node, mode, phase)
+            gathered = insert(gm, c10d.all_gather_into_tensor.default, (source, world, group), **at)
+            gathered.meta["zgraph_collective"] = ("all_gather", x)
+            out = insert(gm, c10d.wait_tensor.default, (gathered,), **at)
+            if out.meta["val"].shape[0] != dim0:
+                out = insert(gm, aten.slice.Tensor, (out, 0, 0, dim0), **at)
+        elif node.target is REDUCE:
+            _, world, group = node.args
+            source = _contiguous(gm, x, node, mode, phase)
+            reduced = insert(gm, c10d.all_reduce.default, (source, "avg", group), **at)
+            reduced.meta["zgraph_collective"] = ("all_reduce", x)
+            out = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
+        else:
+            assert node.target is REDUCE_SHARD
+            _, world, rank, group = node.args
+            rows = _rows(val.shape[0], world)
+            if rows * world != val.shape[0]:
+                padding = _pad_arg(val.dim(), rows * world - val.shape[0])
+                source = insert(gm, aten.constant_pad_nd.default, (x, padding), **at)
+            else:
+                source = _contiguous(gm, x, node, mode, phase)
+            scattered = insert(gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), **at)
+            scattered.meta["zgraph_collective"] = ("reduce_scatter", x)
+            out = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    return gm

@@ -1,0 +1,73 @@
+"""``shard_optimizer`` (ZeRO stage ≥ 1): every rank updates only its shard of each parameter.
+
+Optimizer state tensors of a parameter's shape enter the graph as this rank's padded dim-0 shard and leave it
+as the updated shard. The new value of each parameter is computed on its shard and made whole again with
+``zgraph::unshard`` (an all-gather) where the parameter is stored whole (stage < 3). ``zgraph::shard`` is
+pushed up through the element-wise update (``push_shards``), so the optimizer's arithmetic touches 1/N of the
+elements; what it reads whole — the parameter, the gradient — is sliced (``shard(x)``, no communication).
+
+Later passes may rely on: every ``zgraph::shard`` left in the graph reads a whole tensor that every rank
+holds identically once gradients are reduced (a parameter, a gradient, or a value derived from them), and
+``shard(grad_contribution(...))`` is how the optimizer reads a gradient (``reduce_scatter_grads`` turns it into
+a reduce-scatter in stage ≥ 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from zgraph.capture import OPTIMIZER
+from zgraph.ops import SHARD, UNSHARD
+from zgraph.passes.graph_utils import (
+    fake_mode,
+    insert,
+    output_node,
+    outputs,
+    placeholders,
+    push_shards,
+    set_input_layout,
+    set_outputs,
+    shard_val,
+)
+from zgraph.passes.pipeline import PassContext
+
+
+def shard_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Stage >= 1: optimizer state enters and leaves as shards; the update runs on shards."""
+    if ctx.config.stage < 1 or not ctx.distributed:
+        return gm
+    mode = fake_mode(gm)
+    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    for node in placeholders(gm):
+        spec = node.meta["zgraph_input"]
+        info = ctx.params[spec.index] if spec.kind == "opt_state" else None
+        if info is None or info.shard is None or tuple(node.meta["val"].shape) != info.shape:
+            continue
+        users = list(node.users)
+        set_input_layout(node, "shard", shard_val(node.meta["val"], world))
+        whole = insert(gm, UNSHARD, (node, info.shape[0], world, group), after=node, phase=OPTIMIZER, mode=mode)
+        for user in users:
+            user.replace_input_with(node, whole)
+    out = output_node(gm)
+    items = []
+    for value, role in outputs(gm):
+        info = ctx.params[role.index] if role.kind in ("opt_state", "param") else None
+        sharded = (
+            info is not None
+            and info.shard is not None
+            and isinstance(value, fx.Node)
+            and value.op != "placeholder"
+            and tuple(value.meta["val"].shape) == info.shape
+        )
+        if sharded and role.kind == "opt_state":
+            value = insert(gm, SHARD, (value, world, rank), before=out, phase=OPTIMIZER, mode=mode)
+            role = dataclasses.replace(role, layout="shard")
+        elif sharded and role.kind == "param":
+            piece = insert(gm, SHARD, (value, world, rank), before=out, phase=OPTIMIZER, mode=mode)
+            value = insert(gm, UNSHARD, (piece, info.shape[0], world, group), before=out, phase=OPTIMIZER, mode=mode)
+        items.append((value, role))
+    set_outputs(gm, items)
+    push_shards(gm)
+    return gm

@@ -1,0 +1,156 @@
+"""``shard_params`` (ZeRO stage 3): parameters enter and leave the graph as this rank's shard.
+
+Each sharded parameter is gathered whole (``zgraph::unshard``, an all-gather) once per *use region* — a maximal
+run of its uses, in graph order, within one phase — right before the region's first use: once for the forward,
+once again for the backward, once per region when a step runs several forward/backward rounds. The
+optimizer reads the shard directly (its ``shard(param)`` becomes the input), and the updated shard is the
+output.
+
+A gathered parameter is freed after the last use of its region. To keep that true, views and casts of the
+forward gather that backward reads (``t(weight)`` saved for the weight-gradient matmul, say) are recomputed
+from the backward gather instead of being kept alive across the two.
+
+Parameters that stay whole (``ParamInfo.persistent``, 0-d) are not touched.
+
+Later passes may rely on: every ``zgraph::unshard`` of a parameter placeholder sits right before the first use
+of its region and has no users outside that region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from zgraph.capture import BACKWARD, FORWARD
+from zgraph.ops import SHARD, UNSHARD
+from zgraph.passes.graph_utils import (
+    fake_mode,
+    insert,
+    output_node,
+    outputs,
+    placeholders,
+    push_shards,
+    set_input_layout,
+    set_outputs,
+    shard_val,
+)
+from zgraph.passes.pipeline import PassContext
+
+aten = torch.ops.aten
+
+# Single-input ops that only re-view or re-type a tensor: cheap to recompute from a fresh gather.
+_RECOMPUTABLE = {
+    aten.t.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+}
+
+
+def shard_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Stage 3: parameters enter sharded, are all-gathered per use region and freed after it."""
+    if ctx.config.stage < 3 or not ctx.distributed:
+        return gm
+    mode = fake_mode(gm)
+    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    sharded = set()
+    for node in placeholders(gm):
+        spec = node.meta["zgraph_input"]
+        if spec.kind != "param":
+            continue
+        info = ctx.params[spec.index]
+        if info.shard is None or info.persistent:
+            continue
+        sharded.add(spec.index)
+        set_input_layout(node, "shard", shard_val(node.meta["val"], world))
+        uses = sorted((u for u in node.users if u.op != "output" and u.target is not SHARD), key=order.__getitem__)
+        for user in list(node.users):
+            if user.target is SHARD:  # the optimizer's read of this rank's shard: the input itself now
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
+        regions: list[list[fx.Node]] = []
+        for use in uses:
+            if regions and regions[-1][-1].meta.get("phase") == use.meta.get("phase"):
+                regions[-1].append(use)
+            else:
+                regions.append([use])
+        gathers = []
+        for region in regions:
+            whole = insert(
+                gm, UNSHARD, (node, info.shape[0], world, group), before=region[0], phase=region[0].meta.get("phase")
+            )
+            for use in region:
+                use.replace_input_with(node, whole)
+            gathers.append((order[region[0]] - 0.5, whole))
+        _recompute_views_in_backward(gm, gathers, order, mode)
+    out = output_node(gm)
+    items = []
+    for value, role in outputs(gm):
+        if role.kind == "param" and role.index in sharded:
+            value = insert(gm, SHARD, (value, world, rank), before=out, mode=mode)
+            role = dataclasses.replace(role, layout="shard")
+        items.append((value, role))
+    set_outputs(gm, items)
+    push_shards(gm)
+    return gm
+
+
+def _recompute_views_in_backward(
+    gm: fx.GraphModule, gathers: list[tuple[float, fx.Node]], order: dict, mode: object
+) -> None:
+    """Backward uses of views of a forward gather read, instead, the same views of a backward gather (the
+    latest backward gather before the use, or a new one placed right before it)."""
+    backward_gathers = [(pos, g) for pos, g in gathers if g.meta.get("phase") == BACKWARD]
+    for _, gather in gathers:
+        if gather.meta.get("phase") != FORWARD:
+            continue
+        closure = [gather]
+        for node in closure:
+            for user in node.users:
+                recomputable = user.target in _RECOMPUTABLE or user.target is operator.getitem
+                if recomputable and user not in closure and user.all_input_nodes == [node]:
+                    closure.append(user)
+        late_uses = [
+            (node, user)
+            for node in closure
+            for user in list(node.users)
+            if user not in closure and user.meta.get("phase") == BACKWARD
+        ]
+        copies: dict[fx.Node, dict[fx.Node, fx.Node]] = {}
+        for node, user in sorted(late_uses, key=lambda nu: order.get(nu[1], len(order))):
+            earlier = [g for pos, g in backward_gathers if pos < order.get(user, len(order))]
+            if earlier:
+                base = earlier[-1]
+            else:
+                base = insert(gm, UNSHARD, tuple(gather.args), before=user, phase=BACKWARD, mode=mode)
+                backward_gathers.append((order.get(user, len(order)) - 0.5, base))
+                backward_gathers.sort(key=lambda pg: pg[0])
+            memo = copies.setdefault(base, {gather: base})
+            user.replace_input_with(node, _copy_view(gm, node, memo, mode))
+
+
+def _copy_view(gm: fx.GraphModule, node: fx.Node, memo: dict[fx.Node, fx.Node], mode: object) -> fx.Node:
+    """``node``, a chain of views on a gather, recomputed on the gather ``memo`` maps the original one to."""
+    if node not in memo:
+        source = node.all_input_nodes[0]
+        source_copy = _copy_view(gm, source, memo, mode)
+        args = tuple(source_copy if a is source else a for a in node.args)
+        memo[node] = insert(gm, node.target, args, dict(node.kwargs), after=source_copy, phase=BACKWARD, mode=mode)
+    return memo[node]

@@ -1,0 +1,86 @@
+"""All ranks must run the same graph: a cheap check on every call, a clear error instead of a hang.
+
+Before a step's graph runs, each rank contributes a 64-bit digest of the graph it is about to run (one tiny
+all-gather, the first collective of the call). If the digests differ — different batch shapes, different
+Python branches, a rank whose capture failed — every rank exchanges a description of its graph and raises
+``RankMismatchError`` naming the difference. No graph collective has run at that point, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from zgraph.errors import RankMismatchError
+
+
+def describe_graph(gm: fx.GraphModule) -> list[str]:
+    """One line per node: inputs with shape and dtype, ops with their arguments."""
+    lines = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        meta = f" {tuple(val.shape)} {val.dtype}" if isinstance(val, torch.Tensor) else ""
+        if node.op == "placeholder":
+            lines.append(f"input {node.name}{meta}")
+        elif node.op == "call_function":
+            lines.append(f"{node.name} = {node.target}{node.args}{meta}")
+        elif node.op == "output":
+            lines.append(f"output {node.args}")
+    return lines
+
+
+def digest(lines: list[str]) -> int:
+    raw = hashlib.sha256("\n".join(lines).encode()).digest()
+    return int.from_bytes(raw[:8], "little", signed=True)
+
+
+def check_same_graph(digest_value: int, lines: list[str], error: BaseException | None = None) -> None:
+    """Compare this rank's graph digest with every other rank's; raise on every rank if they differ.
+
+    ``error``: this rank failed to build its graph; the other ranks are told so, then it is re-raised here.
+    """
+    world = dist.get_world_size()
+    mine = torch.tensor([digest_value], dtype=torch.int64)
+    everyone = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine)
+    if bool((everyone == everyone[0]).all()) and error is None:
+        return
+    descriptions: list = [None] * world
+    note = None if error is None else f"capture failed: {type(error).__name__}: {error}"
+    dist.all_gather_object(descriptions, (note, lines))
+    if error is not None:
+        raise error
+    rank = dist.get_rank()
+    raise RankMismatchError(_explain(descriptions, rank))
+
+
+def _explain(descriptions: list, rank: int) -> str:
+    head = "zgraph: the ranks would run different step graphs, so their collectives would not match. "
+    for other, (note, _) in enumerate(descriptions):
+        if note is not None:
+            return head + f"Rank {other} could not build its graph ({note})."
+    base_lines = descriptions[0][1]
+    for other, (_, lines) in enumerate(descriptions):
+        if lines == base_lines:
+            continue
+        base_inputs = [line for line in base_lines if line.startswith("input ")]
+        inputs = [line for line in lines if line.startswith("input ")]
+        for a, b in zip(base_inputs, inputs):
+            if a != b:
+                return head + (
+                    f"Rank 0 has `{a}`, rank {other} has `{b}`. Every rank must call the step with arguments "
+                    "of the same shapes, dtypes and structure (pad or drop the last uneven batch)."
+                )
+        if len(base_inputs) != len(inputs):
+            return head + f"Rank 0's graph has {len(base_inputs)} inputs, rank {other}'s has {len(inputs)}."
+        for a, b in zip(base_lines, lines):
+            if a != b:
+                return head + (
+                    f"First difference between rank 0 and rank {other}: `{a}` vs `{b}` (Python in the step that "
+                    "takes different paths on different ranks?)."
+                )
+        return head + f"Rank 0's graph has {len(base_lines)} nodes, rank {other}'s has {len(lines)}."
+    return head + f"(this is rank {rank})"

@@ -1,0 +1,55 @@
+"""Process groups: from torchrun's environment, an existing default group, or none (one process).
+
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (torchrun's variables) start the default group with
+NCCL when CUDA is available, else gloo. A group the user initialised first is used as it is. Without either,
+the step runs on one process and sharding is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessGroupInfo:
+    """The group a step's collectives run on (``group_name`` None: no group, one process)."""
+
+    rank: int
+    world_size: int
+    group_name: str | None
+    backend: str | None
+
+    @property
+    def distributed(self) -> bool:
+        return self.group_name is not None
+
+
+SINGLE_PROCESS = ProcessGroupInfo(rank=0, world_size=1, group_name=None, backend=None)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def ensure_process_group() -> ProcessGroupInfo:
+    """The default process group, started from torchrun's environment if it is set and no group exists yet."""
+    if not dist.is_available():
+        return SINGLE_PROCESS
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return SINGLE_PROCESS
+        backend = default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    group = dist.group.WORLD
+    return ProcessGroupInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        group_name=group.group_name,
+        backend=dist.get_backend(group),
+    )

@@ -1,0 +1,291 @@
+"""Sharded training state: where each parameter, gradient and optimizer-state tensor lives on each rank.
+
+Layout (``ShardSpec``): a tensor of a parameter's shape ``(d0, ...)`` is cut along dim 0 into ``world_size``
+shards of ``ceil(d0 / world_size)`` rows; rank ``r`` holds rows ``[r * rows, (r + 1) * rows)`` of the tensor
+padded with zero rows. The graph reads and writes that padded shard (same shape on every rank); the user sees a
+``DTensor`` with placement ``Shard(0)`` whose local tensor is the unpadded part, a view of the padded shard —
+the same cut ``torch.chunk`` and DTensor make, so ``model.state_dict()`` and ``optimizer.state_dict()`` are
+ready for ``torch.distributed.checkpoint``.
+
+What is sharded, by ZeRO stage: stage ≥ 1 optimizer state of a parameter's shape; stage ≥ 2 gradients left
+in ``.grad``; stage 3 the parameters themselves (replaced, on the modules and in the optimizer, by ``DTensor``
+parameters). 0-d parameters, and tensors an optimizer holds that no module owns, stay whole.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+from zgraph.errors import ShardedParameterError, ZGraphError
+from zgraph.passes.pipeline import ShardSpec
+from zgraph.runtime.process_group import ProcessGroupInfo
+from zgraph.runtime.state import Binding
+
+_PADDED = "_zgraph_padded"
+
+
+def pad_shard(full: Tensor, spec: ShardSpec, rank: int) -> Tensor:
+    """This rank's padded shard of a whole tensor (a new tensor)."""
+    rows = spec.rows
+    local = full.detach()[rank * rows : (rank + 1) * rows]
+    padded = full.new_zeros(spec.shard_shape)
+    padded[: local.shape[0]].copy_(local)
+    return padded
+
+
+@dataclass
+class ShardingPlan:
+    """How one binding's state is laid out across ranks; decided on the step's first call.
+
+    Attributes:
+        stage: ZeRO stage.
+        group: the process group (``SINGLE_PROCESS``: no sharding at all).
+        specs: per parameter index, how its gradient and optimizer state (and, unless ``persistent``, the
+            parameter itself in stage 3) are cut; None for 0-d parameters and without a process group.
+        persistent: per parameter index, True if the parameter stays whole in stage 3.
+    """
+
+    stage: int
+    group: ProcessGroupInfo
+    specs: list[ShardSpec | None] = field(default_factory=list)
+    persistent: list[bool] = field(default_factory=list)
+    mesh: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def params_sharded(self, index: int) -> bool:
+        return self.stage >= 3 and self.specs[index] is not None and not self.persistent[index]
+
+    def state_spec(self, index: int, t: Tensor) -> ShardSpec | None:
+        """The spec of an optimizer state / gradient tensor of parameter ``index`` when it is kept sharded."""
+        spec = self.specs[index]
+        if spec is None or tuple(t.shape) != spec.shape:
+            return None
+        return spec
+
+    # ----------------------------------------------------------------------------- local <-> user views
+    def wrap(self, padded: Tensor, spec: ShardSpec, requires_grad: bool = False) -> DTensor:
+        """The user-facing DTensor for a padded shard (its local tensor is a view of ``padded``)."""
+        local = padded[: spec.local_rows(self.rank)]
+        stride = torch.empty(spec.shape, device="meta").stride()
+        dt = DTensor.from_local(
+            local, self.mesh, [Shard(0)], run_check=False, shape=torch.Size(spec.shape), stride=stride
+        )
+        if requires_grad:
+            dt = nn.Parameter(dt, requires_grad=True)
+        setattr(dt, _PADDED, padded)
+        return dt
+
+    def padded(self, t: Tensor, spec: ShardSpec) -> Tensor:
+        """The padded local shard of ``t``: a DTensor zgraph made (no copy), another DTensor, or a whole
+        tensor (sliced and padded)."""
+        if isinstance(t, DTensor):
+            padded = getattr(t, _PADDED, None)
+            local = t._local_tensor
+            if padded is not None and (local.numel() == 0 or local.data_ptr() == padded.data_ptr()):
+                return padded
+            out = local.new_zeros(spec.shard_shape)
+            out[: local.shape[0]].copy_(local.detach())
+            return out
+        return pad_shard(t, spec, self.rank)
+
+    def store(self, current: Tensor | None, padded: Tensor, spec: ShardSpec) -> DTensor:
+        """Point the DTensor ``current`` (if zgraph made it) at a new padded shard, else make a new one."""
+        if isinstance(current, DTensor) and getattr(current, _PADDED, None) is not None:
+            current._local_tensor = padded[: spec.local_rows(self.rank)]
+            setattr(current, _PADDED, padded)
+            return current
+        return self.wrap(padded, spec)
+
+
+def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding) -> ShardingPlan:
+    """Decide the layout of every parameter's state."""
+    plan = ShardingPlan(stage, group)
+    if group.distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = binding.params[0].tensor.device.type if binding.params else "cpu"
+        plan.mesh = init_device_mesh(device, (group.world_size,))
+    for record in binding.params:
+        t = record.tensor
+        spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
+        plan.specs.append(spec)
+        plan.persistent.append(not record.slots)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------ sharding in place
+_OWNER: weakref.WeakKeyDictionary[nn.Module, tuple[ShardingPlan, Binding]] = weakref.WeakKeyDictionary()
+
+
+def sharding_of(module: nn.Module) -> tuple[ShardingPlan, Binding] | None:
+    """The plan and binding that sharded ``module`` (or one of its ancestors' bindings), if any."""
+    return _OWNER.get(module)
+
+
+def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
+    """Shard the binding's state in place, as the plan says: parameters (stage 3), gradients (stage ≥ 2) and
+    optimizer state (stage ≥ 1). Records which modules are sharded, for ``zgraph.gather``."""
+    for _, root in binding.modules:
+        owner = _OWNER.get(root)
+        if owner is not None and owner[0] is not plan:
+            if owner[0].stage != plan.stage or owner[0].group != plan.group:
+                raise ZGraphError(
+                    f"{type(root).__name__} is already sharded by another zgraph step with stage "
+                    f"{owner[0].stage}; a module can be driven by steps of one stage only"
+                )
+    if plan.group.distributed:
+        for record in binding.params:
+            if plan.params_sharded(record.index) and not isinstance(record.tensor, DTensor):
+                _shard_parameter(plan, binding, record.index)
+        normalize_state(plan, binding)
+    for _, root in binding.modules:
+        for module in root.modules():
+            _OWNER[module] = (plan, binding)
+        if plan.stage >= 3 and plan.group.distributed:
+            _guard_outside_use(root)
+
+
+def _shard_parameter(plan: ShardingPlan, binding: Binding, index: int) -> None:
+    record = binding.params[index]
+    old = record.tensor
+    spec = plan.specs[index]
+    new = plan.wrap(pad_shard(old, spec, plan.rank), spec, requires_grad=old.requires_grad)
+    if not old.requires_grad:
+        new.requires_grad_(False)
+    if old.grad is not None:
+        new.grad = plan.wrap(pad_shard(old.grad, spec, plan.rank), spec) if plan.stage >= 2 else old.grad
+    for module, attr in record.slots:
+        module._parameters[attr] = new
+    for o in binding.optimizers:
+        opt = o.optimizer
+        for group in opt.param_groups:
+            group["params"] = [new if p is old else p for p in group["params"]]
+        if old in opt.state:
+            opt.state[new] = opt.state.pop(old)
+    binding.replace_param(index, new)
+
+
+def normalize_state(plan: ShardingPlan, binding: Binding) -> None:
+    """Store every gradient (stage ≥ 2) and optimizer state tensor (stage ≥ 1) of a parameter's shape as a
+    zgraph DTensor over its padded shard (state created or loaded outside the graph is converted here)."""
+    if not plan.group.distributed:
+        return
+    for record in binding.params:
+        p = record.tensor
+        if plan.stage >= 2 and p.grad is not None:
+            spec = plan.state_spec(record.index, p.grad)
+            if spec is not None and getattr(p.grad, _PADDED, None) is None:
+                p.grad = plan.wrap(plan.padded(p.grad, spec), spec)
+    if plan.stage < 1:
+        return
+    for o in binding.optimizers:
+        for indices in o.group_params:
+            for i in indices:
+                state = o.optimizer.state.get(binding.params[i].tensor)
+                if not state:
+                    continue
+                for key, value in list(state.items()):
+                    if not isinstance(value, Tensor):
+                        continue
+                    spec = plan.state_spec(i, value)
+                    if spec is not None and getattr(value, _PADDED, None) is None:
+                        state[key] = plan.wrap(plan.padded(value, spec), spec)
+
+
+# --------------------------------------------------------------------------------- use outside the step
+def _guard_outside_use(root: nn.Module) -> None:
+    """Make a forward call of a stage-3 module outside the step (and outside ``zgraph.gather``) a clear error."""
+    for module in root.modules():
+        if getattr(module, "_zgraph_guarded", False) or not any(
+            isinstance(p, DTensor) for p in module._parameters.values()
+        ):
+            continue
+        module.register_forward_pre_hook(_raise_if_sharded)
+        module._zgraph_guarded = True
+
+
+def _raise_if_sharded(module: nn.Module, args: Any) -> None:
+    for name, p in module._parameters.items():
+        if isinstance(p, DTensor) and getattr(p, _PADDED, None) is not None:
+            raise ShardedParameterError(
+                f"{type(module).__name__}.{name} is sharded across ranks by a zgraph ZeRO-3 step; outside the "
+                "compiled step its parameters are only whole inside `with zgraph.gather(model):`"
+            )
+
+
+# ------------------------------------------------------------------------------------------- graph I/O
+class StateIO:
+    """Reads a step graph's inputs from the live training state and writes its outputs back, each in the
+    layout the graph declares (``GraphInput.layout`` / ``GraphOutput.layout``: ``full`` or ``shard``)."""
+
+    def __init__(self, binding: Binding, plan: ShardingPlan):
+        self.binding = binding
+        self.plan = plan
+
+    def _whole(self, t: Tensor) -> Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+    def _state_tensor(self, spec: Any, t: Tensor) -> Tensor:
+        if spec.layout == "shard":
+            return self.plan.padded(t, self.plan.specs[spec.index])
+        return self._whole(t)
+
+    def read(self, spec: Any, user_tensors: list, hyper: dict) -> Tensor:
+        binding = self.binding
+        kind = spec.kind
+        if kind == "param":
+            return self._state_tensor(spec, binding.params[spec.index].tensor)
+        if kind == "grad":
+            return self._state_tensor(spec, binding.params[spec.index].tensor.grad)
+        if kind == "opt_state":
+            return self._state_tensor(spec, binding.optimizer_state(spec.optimizer, spec.index)[spec.field])
+        if kind == "buffer":
+            return binding.buffers[spec.index].get()
+        if kind == "hparam":
+            return torch.tensor(hyper[(spec.optimizer, spec.group)][spec.field], dtype=torch.float64)
+        if kind == "input":
+            return user_tensors[spec.index][1].detach()
+        if kind == "input_grad":
+            return user_tensors[spec.index][1].grad
+        raise AssertionError(f"unknown graph input kind {kind!r}")
+
+    def write(self, role: Any, value: Tensor, user_tensors: list) -> None:
+        binding = self.binding
+        kind = role.kind
+        sharded = role.layout == "shard"
+        spec = self.plan.specs[role.index] if sharded else None
+        if kind == "param":
+            param = binding.params[role.index].tensor
+            if sharded:
+                self.plan.store(param, value, spec)
+            else:
+                param.data = value
+        elif kind == "grad":
+            param = binding.params[role.index].tensor
+            param.grad = self.plan.store(param.grad, value, spec) if sharded else value
+        elif kind == "opt_state":
+            opt = binding.optimizers[role.optimizer].optimizer
+            state = opt.state[binding.params[role.index].tensor]
+            state[role.field] = self.plan.store(state.get(role.field), value, spec) if sharded else value
+        elif kind == "buffer":
+            buffer = binding.buffers[role.index].get()
+            if buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
+                buffer.data = value
+            else:
+                binding.buffers[role.index].set(value)
+        elif kind == "input":
+            with torch.no_grad():
+                user_tensors[role.index][1].copy_(value)
+        elif kind == "input_grad":
+            user_tensors[role.index][1].grad = value
+        else:
+            raise AssertionError(f"unknown graph output kind {kind!r}")
