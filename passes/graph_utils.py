@@ -132,13 +132,15 @@ def is_elementwise(node: fx.Node) -> bool:
     return True
 
 
-def _shard_arg(gm: fx.GraphModule, arg: Any, anchor: fx.Node, shards: dict, work: list, mode: FakeTensorMode) -> Any:
-    """``shard(arg)`` (inserted before ``anchor`` once per argument) for a tensor argument with dims; ``arg``
-    itself for 0-d tensors and scalars."""
+def _shard_arg(
+    gm: fx.GraphModule, arg: Any, layout: tuple, anchor: fx.Node, shards: dict, work: list, mode: FakeTensorMode
+) -> Any:
+    """``shard(arg, *layout)`` (inserted before ``anchor`` once per argument) for a tensor argument with dims;
+    ``arg`` itself for 0-d tensors and scalars."""
     if not (isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor) and arg.meta["val"].dim()):
         return arg
     if arg not in shards:
-        shards[arg] = insert(gm, SHARD, (arg, *anchor.args[1:]), before=anchor, mode=mode)
+        shards[arg] = insert(gm, SHARD, (arg, *layout), before=anchor, mode=mode)
         work.append(shards[arg])
     return shards[arg]
 
@@ -168,9 +170,11 @@ def push_shards(gm: fx.GraphModule) -> None:
             continue
         if any(u.args[1:] != (world_size, rank) for u in source.users):
             continue
+        # the sharded op takes the place of the whole one: before every reader of it, after its inputs
+        anchor = source.next
         shards: dict[fx.Node, fx.Node] = {}
-        args = tuple(_shard_arg(gm, a, node, shards, work, mode) for a in source.args)
-        with gm.graph.inserting_before(node):
+        args = tuple(_shard_arg(gm, a, (world_size, rank), anchor, shards, work, mode) for a in source.args)
+        with gm.graph.inserting_before(anchor):
             replacement = gm.graph.call_function(source.target, args, dict(source.kwargs))
         replacement.meta = {k: v for k, v in source.meta.items() if k != "val"}
         compute_val(replacement, mode)

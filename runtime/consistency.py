@@ -45,7 +45,7 @@ def check_same_graph(digest_value: int, lines: list[str], error: BaseException |
     world = dist.get_world_size()
     mine = torch.tensor([digest_value], dtype=torch.int64)
     everyone = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine)
+    dist.all_gather_single(everyone, mine)
     if bool((everyone == everyone[0]).all()) and error is None:
         return
     descriptions: list = [None] * world

@@ -7,6 +7,7 @@ the step runs on one process and sharding is the identity.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -53,3 +54,11 @@ def ensure_process_group() -> ProcessGroupInfo:
         group_name=group.group_name,
         backend=dist.get_backend(group),
     )
+
+
+@functools.cache
+def device_mesh(device_type: str, world_size: int) -> object:
+    """The 1-D ``DeviceMesh`` over the default group (one per device type, shared by every sharded tensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))

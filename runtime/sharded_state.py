@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.passes.pipeline import ShardSpec
-from zgraph.runtime.process_group import ProcessGroupInfo
+from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
 
 _PADDED = "_zgraph_padded"
@@ -110,10 +110,8 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding) -> Sharding
     """Decide the layout of every parameter's state."""
     plan = ShardingPlan(stage, group)
     if group.distributed:
-        from torch.distributed.device_mesh import init_device_mesh
-
         device = binding.params[0].tensor.device.type if binding.params else "cpu"
-        plan.mesh = init_device_mesh(device, (group.world_size,))
+        plan.mesh = device_mesh(device, group.world_size)
     for record in binding.params:
         t = record.tensor
         spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None

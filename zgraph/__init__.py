@@ -12,6 +12,7 @@ def train_step(model, opt, batch):
 
 from zgraph.config import Config
 from zgraph.errors import CaptureError, PipelineError, RankMismatchError, ShardedParameterError, ZGraphError
+from zgraph.gather import full_state_dict, gather
 from zgraph.step import DistributedStep, distribute
 
 __version__ = "0.1.0"
@@ -25,4 +26,6 @@ __all__ = [
     "ShardedParameterError",
     "ZGraphError",
     "distribute",
+    "full_state_dict",
+    "gather",
 ]

@@ -1,33 +1,75 @@
-"""``zgraph demo``: train a small GPT on locally generated text through ``@zgraph.distribute``."""
+"""``zgraph demo``: train a small GPT on locally generated text through ``@zgraph.distribute``, on several ranks.
+
+With no arguments it starts 2 local ranks itself (gloo, one CPU thread each) and trains with ZeRO stage 3; under
+``torchrun`` (``RANK`` set) the same command runs as one rank of torchrun's job. zgraph starts the process group
+from the rank's environment on the first step call. Every rank draws the same global batch from a seeded
+generator and trains on its own slice of it, so a run is reproducible and its losses do not depend on how the
+global batch is split. Rank 0 draws the progress bar and prints the summary.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
 import os
+import signal
+import socket
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
 from tqdm import tqdm
 
 import zgraph
 from zgraph.data import VOCAB, batch, corpus_tokens
 from zgraph.explain import human_bytes
 from zgraph.models import GPT, GPTConfig, count_params, lm_loss
+from zgraph.runtime.memory import state_bytes as held_state_bytes
 
 DEMO_GPT = GPTConfig(vocab=VOCAB, d_model=256, layers=4, heads=4, seq=128)
+DEFAULT_NPROC = 2
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each of the parameter's shape
+ADAMW_STEP_BYTES = 4  # the float32 ``step`` tensor AdamW keeps per parameter
+
+
+class RankFailedError(RuntimeError):
+    """A rank started by ``zgraph demo`` failed; the message carries its traceback."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``zgraph demo`` options."""
+    parser.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help=f"local ranks to start (default {DEFAULT_NPROC}); ignored under torchrun, which starts the ranks",
+    )
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--steps", type=_positive_int, default=40, help="training steps (default 40)")
+    parser.add_argument("--batch", type=_positive_int, default=8, help="sequences per rank per step (default 8)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--backend", default="eager", choices=("eager", "inductor"))
     parser.add_argument("--dump", default="zgraph_graphs", help="directory for the graphs (default zgraph_graphs)")
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def train_step(model: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """The step zgraph compiles: forward, backward, AdamW update."""
     loss = lm_loss(model(idx), tgt)
     loss.backward()
     opt.step()
@@ -35,45 +77,207 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor, tgt: t
     return loss
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Train and report; returns the summary numbers."""
+# ------------------------------------------------------------------------------------------------ entry point
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Run the demo; returns the summary numbers on rank 0 (None on the other ranks of a torchrun job).
+
+    Under torchrun (``RANK`` set) or inside an initialised process group this process is one rank; otherwise
+    ``--nproc`` ranks are started here (one rank: trained in this process, no process group).
+    """
+    if _is_launched_rank():
+        return train(args)
+    nproc = args.nproc or DEFAULT_NPROC
+    if nproc == 1:
+        return train(args)
+    return spawn_ranks(args, nproc)
+
+
+def _is_launched_rank() -> bool:
+    """True when something else started this process as a rank (torchrun, or a group already initialised)."""
+    return "RANK" in os.environ or (dist.is_available() and dist.is_initialized())
+
+
+def spawn_ranks(args: argparse.Namespace, nproc: int) -> dict[str, Any]:
+    """Start ``nproc`` local ranks running :func:`train`, wait for them, and return rank 0's summary.
+
+    If a rank fails the others are stopped and ``RankFailedError`` carries the failing rank's traceback.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zgraph_demo_") as scratch:
+        summary_path = os.path.join(scratch, "summary.json")
+        ranks = mp.start_processes(
+            _rank_main, args=(args, nproc, port, summary_path), nprocs=nproc, join=False, start_method="spawn"
+        )
+        try:
+            with _exit_on_sigterm():
+                while not ranks.join():  # on a rank's failure, join stops the others and raises
+                    pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            raise RankFailedError(f"rank {error.error_index} of {nproc} failed: {error}") from None
+        finally:  # also on Ctrl-C or SIGTERM to this process: no rank outlives the demo
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+        with open(summary_path) as f:
+            return json.load(f)
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit`` while the ranks run, so the cleanup that stops them runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (rank 0's store binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(local_rank: int, args: argparse.Namespace, world_size: int, port: int, summary_path: str) -> None:
+    """Body of a spawned rank: torchrun's environment, one thread, train; rank 0 writes the summary."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    summary = train(args)
+    if summary is not None:
+        with open(summary_path, "w") as f:
+            json.dump(summary, f)
+
+
+# ------------------------------------------------------------------------------------------------- one rank
+def train(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Train as this process's rank; rank 0 prints the report and returns the summary, other ranks None."""
+    rank, world_size = rank_and_world_size()
+    owns_group = not dist.is_initialized()  # zgraph starts the group on the first step; then this rank ends it
+    if rank == 0 and args.nproc is not None and args.nproc != world_size and "RANK" in os.environ:
+        print(f"zgraph demo: running under torchrun with {world_size} ranks; --nproc {args.nproc} is ignored")
     torch.manual_seed(args.seed)
     model = GPT(DEMO_GPT)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    n_params = count_params(model)
+    unsharded_bytes = unsharded_state_bytes(model)
     step = zgraph.distribute(zgraph.Config(stage=args.stage, backend=args.backend))(train_step)
     tokens = corpus_tokens()
     generator = torch.Generator().manual_seed(args.seed)
-    losses = []
+    losses: list[float] = []
     start = None
-    bar = tqdm(range(args.steps), desc=f"zgraph ZeRO-{args.stage}", unit="step")
+    bar = tqdm(range(args.steps), desc=f"zgraph ZeRO-{args.stage} x{world_size}", unit="step", disable=rank != 0)
     for i in bar:
-        idx, tgt = batch(tokens, args.batch, DEMO_GPT.seq, generator)
-        loss = step(model, opt, idx, tgt).item()
+        idx, tgt = rank_batch(tokens, args.batch, rank, world_size, generator)
+        loss = mean_over_ranks(step(model, opt, idx, tgt), world_size)
         losses.append(loss)
         if i == 0:
             start = time.perf_counter()  # steady state: after capture and compile
         bar.set_postfix(loss=f"{loss:.3f}")
-    seconds = time.perf_counter() - start if start is not None else float("nan")
-    tokens_per_s = (args.steps - 1) * args.batch * DEMO_GPT.seq / seconds if args.steps > 1 else float("nan")
-    paths = step.dump(args.dump)
-    state_bytes = _model_state_bytes(model, opt)
-    print(step.explain())
-    print(f"model: GPT {count_params(model) / 1e6:.1f} M parameters, AdamW")
-    print(f"loss: {losses[0]:.3f} -> {losses[-1]:.3f} after {args.steps} steps")
-    print(f"throughput: {tokens_per_s:,.0f} tokens/s (steady state)")
-    print(f"model state (params + grads + optimizer state): {human_bytes(state_bytes)}")
-    print(f"graphs: {len(paths)} files in {os.path.abspath(args.dump)}")
-    return {"losses": losses, "tokens_per_s": tokens_per_s, "state_bytes": state_bytes}
+    bar.close()
+    seconds = time.perf_counter() - start if start is not None else math.nan
+    global_tokens = args.batch * world_size * DEMO_GPT.seq
+    tokens_per_s = (args.steps - 1) * global_tokens / seconds if args.steps > 1 else math.nan
+    state_bytes = gather_to_all(held_state_bytes(model, opt)["total"])
+    summary = None
+    if rank == 0:
+        paths = step.dump(args.dump)
+        summary = {
+            "losses": losses,
+            "tokens_per_s": tokens_per_s,
+            "state_bytes": state_bytes,
+            "unsharded_bytes": unsharded_bytes,
+            "world_size": world_size,
+            "stage": args.stage,
+            "graphs_dir": os.path.abspath(args.dump),
+        }
+        print(step.explain())
+        print(report(summary, n_params, len(paths)))
+    if owns_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
 
 
-def _model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    tensors = {}
-    for p in model.parameters():
-        tensors[id(p)] = p
-        if p.grad is not None:
-            tensors[id(p.grad)] = p.grad
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                tensors[id(v)] = v
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size: the process group's, else torchrun's variables, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return 0, 1
+
+
+def rank_batch(
+    tokens: Tensor, per_rank: int, rank: int, world_size: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """This rank's slice of the global batch (``per_rank * world_size`` sequences, the same on every rank)."""
+    idx, tgt = batch(tokens, per_rank * world_size, DEMO_GPT.seq, generator)
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return idx[rows], tgt[rows]
+
+
+def mean_over_ranks(loss: Tensor, world_size: int) -> float:
+    """The loss averaged over ranks (the global batch's mean loss: every rank's slice is the same size)."""
+    total = loss.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return total.item() / world_size
+
+
+def gather_to_all(value: int) -> list[int]:
+    """Every rank's ``value``, by rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- model state
+def unsharded_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes the same model and AdamW hold on one process after a step (gradients zeroed to None).
+
+    Per unique parameter: the parameter, and for a trainable one AdamW's two moments of its shape and a
+    4-byte ``step``.
+    """
+    total = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        size = p.numel() * p.element_size()
+        total += size + (ADAMW_STATES * size + ADAMW_STEP_BYTES if p.requires_grad else 0)
+    return total
+
+
+def report(summary: dict[str, Any], n_params: int, n_graphs: int) -> str:
+    """Rank 0's closing lines: model, loss, throughput, model state per rank, graphs."""
+    losses = summary["losses"]
+    unsharded = summary["unsharded_bytes"]
+    tokens_per_s = summary["tokens_per_s"]
+    throughput = f"{tokens_per_s:,.0f} tokens/s" if math.isfinite(tokens_per_s) else "n/a (one step)"
+    lines = [
+        f"model: GPT {n_params / 1e6:.1f} M parameters, AdamW; ZeRO stage {summary['stage']} on "
+        f"{summary['world_size']} rank(s)",
+        f"loss (mean over ranks): {losses[0]:.3f} -> {losses[-1]:.3f} after {len(losses)} steps",
+        f"throughput: {throughput} (all ranks, steady state after the first step)",
+        f"model state per rank (params + grads + optimizer state) vs unsharded {human_bytes(unsharded)}:",
+    ]
+    for rank, held in enumerate(summary["state_bytes"]):
+        lines.append(f"  rank {rank}: {human_bytes(held)} ({held / unsharded:.2f}x)")
+    lines.append(f"graphs: {n_graphs} files in {summary['graphs_dir']}")
+    return "\n".join(lines)

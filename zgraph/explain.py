@@ -11,18 +11,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
+
 if TYPE_CHECKING:
     from zgraph.step import CompiledStep
 
 COLLECTIVE_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+_LAYOUT_KINDS = {UNSHARD: "all_gather_into_tensor", REDUCE_SHARD: "reduce_scatter_tensor", REDUCE: "all_reduce"}
 _SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
 
 def collective_kind(node: fx.Node) -> str | None:
     """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` (also their coalesced forms) for
-    a functional-collective node, else None."""
+    a functional-collective node, or for the zgraph layout operator that becomes one (``unshard``,
+    ``reduce_shard``, ``reduce``); else None."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
+    if node.target in _LAYOUT_KINDS:
+        return _LAYOUT_KINDS[node.target]
     if node.target.namespace != "_c10d_functional":
         return None
     name = node.target._opname

@@ -1,0 +1,88 @@
+"""Multi-rank behaviour besides parity: collectives per stage, memory per rank, errors instead of hangs,
+``zgraph.gather`` (the ranks run ``zero_checks``; these tests read what they report)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from zero_checks import expected_state_bytes
+
+CHECKS = ["collective_counts", "memory", "errors", "gather_roundtrip"]
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            path = tmp_path_factory.mktemp(f"checks{world}") / "results.pt"
+            names = CHECKS if world == 2 else ["memory"]
+            run_ranks(world, "zero_checks.run_checks", str(path), names)
+            cache[world] = torch.load(path, weights_only=False)
+        result = cache[world]
+        for name, value in result.items():
+            assert not (isinstance(value, dict) and "error" in value), f"{name}: {value['error']}"
+        return result
+
+    return get
+
+
+def test_collective_counts_per_stage(checks):
+    """MLP Linear(8,16) -> tanh -> Linear(16,4): 4 parameters, all trained. Backward reads only the second
+    weight (the first layer's input needs no gradient). No bucketing yet: one collective per tensor."""
+    counts = checks(2)["collective_counts"]
+    gather, scatter = "all_gather_into_tensor", "reduce_scatter_tensor"
+    assert counts[0] == {("all_reduce", "backward"): 4}
+    assert counts[1] == {("all_reduce", "backward"): 4, (gather, "optimizer"): 4}
+    assert counts[2] == {(scatter, "backward"): 4, (gather, "optimizer"): 4}
+    assert counts[3] == {(gather, "forward"): 4, (gather, "backward"): 1, (scatter, "backward"): 4}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_bytes_per_rank(checks, world):
+    """Stage 1 holds optimizer state / N, stage 2 also gradients / N, stage 3 also parameters / N (shards are
+    padded to equal rows). Counted from the live state, and independently by a dispatch-mode tracker of every
+    allocation since the model was built (nothing else is left alive)."""
+    measured = checks(world)["memory"]
+    expected = expected_state_bytes(world)
+    for stage in range(4):
+        state = measured[stage]["state"]
+        assert state == expected[stage], f"stage {stage}: {state} != {expected[stage]}"
+        assert measured[stage]["tracked"] == state["total"], f"stage {stage}: tracker saw {measured[stage]}"
+    full = expected[0]
+    assert expected[3]["total"] <= full["total"] / world * 1.05
+    assert expected[1]["optimizer"] < full["optimizer"] / world * 1.05
+
+
+def test_different_batch_shapes_raise_on_every_rank(checks):
+    message = checks(2)["errors"]["shapes"]
+    assert message is not None
+    assert "Rank 0 has `input x (4, 8) torch.float32`" in message and "rank 1 has `input x (3, 8)" in message
+
+
+def test_a_rank_whose_capture_fails_does_not_hang_the_others(checks):
+    message = checks(2)["errors"]["capture"]
+    assert message is not None and "Rank 1 could not build its graph" in message
+    assert "if fail and loss.item() > 0" in message
+
+
+def test_stage3_model_outside_the_step(checks):
+    errors = checks(2)["errors"]
+    assert errors["outside"] is not None and "zgraph.gather" in errors["outside"]
+    assert errors["inside_shape"] == (16, 8)
+    assert errors["inside_output"].shape == (4, 4)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gather_gives_whole_tensors_and_writes_back_edits(checks, stage):
+    r = checks(2)["gather_roundtrip"][stage]
+    for name, value in r["whole"].items():
+        assert torch.equal(value, r["before"][name])
+    assert r["grad"].shape == (16, 8) and r["grad"].abs().sum() > 0
+    for name, value in r["before"].items():
+        assert torch.equal(r["untouched"][name], value), f"{name} changed by a read-only gather"
+    assert torch.equal(r["after"]["2.bias"], r["before"]["2.bias"] + 1)
+    assert torch.equal(r["after"]["0.weight"], r["before"]["0.weight"])
+    assert torch.count_nonzero(r["grad_after"]) == 0

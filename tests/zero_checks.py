@@ -1,0 +1,214 @@
+"""Multi-rank checks other than parity, run inside spawned ranks (see test_zero_parity.py): collective counts,
+memory held per rank, errors that must not hang, ``zgraph.gather``."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zgraph
+from zgraph.explain import collective_kind
+from zgraph.runtime.memory import LiveTensorBytes, state_bytes
+from zgraph.runtime.process_group import device_mesh
+from zgraph.runtime.sharded_state import ShardSpec
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def collective_counts(rank: int, world: int) -> dict:
+    """Per stage: ``{(kind, phase): count}`` of collectives in the final graph of the MLP step."""
+    out = {}
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    for stage in range(4):
+        model = _mlp()
+        step = zgraph.distribute(stage=stage, backend="eager")(_step)
+        step(model, torch.optim.AdamW(model.parameters()), x, y)
+        counts: dict = {}
+        for node in step.graphs["final"].graph.nodes:
+            kind = collective_kind(node)
+            if kind is not None:
+                key = (kind, node.meta["phase"])
+                counts[key] = counts.get(key, 0) + 1
+        out[stage] = counts
+    return out
+
+
+def _big_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 60))  # 60: not divisible by 4 or 8
+
+
+def _step_keeping_grads(model, opt, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def memory(rank: int, world: int) -> dict:
+    """Per stage: bytes of params / grads / optimizer state this rank holds after two steps that leave
+    ``.grad`` populated, counted from the live state and, independently, by a dispatch-mode tracker that saw
+    every allocation since the model was built."""
+    out = {}
+    x = torch.randn(8, 64)
+    device_mesh("cpu", world)  # made once per process; not model state
+    for stage in range(4):
+        gc.collect()
+        tracker = LiveTensorBytes()
+        with tracker:
+            model = _big_mlp()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            step = zgraph.distribute(stage=stage, backend="eager")(_step_keeping_grads)
+            for _ in range(2):
+                del_me = step(model, opt, x)
+            del del_me
+            gc.collect()
+        out[stage] = {"state": state_bytes(model, opt), "tracked": tracker.current}
+        del model, opt, step
+    return out
+
+
+def expected_state_bytes(world: int) -> dict:
+    """What each rank should hold of ``_big_mlp``'s state, per stage (4-byte floats, padded shards)."""
+    shapes = [tuple(p.shape) for p in _big_mlp().parameters()]
+
+    def full(shape):
+        n = 1
+        for s in shape:
+            n *= s
+        return 4 * n
+
+    def shard(shape):
+        spec = ShardSpec(shape, world)
+        return full(spec.shard_shape)
+
+    steps = 4 * len(shapes)  # Adam's 0-d float32 step per parameter
+    table = {}
+    for stage in range(4):
+        params = sum(shard(s) if stage >= 3 else full(s) for s in shapes)
+        grads = sum(shard(s) if stage >= 2 else full(s) for s in shapes)
+        optimizer = sum(2 * (shard(s) if stage >= 1 else full(s)) for s in shapes) + steps
+        table[stage] = {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+    return table
+
+
+def errors(rank: int, world: int) -> dict:
+    """Errors that must be raised on every rank, not hang."""
+    out = {}
+    # ranks calling the step with different batch shapes
+    model = _mlp()
+    step = zgraph.distribute(stage=3, backend="eager")(_step)
+    opt = torch.optim.AdamW(model.parameters())
+    batch = 4 if rank == 0 else 3
+    try:
+        step(model, opt, torch.randn(batch, 8), torch.randint(0, 4, (batch,)))
+        out["shapes"] = None
+    except zgraph.RankMismatchError as e:
+        out["shapes"] = str(e)
+    # one rank whose step branches on data: its capture fails, the others are told
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def branchy(model, opt, x, y, fail):
+        loss = F.cross_entropy(model(x), y)
+        if fail and loss.item() > 0:
+            loss = loss * 2
+        loss.backward()
+        opt.step()
+        return loss
+
+    try:
+        zgraph.distribute(stage=2, backend="eager")(branchy)(
+            model, opt, torch.randn(4, 8), torch.randint(0, 4, (4,)), rank == 1
+        )
+        out["capture"] = None
+    except zgraph.ZGraphError as e:
+        out["capture"] = f"{type(e).__name__}: {e}"
+    # a stage-3 model used outside the step, then inside zgraph.gather
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zgraph.distribute(stage=3, backend="eager")(_step)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    step(model, opt, x, y)
+    try:
+        model(x)
+        out["outside"] = None
+    except zgraph.ShardedParameterError as e:
+        out["outside"] = str(e)
+    with zgraph.gather(model):
+        out["inside_shape"] = tuple(model[0].weight.shape)
+        out["inside_output"] = model(x).detach()
+    dist.barrier()
+    return out
+
+
+def gather_roundtrip(rank: int, world: int) -> dict:
+    """``zgraph.gather``: whole params and grads inside; edits written back to the shards; untouched
+    state left exactly as it was."""
+    out = {}
+    for stage in (2, 3):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(model, opt, x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss  # leaves .grad
+
+        compiled = zgraph.distribute(stage=stage, backend="eager")(step)
+        x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+        compiled(model, opt, x, y)
+
+        def snapshot(model: nn.Module = model) -> dict:  # full_state_dict shares memory where state_dict does
+            return {k: v.clone() for k, v in zgraph.full_state_dict(model).items()}
+
+        before = snapshot()
+        with zgraph.gather(model):
+            grad = model[0].weight.grad.detach().clone()
+            whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+        untouched = snapshot()
+        with zgraph.gather(model), torch.no_grad():
+            model[2].bias.add_(1.0)
+            model[0].weight.grad.zero_()
+        after = snapshot()
+        with zgraph.gather(model):
+            grad_after = model[0].weight.grad.detach().clone()
+        out[stage] = {
+            "before": before,
+            "whole": whole,
+            "untouched": untouched,
+            "after": after,
+            "grad": grad,
+            "grad_after": grad_after,
+        }
+    return out
+
+
+def run_checks(rank: int, world: int, out_path: str, names: list[str]) -> None:
+    """Worker: run the named checks; rank 0 saves ``{name: result}`` (or ``{"error": traceback}``)."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = globals()[name](rank, world)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out_path)
