@@ -6,6 +6,7 @@ what it does and what later passes may rely on.
 
 from __future__ import annotations
 
+from zgraph.passes.bucket import bucket
 from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.pipeline import (
@@ -21,6 +22,7 @@ from zgraph.passes.pipeline import (
     run_pipeline,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
+from zgraph.passes.schedule import schedule
 from zgraph.passes.shard_optimizer import shard_optimizer
 from zgraph.passes.shard_params import shard_params
 
@@ -37,7 +39,9 @@ def default_pipeline() -> list[Pass]:
             provides={"grads_reduced"},
         ),
         Pass("shard_params", shard_params, requires={"phases"}, provides={"params_sharded"}),
+        Pass("bucket", bucket, requires={"grads_reduced"}, provides={"bucketed"}),
         Pass("lower_collectives", lower_collectives, requires={"grads_reduced"}, provides={"collectives_lowered"}),
+        Pass("schedule", schedule, requires={"collectives_lowered"}, provides={"scheduled"}),
     ]
 
 

@@ -1,9 +1,13 @@
-"""``cse``: merge nodes that compute the same pure op on the same inputs.
+"""``cse``: merge nodes that compute the same pure op on the same inputs; drop ``detach`` and ``alias``.
 
 The captured step repeats work that eager PyTorch does in Python floats or once per parameter: the optimizer
 kernels compute ``1 - beta1``, ``1 - beta2``... for every parameter, views like ``t(weight)`` are taken in
 forward and again in backward. Only ops whose schema mutates nothing and that are not random
 (``nondeterministic_seeded``) are merged; collectives, waits and zgraph's markers are never merged.
+
+``detach`` and ``alias`` are identities in a graph that runs without autograd (its backward is explicit ops);
+capture leaves many (every ``.grad`` read, ``.detach()`` in user code), and they would pin later passes'
+placement decisions (a gradient's first reader would be its ``detach``), so they are removed.
 
 Provides nothing new; keeps every property (the graph computes the same values with fewer nodes).
 """
@@ -14,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+_IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
 def _mergeable(node: fx.Node) -> bool:
@@ -43,6 +49,10 @@ def eliminate_common_subexpressions(gm: fx.GraphModule, ctx: object) -> fx.Graph
     """Merge repeated pure computations (same op, same inputs) into one node."""
     seen: dict[Any, fx.Node] = {}
     for node in list(gm.graph.nodes):
+        if node.target in _IDENTITIES:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
         if not _mergeable(node):
             continue
         key = (node.target, _key(node.args), _key(node.kwargs))

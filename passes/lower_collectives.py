@@ -15,10 +15,21 @@ Provides ``collectives_lowered``: no zgraph layout operator is left; collective 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from zgraph.ops import LAYOUT_OPS, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
+from zgraph.ops import (
+    LAYOUT_OPS,
+    REDUCE,
+    REDUCE_BUCKET,
+    REDUCE_SHARD,
+    REDUCE_SHARD_BUCKET,
+    SHARD,
+    UNSHARD,
+    UNSHARD_BUCKET,
+)
 from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import PassContext
 
@@ -46,6 +57,9 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mode = fake_mode(gm)
     for node in list(gm.graph.nodes):
         if node.target not in LAYOUT_OPS:
+            continue
+        if node.target in (UNSHARD_BUCKET, REDUCE_SHARD_BUCKET, REDUCE_BUCKET):
+            _lower_bucket(gm, node, mode)
             continue
         phase = node.meta.get("phase")
         at = dict(before=node, phase=phase, mode=mode)
@@ -91,3 +105,73 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
+
+
+def _numel(val: torch.Tensor) -> int:
+    return val.numel()
+
+
+def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
+    """One collective on a flat buffer for a bucket; each member's result is a view of it, or (gathers) a
+    contiguous copy of its columns."""
+    phase = node.meta.get("phase")
+    at = dict(before=node, phase=phase, mode=mode)
+    xs = node.args[0]
+    vals = [x.meta["val"] for x in xs]
+    outs: list[fx.Node] = []
+    if node.target is UNSHARD_BUCKET:
+        _, dim0s, world, group = node.args
+        flats = [insert(gm, aten.view.default, (_contiguous(gm, x, node, mode, phase), [-1]), **at) for x in xs]
+        flat = insert(gm, aten.cat.default, (flats,), **at)
+        gathered = insert(gm, c10d.all_gather_into_tensor.default, (flat, world, group), **at)
+        gathered.meta["zgraph_collective"] = ("all_gather", xs)
+        done = insert(gm, c10d.wait_tensor.default, (gathered,), **at)
+        sizes = [_numel(v) for v in vals]
+        table = insert(gm, aten.view.default, (done, [world, sum(sizes)]), **at)
+        columns = insert(gm, aten.split_with_sizes.default, (table, sizes, 1), **at)
+        for i, (val, dim0) in enumerate(zip(vals, dim0s)):
+            column = insert(gm, operator.getitem, (columns, i), **at)
+            whole = insert(gm, aten.clone.default, (column,), {"memory_format": torch.contiguous_format}, **at)
+            out = insert(gm, aten.view.default, (whole, [world * val.shape[0], *val.shape[1:]]), **at)
+            if world * val.shape[0] != dim0:
+                out = insert(gm, aten.slice.Tensor, (out, 0, 0, dim0), **at)
+            outs.append(out)
+    elif node.target is REDUCE_SHARD_BUCKET:
+        _, world, rank, group = node.args
+        rows_blocks = []
+        for x, val in zip(xs, vals):
+            rows = _rows(val.shape[0], world)
+            if rows * world != val.shape[0]:
+                x = insert(
+                    gm, aten.constant_pad_nd.default, (x, _pad_arg(val.dim(), rows * world - val.shape[0])), **at
+                )
+            else:
+                x = _contiguous(gm, x, node, mode, phase)
+            rows_blocks.append(insert(gm, aten.view.default, (x, [world, -1]), **at))
+        table = insert(gm, aten.cat.default, (rows_blocks, 1), **at)
+        flat = insert(gm, aten.view.default, (table, [-1]), **at)
+        scattered = insert(gm, c10d.reduce_scatter_tensor.default, (flat, "avg", world, group), **at)
+        scattered.meta["zgraph_collective"] = ("reduce_scatter", xs)
+        done = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
+        shard_shapes = [(_rows(v.shape[0], world), *v.shape[1:]) for v in vals]
+        sizes = [_numel(v) // v.shape[0] * s[0] if v.shape[0] else 0 for v, s in zip(vals, shard_shapes)]
+        pieces = insert(gm, aten.split_with_sizes.default, (done, sizes), **at)
+        for i, shape in enumerate(shard_shapes):
+            piece = insert(gm, operator.getitem, (pieces, i), **at)
+            outs.append(insert(gm, aten.view.default, (piece, list(shape)), **at))
+    else:
+        _, world, group = node.args
+        flats = [insert(gm, aten.view.default, (_contiguous(gm, x, node, mode, phase), [-1]), **at) for x in xs]
+        flat = insert(gm, aten.cat.default, (flats,), **at)
+        reduced = insert(gm, c10d.all_reduce.default, (flat, "avg", group), **at)
+        reduced.meta["zgraph_collective"] = ("all_reduce", xs)
+        done = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
+        pieces = insert(gm, aten.split_with_sizes.default, (done, [_numel(v) for v in vals]), **at)
+        for i, val in enumerate(vals):
+            piece = insert(gm, operator.getitem, (pieces, i), **at)
+            outs.append(insert(gm, aten.view.default, (piece, list(val.shape)), **at))
+    for user in list(node.users):
+        assert user.target is operator.getitem, f"bucket {node.name} read by {user.target}"
+        user.replace_all_uses_with(outs[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)

@@ -61,7 +61,8 @@ class ParamInfo:
     Attributes:
         shard: how the parameter's gradient and optimizer state (and the parameter itself in stage 3) are
             split across ranks; None when they stay whole (0-d parameters, no process group).
-        persistent: the parameter itself stays whole in stage 3 (a tensor only an optimizer holds).
+        persistent: the parameter itself stays whole in stage 3 (a tensor only an optimizer holds, or one under
+            ``Config.param_persistence_threshold``).
     """
 
     index: int
@@ -94,6 +95,8 @@ class PassContext:
         rank: this rank.
         group_name: name of the process group collectives run on; None when there is none (single process).
         params: per-parameter information, indexed like the graph's parameter inputs.
+        cost_model: ``zgraph.runtime.cost_model.CostModel`` (collective latency and bandwidth, compute speed),
+            identical on every rank; None where planning must not depend on one.
     """
 
     config: object
@@ -101,6 +104,7 @@ class PassContext:
     rank: int = 0
     group_name: str | None = None
     params: tuple[ParamInfo, ...] = ()
+    cost_model: object | None = None
 
     @property
     def distributed(self) -> bool:

@@ -1,7 +1,8 @@
 """All ranks must run the same graph: a cheap check on every call, a clear error instead of a hang.
 
-Before a step's graph runs, each rank contributes a 64-bit digest of the graph it is about to run (one tiny
-all-gather, the first collective of the call). If the digests differ — different batch shapes, different
+Before a step's graph runs, each rank contributes a 64-bit digest of the graph it is about to run — the
+captured graph, and the sequence of collectives the transformed graph issues — (one tiny all-gather, the first
+collective of the call). If the digests differ — different batch shapes, different
 Python branches, a rank whose capture failed — every rank exchanges a description of its graph and raises
 ``RankMismatchError`` naming the difference. No graph collective has run at that point, so nothing hangs.
 """
@@ -29,6 +30,20 @@ def describe_graph(gm: fx.GraphModule) -> list[str]:
             lines.append(f"{node.name} = {node.target}{node.args}{meta}")
         elif node.op == "output":
             lines.append(f"output {node.args}")
+    return lines
+
+
+def describe_collectives(gm: fx.GraphModule) -> list[str]:
+    """The collectives a graph issues, in order, with what they move (no rank-specific detail)."""
+    from zgraph.explain import collective_bytes, collective_kind
+
+    lines = []
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            val = node.meta.get("val")
+            dtype = val.dtype if isinstance(val, torch.Tensor) else None
+            lines.append(f"collective {kind} {collective_bytes(node)} bytes {dtype} ({node.meta.get('phase')})")
     return lines
 
 
@@ -78,9 +93,11 @@ def _explain(descriptions: list, rank: int) -> str:
             return head + f"Rank 0's graph has {len(base_inputs)} inputs, rank {other}'s has {len(inputs)}."
         for a, b in zip(base_lines, lines):
             if a != b:
-                return head + (
-                    f"First difference between rank 0 and rank {other}: `{a}` vs `{b}` (Python in the step that "
-                    "takes different paths on different ranks?)."
+                why = (
+                    "the same graph was planned differently: is the Config the same on every rank?"
+                    if a.startswith("collective ")
+                    else "Python in the step that takes different paths on different ranks?"
                 )
+                return head + f"First difference between rank 0 and rank {other}: `{a}` vs `{b}` ({why})."
         return head + f"Rank 0's graph has {len(base_lines)} nodes, rank {other}'s has {len(lines)}."
     return head + f"(this is rank {rank})"

@@ -48,7 +48,8 @@ class ShardingPlan:
         group: the process group (``SINGLE_PROCESS``: no sharding at all).
         specs: per parameter index, how its gradient and optimizer state (and, unless ``persistent``, the
             parameter itself in stage 3) are cut; None for 0-d parameters and without a process group.
-        persistent: per parameter index, True if the parameter stays whole in stage 3.
+        persistent: per parameter index, True if the parameter itself stays whole in stage 3 (its gradient and
+            optimizer state are still sharded).
     """
 
     stage: int
@@ -106,8 +107,9 @@ class ShardingPlan:
         return self.wrap(padded, spec)
 
 
-def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding) -> ShardingPlan:
-    """Decide the layout of every parameter's state."""
+def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence_threshold: int = 0) -> ShardingPlan:
+    """Decide the layout of every parameter's state. In stage 3 a parameter stays whole (persistent) when no
+    module owns it or it has at most ``persistence_threshold`` elements."""
     plan = ShardingPlan(stage, group)
     if group.distributed:
         device = binding.params[0].tensor.device.type if binding.params else "cpu"
@@ -116,7 +118,7 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding) -> Sharding
         t = record.tensor
         spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
         plan.specs.append(spec)
-        plan.persistent.append(not record.slots)
+        plan.persistent.append(not record.slots or t.numel() <= persistence_threshold)
     return plan
 
 

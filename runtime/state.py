@@ -73,6 +73,7 @@ class Binding:
     def __init__(self, modules: list[tuple[str, nn.Module]], optimizers: list[tuple[str, torch.optim.Optimizer]]):
         self.modules = modules
         self.plan: Any = None  # the ShardingPlan (zgraph.runtime.sharded_state), set when the step binds
+        self.cost_model: Any = None  # the CostModel (zgraph.runtime.cost_model), set when the step binds
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,9 @@ def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
     out = result.stdout
     assert "ZeRO stage 3 on 2 rank(s)" in out
     assert "loss (mean over ranks)" in out and "tokens/s" in out
-    assert "rank 0:" in out and "rank 1:" in out and "(0.50x)" in out
+    ratios = [float(r) for r in re.findall(r"rank \d: .* \((\d\.\d+)x\)", out)]
+    # ZeRO-3 on 2 ranks: half the model state each, plus the small parameters kept whole
+    # (param_persistence_threshold) and shard padding
+    assert len(ratios) == 2 and all(0.45 <= r <= 0.55 for r in ratios), out
     assert "all_gather" in out and "reduce_scatter" in out
     assert len(list(dump.glob("*.py"))) >= 3

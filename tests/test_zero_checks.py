@@ -8,7 +8,16 @@ import torch
 from dist_harness import run_ranks
 from zero_checks import expected_state_bytes
 
-CHECKS = ["collective_counts", "memory", "errors", "gather_roundtrip"]
+CHECKS = [
+    "collective_counts",
+    "memory",
+    "errors",
+    "gather_roundtrip",
+    "collective_sequences",
+    "differing_plans",
+    "prefetch_memory",
+    "persistence",
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +95,36 @@ def test_gather_gives_whole_tensors_and_writes_back_edits(checks, stage):
     assert torch.equal(r["after"]["2.bias"], r["before"]["2.bias"] + 1)
     assert torch.equal(r["after"]["0.weight"], r["before"]["0.weight"])
     assert torch.count_nonzero(r["grad_after"]) == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_rank_issues_the_same_collectives(checks, stage):
+    """Bucketed and scheduled graphs: the same collective sequence on every rank (kind, bytes, dtype, phase),
+    though each rank's batch differs."""
+    first, *others = checks(2)["collective_sequences"][stage]
+    assert first and all(other == first for other in others)
+
+
+def test_ranks_with_different_bucket_plans_raise_before_any_collective(checks):
+    message = checks(2)["differing_plans"]
+    assert message is not None and "First difference between rank 0 and rank 1" in message
+    assert "collective all_gather_into_tensor" in message
+
+
+def test_prefetch_stays_within_its_cap(checks):
+    """Peak live bytes of a stage-3 step grow with ``prefetch_bytes``, by no more than the cap (plus one
+    bucket's rounding: gathers are issued whole)."""
+    peaks = checks(2)["prefetch_memory"]
+    base = peaks[0]
+    bucket = 1 << 16
+    for cap, peak in peaks.items():
+        assert peak - base <= cap + bucket, f"prefetch {cap}: peak {peak} vs {base} without prefetch"
+    assert peaks[1 << 30] > base  # prefetching does hold parameters ahead of use
+
+
+def test_small_parameters_persist_in_stage3(checks):
+    result = checks(2)["persistence"]
+    big = sorted(n for n, numel in result["numels"].items() if numel > 100_000)
+    small = [n for n, numel in result["numels"].items() if numel <= 100_000]
+    assert result["sharded"] == big == ["head.weight", "tok.weight"] and small
+    assert result["forward_gathers"] >= 1

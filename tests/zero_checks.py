@@ -37,7 +37,14 @@ def collective_counts(rank: int, world: int) -> dict:
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     for stage in range(4):
         model = _mlp()
-        step = zgraph.distribute(stage=stage, backend="eager")(_step)
+        config = zgraph.Config(
+            stage=stage,
+            backend="eager",
+            param_persistence_threshold=0,
+            allgather_bucket_bytes=0,
+            reduce_bucket_bytes=0,
+        )
+        step = zgraph.distribute(config)(_step)
         step(model, torch.optim.AdamW(model.parameters()), x, y)
         counts: dict = {}
         for node in step.graphs["final"].graph.nodes:
@@ -74,7 +81,7 @@ def memory(rank: int, world: int) -> dict:
         with tracker:
             model = _big_mlp()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            step = zgraph.distribute(stage=stage, backend="eager")(_step_keeping_grads)
+            step = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(_step_keeping_grads)
             for _ in range(2):
                 del_me = step(model, opt, x)
             del del_me
@@ -113,7 +120,7 @@ def errors(rank: int, world: int) -> dict:
     out = {}
     # ranks calling the step with different batch shapes
     model = _mlp()
-    step = zgraph.distribute(stage=3, backend="eager")(_step)
+    step = zgraph.distribute(stage=3, backend="eager", param_persistence_threshold=0)(_step)
     opt = torch.optim.AdamW(model.parameters())
     batch = 4 if rank == 0 else 3
     try:
@@ -134,7 +141,7 @@ def errors(rank: int, world: int) -> dict:
         return loss
 
     try:
-        zgraph.distribute(stage=2, backend="eager")(branchy)(
+        zgraph.distribute(stage=2, backend="eager", param_persistence_threshold=0)(branchy)(
             model, opt, torch.randn(4, 8), torch.randint(0, 4, (4,)), rank == 1
         )
         out["capture"] = None
@@ -143,7 +150,7 @@ def errors(rank: int, world: int) -> dict:
     # a stage-3 model used outside the step, then inside zgraph.gather
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = zgraph.distribute(stage=3, backend="eager")(_step)
+    step = zgraph.distribute(stage=3, backend="eager", param_persistence_threshold=0)(_step)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     step(model, opt, x, y)
     try:
@@ -172,7 +179,7 @@ def gather_roundtrip(rank: int, world: int) -> dict:
             opt.step()
             return loss  # leaves .grad
 
-        compiled = zgraph.distribute(stage=stage, backend="eager")(step)
+        compiled = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(step)
         x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
         compiled(model, opt, x, y)
 
@@ -212,3 +219,101 @@ def run_checks(rank: int, world: int, out_path: str, names: list[str]) -> None:
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
+
+
+def _gpt_step(model, opt, idx, tgt):
+    from zgraph.models import lm_loss
+
+    loss = lm_loss(model(idx), tgt)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _small_gpt():
+    from zgraph.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=128, d_model=64, layers=2, heads=2, seq=32))
+
+
+def _gpt_batch(rank: int) -> tuple:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(0, 128, (4, 32), generator=g), torch.randint(0, 128, (4, 32), generator=g)
+
+
+def collective_sequences(rank: int, world: int) -> dict:
+    """Every rank's final graph issues the same collectives in the same order (bucketed, scheduled)."""
+    from zgraph.runtime.consistency import describe_collectives
+
+    out = {}
+    for stage in range(4):
+        model = _small_gpt()
+        step = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(_gpt_step)
+        step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
+        mine = describe_collectives(step.graphs["final"])
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        out[stage] = everyone
+    return out
+
+
+def differing_plans(rank: int, world: int) -> str | None:
+    """Ranks configured with different bucket sizes plan different collectives: an error, not a hang."""
+    model = _small_gpt()
+    config = zgraph.Config(
+        stage=3, backend="eager", param_persistence_threshold=0, allgather_bucket_bytes=1 << (14 + rank)
+    )
+    step = zgraph.distribute(config)(_gpt_step)
+    try:
+        step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
+    except zgraph.RankMismatchError as e:
+        return str(e)
+    return None
+
+
+def prefetch_memory(rank: int, world: int) -> dict:
+    """Peak live tensor bytes of a steady-state stage-3 step for several prefetch caps."""
+    out = {}
+    batch = _gpt_batch(rank)
+    for cap in (0, 1 << 18, 1 << 20, 1 << 30):
+        model = _small_gpt()
+        opt = torch.optim.AdamW(model.parameters())
+        config = zgraph.Config(
+            stage=3, backend="eager", param_persistence_threshold=0, allgather_bucket_bytes=1 << 16, prefetch_bytes=cap
+        )
+        step = zgraph.distribute(config)(_gpt_step)
+        step(model, opt, *batch)
+        gc.collect()
+        tracker = LiveTensorBytes()
+        with tracker:
+            step(model, opt, *batch)
+        out[cap] = tracker.peak
+    return out
+
+
+def persistence(rank: int, world: int) -> dict:
+    """Default ``param_persistence_threshold``: small parameters are not sharded nor gathered in stage 3."""
+    from zgraph.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=2048, d_model=64, layers=1, heads=2, seq=16))  # embedding and head > 1e5
+    step = zgraph.distribute(stage=3, backend="eager")(_gpt_step)
+    idx = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(rank))
+    step(model, torch.optim.AdamW(model.parameters()), idx, idx.roll(1, dims=1))
+    from torch.distributed.tensor import DTensor
+
+    sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+    gathered = [
+        n.meta["zgraph_collective"]
+        for n in step.graphs["final"].graph.nodes
+        if n.meta.get("zgraph_collective")
+        and n.meta["zgraph_collective"][0] == "all_gather"
+        and n.meta["phase"] == "forward"
+    ]
+    return {
+        "sharded": sharded,
+        "forward_gathers": len(gathered),
+        "numels": {n: p.numel() for n, p in model.named_parameters()},
+    }

@@ -11,13 +11,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
+from zgraph.ops import REDUCE, REDUCE_BUCKET, REDUCE_SHARD, REDUCE_SHARD_BUCKET, UNSHARD, UNSHARD_BUCKET
 
 if TYPE_CHECKING:
     from zgraph.step import CompiledStep
 
 COLLECTIVE_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-_LAYOUT_KINDS = {UNSHARD: "all_gather_into_tensor", REDUCE_SHARD: "reduce_scatter_tensor", REDUCE: "all_reduce"}
+_LAYOUT_KINDS = {
+    UNSHARD: "all_gather_into_tensor",
+    UNSHARD_BUCKET: "all_gather_into_tensor",
+    REDUCE_SHARD: "reduce_scatter_tensor",
+    REDUCE_SHARD_BUCKET: "reduce_scatter_tensor",
+    REDUCE: "all_reduce",
+    REDUCE_BUCKET: "all_reduce",
+}
 _SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
 
@@ -101,7 +108,43 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     lines.append(fmt(header).rstrip())
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt(row).rstrip() for row in table]
+    lines += _bucket_lines(compiled.final)
+    lines += _timeline_lines(compiled)
     return "\n".join(lines)
+
+
+def _bucket_lines(gm: fx.GraphModule) -> list[str]:
+    """One line per collective kind: how many collectives carry several tensors, and their sizes."""
+    buckets: dict[str, list[int]] = {}
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        info = node.meta.get("zgraph_collective")
+        if kind is not None and info is not None and isinstance(info[1], (list, tuple)):
+            buckets.setdefault(_SHORT[kind], []).append(collective_bytes(node))
+    return [
+        f"buckets: {kind} x{len(sizes)} ({', '.join(human_bytes(b) for b in sizes)})"
+        for kind, sizes in sorted(buckets.items())
+    ]
+
+
+def _timeline_lines(compiled: CompiledStep) -> list[str]:
+    """What the cost model expects the ``schedule`` pass to hide behind compute."""
+    cost_model = getattr(compiled, "cost_model", None)
+    graphs = {r.name: r.gm for r in compiled.records}
+    if cost_model is None or "lower_collectives" not in graphs:
+        return []
+    from zgraph.passes.timeline import estimate
+
+    lines = [f"cost model ({cost_model.source}): estimated step time, collective time hidden behind compute"]
+    for name in ("lower_collectives", "schedule"):
+        if name in graphs:
+            t = estimate(graphs[name], cost_model)
+            share = t.hidden / t.communication if t.communication else 1.0
+            lines.append(
+                f"  after {name}: {t.total * 1e3:.1f} ms (compute {t.compute * 1e3:.1f} ms, collectives "
+                f"{t.communication * 1e3:.1f} ms, {t.hidden * 1e3:.1f} ms hidden = {share:.0%})"
+            )
+    return lines
 
 
 def dump_graphs(graphs: Mapping[str, fx.GraphModule], directory: str | os.PathLike) -> list[str]:

@@ -107,3 +107,48 @@ UNSHARD = torch.ops.zgraph.unshard.default
 REDUCE = torch.ops.zgraph.reduce.default
 REDUCE_SHARD = torch.ops.zgraph.reduce_shard.default
 LAYOUT_OPS = (SHARD, UNSHARD, REDUCE, REDUCE_SHARD)
+
+
+# ------------------------------------------------------------------------------------------- bucketed forms
+# The ``bucket`` pass merges several layout operators of one kind into one of these; ``lower_collectives``
+# turns each into a single collective on a flat buffer. Same meaning as the one-tensor operators, element-wise.
+
+
+@torch.library.custom_op("zgraph::unshard_bucket", mutates_args=())
+def unshard_bucket(xs: list[Tensor], dim0s: list[int], world_size: int, group: str) -> list[Tensor]:
+    """``[unshard(x, dim0) for x, dim0 in zip(xs, dim0s)]`` with one all-gather."""
+    return [unshard(x, d, world_size, group) for x, d in zip(xs, dim0s)]
+
+
+@unshard_bucket.register_fake
+def _unshard_bucket_fake(xs: list[Tensor], dim0s: list[int], world_size: int, group: str) -> list[Tensor]:
+    return [x.new_empty((d, *x.shape[1:])) for x, d in zip(xs, dim0s)]
+
+
+@torch.library.custom_op("zgraph::reduce_shard_bucket", mutates_args=())
+def reduce_shard_bucket(xs: list[Tensor], world_size: int, rank: int, group: str) -> list[Tensor]:
+    """``[reduce_shard(x) for x in xs]`` with one reduce-scatter."""
+    return [reduce_shard(x, world_size, rank, group) for x in xs]
+
+
+@reduce_shard_bucket.register_fake
+def _reduce_shard_bucket_fake(xs: list[Tensor], world_size: int, rank: int, group: str) -> list[Tensor]:
+    return [x.new_empty((_rows(x.shape[0], world_size), *x.shape[1:])) for x in xs]
+
+
+@torch.library.custom_op("zgraph::reduce_bucket", mutates_args=())
+def reduce_bucket(xs: list[Tensor], world_size: int, group: str) -> list[Tensor]:
+    """``[reduce(x) for x in xs]`` with one all-reduce."""
+    return [reduce(x, world_size, group) for x in xs]
+
+
+@reduce_bucket.register_fake
+def _reduce_bucket_fake(xs: list[Tensor], world_size: int, group: str) -> list[Tensor]:
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+UNSHARD_BUCKET = torch.ops.zgraph.unshard_bucket.default
+REDUCE_SHARD_BUCKET = torch.ops.zgraph.reduce_shard_bucket.default
+REDUCE_BUCKET = torch.ops.zgraph.reduce_bucket.default
+BUCKETED = {UNSHARD: UNSHARD_BUCKET, REDUCE_SHARD: REDUCE_SHARD_BUCKET, REDUCE: REDUCE_BUCKET}
+LAYOUT_OPS = (SHARD, UNSHARD, REDUCE, REDUCE_SHARD, UNSHARD_BUCKET, REDUCE_SHARD_BUCKET, REDUCE_BUCKET)

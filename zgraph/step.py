@@ -26,7 +26,8 @@ from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, _Returned, ca
 from zgraph.config import Config
 from zgraph.explain import dump_graphs, explain_table
 from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
-from zgraph.runtime.consistency import check_same_graph, describe_graph, digest
+from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
+from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.executor import Executable, compile_graph
 from zgraph.runtime.process_group import ensure_process_group
 from zgraph.runtime.sharded_state import StateIO, apply_plan, make_plan, normalize_state
@@ -158,6 +159,7 @@ class CompiledStep:
     output_roles: list[GraphOutput] = field(default_factory=list)
     description: list[str] = field(default_factory=list)
     digest: int = 0
+    cost_model: Any = None
 
     @property
     def final(self) -> fx.GraphModule:
@@ -217,8 +219,13 @@ class DistributedStep:
         binding = self._bindings.get(_binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
-            binding.plan = make_plan(self.config.stage, ensure_process_group(), binding)
+            binding.plan = make_plan(
+                self.config.stage, ensure_process_group(), binding, self.config.param_persistence_threshold
+            )
             apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
+            device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
+            # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
+            binding.cost_model = fit_cost_model(binding.plan.group, device, self.config.measure_collectives)
             self._bindings[_binding_key(modules, optimizers)] = binding
         return binding
 
@@ -255,7 +262,7 @@ class DistributedStep:
         specs = [n.meta["zgraph_input"] for n in final.graph.nodes if n.op == "placeholder"]
         output = next(n for n in reversed(final.graph.nodes) if n.op == "output")
         executable = compile_graph(final, self.config.backend)
-        description = describe_graph(captured.gm)
+        description = describe_graph(captured.gm) + describe_collectives(final)
         return CompiledStep(
             captured,
             records,
@@ -265,6 +272,7 @@ class DistributedStep:
             output.meta["zgraph_outputs"],
             description,
             digest(description),
+            binding.cost_model,
         )
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
@@ -306,6 +314,7 @@ class DistributedStep:
             rank=group.rank,
             group_name=group.group_name,
             params=params,
+            cost_model=binding.cost_model,
         )
 
     def _run(self, compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:

@@ -1,0 +1,149 @@
+"""``bucket``: merge layout operators of one kind into buckets, so many small collectives become few large ones.
+
+Plan first, then rewrite. The planner walks the ``unshard`` nodes (all-gathers), then the ``reduce_shard``
+nodes (reduce-scatters), then the ``reduce`` nodes (all-reduces), each in graph order, and grows a bucket with
+the next node while all of these hold:
+
+- same kind, process group, world size and dtype, and same phase (a forward gather never waits in a bucket
+  with a backward one: that would keep it alive across the two);
+- the bucket's bytes (of the whole tensors) stay within ``Config.allgather_bucket_bytes`` (gathers) or
+  ``Config.reduce_bucket_bytes`` (reductions); ``"auto"`` asks the cost model for the smallest size whose
+  latency is a tenth of its transfer time;
+- the merged collective has a legal place: every member's input is computed before the first use of any
+  member's output.
+
+Safety: the plan depends only on the graph and on numbers every rank has identically (the config, and the
+cost model, which rank 0 measures and broadcasts), and the planner is deterministic, so every rank builds the
+same buckets in the same order and issues the same collectives. A bucket of one is left as it was.
+
+Rewrite: each bucket becomes one ``zgraph::*_bucket`` node placed right before the first use of any member's
+output; members' users read their element of it. Bucket nodes carry ``meta["zgraph_bucket"]`` (members, bytes)
+for ``explain()``. Provides ``bucketed``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, UNSHARD
+from zgraph.passes.graph_utils import fake_mode, insert
+from zgraph.passes.pipeline import PassContext
+
+MIN_AUTO_BYTES = 256 * 1024
+MAX_AUTO_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Layout operators of one kind merged into one collective."""
+
+    kind: object
+    members: tuple[fx.Node, ...]
+    nbytes: int
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta["val"] if node.target is UNSHARD else node.args[0].meta["val"]
+    return val.numel() * val.element_size()
+
+
+def _collective_kind(target: object) -> str:
+    return "all_gather_into_tensor" if target is UNSHARD else "reduce_scatter_tensor"
+
+
+def bucket_limit(ctx: PassContext, target: object) -> int:
+    """The bucket size in bytes for a kind of layout operator (0: no bucketing)."""
+    config = ctx.config
+    value = config.allgather_bucket_bytes if target is UNSHARD else config.reduce_bucket_bytes
+    if value != "auto":
+        return value
+    kind = _collective_kind(target) if target is not REDUCE else "all_reduce"
+    auto = ctx.cost_model.bucket_bytes(kind) if ctx.cost_model is not None else 16 * 1024 * 1024
+    return max(MIN_AUTO_BYTES, min(MAX_AUTO_BYTES, auto))
+
+
+def plan_buckets(gm: fx.GraphModule, ctx: PassContext) -> list[Bucket]:
+    """The buckets to build, in the order their collectives will be issued (deterministic)."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = len(order)
+
+    def ready(node: fx.Node) -> int:
+        return max((order[a] for a in node.all_input_nodes), default=-1)
+
+    def first_use(node: fx.Node) -> int:
+        return min((order[u] for u in node.users), default=end)
+
+    def key(node: fx.Node) -> tuple:
+        val = node.args[0].meta["val"]
+        common = tuple(a for i, a in enumerate(node.args) if i > 1 or (i == 1 and node.target is not UNSHARD))
+        return (common, val.dtype, node.meta.get("phase"))
+
+    plans = []
+    for target in (UNSHARD, REDUCE_SHARD, REDUCE):
+        limit = bucket_limit(ctx, target)
+        if limit == 0:
+            continue
+        members: list[fx.Node] = []
+        nbytes = latest_input = 0
+        earliest_use = end
+        for node in (n for n in gm.graph.nodes if n.target is target):
+            size = _nbytes(node)
+            fits = (
+                members
+                and key(node) == key(members[0])
+                and nbytes + size <= limit
+                and max(latest_input, ready(node)) < min(earliest_use, first_use(node))
+            )
+            if not fits:
+                if len(members) > 1:
+                    plans.append(Bucket(target, tuple(members), nbytes))
+                members, nbytes, latest_input, earliest_use = [], 0, -1, end
+            members.append(node)
+            nbytes += size
+            latest_input = max(latest_input, ready(node))
+            earliest_use = min(earliest_use, first_use(node))
+        if len(members) > 1:
+            plans.append(Bucket(target, tuple(members), nbytes))
+    return plans
+
+
+def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Merge same-kind collectives into buckets (bytes capped by config or by the cost model)."""
+    if not ctx.distributed:
+        return gm
+    mode = fake_mode(gm)
+    for plan in plan_buckets(gm, ctx):
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        users = [u for m in plan.members for u in m.users]
+        anchor = min(users, key=order.__getitem__)
+        first = plan.members[0]
+        inputs = [m.args[0] for m in plan.members]
+        if plan.kind is UNSHARD:
+            args = (inputs, [m.args[1] for m in plan.members], *first.args[2:])
+        else:
+            args = (inputs, *first.args[1:])
+        merged = insert(gm, BUCKETED[plan.kind], args, before=anchor, phase=first.meta.get("phase"), mode=mode)
+        merged.meta["zgraph_bucket"] = {
+            "members": [m.args[0].name for m in plan.members],
+            "bytes": plan.nbytes,
+        }
+        for i, member in enumerate(plan.members):
+            with gm.graph.inserting_after(merged):
+                item = gm.graph.call_function(operator.getitem, (merged, i))
+            item.meta.update(val=merged.meta["val"][i], phase=member.meta.get("phase"))
+            member.replace_all_uses_with(item)
+            gm.graph.erase_node(member)
+    return gm
+
+
+def bucket_summary(gm: fx.GraphModule) -> dict[str, list[int]]:
+    """``{collective kind: [bucket bytes, ...]}`` of the bucket nodes in a graph."""
+    out: dict[str, list[int]] = {}
+    for node in gm.graph.nodes:
+        info = node.meta.get("zgraph_bucket")
+        if info is not None:
+            out.setdefault(str(node.target).split("::")[-1].split(".")[0], []).append(info["bytes"])
+    return out

@@ -1,0 +1,202 @@
+"""``schedule``: order the lowered graph so communication overlaps computation.
+
+Rules (plan first — an anchor position per node — then one stable reorder):
+
+- **Issue early.** Each collective, with the copies and views that only prepare its input, is issued as soon as
+  its inputs exist: a gradient's reduce-scatter right after backward produced it, an updated parameter's
+  all-gather right after the optimizer produced it.
+- **Prefetch within a cap.** Stage-3 parameter all-gathers read only graph inputs, so "as soon as possible"
+  would be the very start. They are issued in the order their results are first used, each as early as keeps
+  the bytes gathered ahead of use (issued, not yet read) within ``Config.prefetch_bytes``.
+- **Wait late.** Each ``wait_tensor``, and the views and copies that unpack its result, moves right before the
+  first op that reads them.
+- **Update while backward continues.** Optimizer work that depends on the gradient buckets up to the k-th
+  reduction is placed right before the (k+1)-th reduction is issued: bucket k's reduce-scatter overlaps the
+  backward work between the two issues, then its update runs while bucket k+1's is in flight.
+
+Safety: the anchors depend only on the graph and on the config, and the reorder is a stable sort, so every rank
+computes the same order and issues the same collectives in the same sequence (the runtime's per-call graph
+check compares ranks before anything runs). Anchors are made monotone along every edge before sorting, so the
+result is a valid topological order.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from zgraph.capture import BACKWARD, OPTIMIZER
+from zgraph.ops import UNSHARD
+from zgraph.passes.bucket import bucket_limit
+from zgraph.passes.pipeline import PassContext
+
+aten = torch.ops.aten
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+# Data movement that only packs a collective's input or unpacks its output.
+_PACKING = {
+    aten.view.default,
+    aten.reshape.default,
+    aten.cat.default,
+    aten.constant_pad_nd.default,
+    aten.clone.default,
+    aten.slice.Tensor,
+    aten.split_with_sizes.default,
+    operator.getitem,
+}
+_EPS = 1e-3
+_REDUCTIONS = (
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+)
+
+
+def is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "_c10d_functional"
+        and target is not WAIT
+    )
+
+
+def _packing_inputs(start: fx.Node) -> list[fx.Node]:
+    """Nodes that exist only to build ``start``'s input (each used only by the chain), in graph order."""
+    chain: list[fx.Node] = []
+    members = {start}
+    frontier = list(start.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node in members or node.target not in _PACKING or not set(node.users) <= members:
+            continue
+        members.add(node)
+        chain.append(node)
+        frontier.extend(node.all_input_nodes)
+    return chain
+
+
+def _unpacking(wait: fx.Node) -> list[fx.Node]:
+    """The wait and the views/copies that only unpack its result, in graph order."""
+    chain = [wait]
+    for node in chain:
+        for user in node.users:
+            if user.target in _PACKING and user not in chain and all(a in chain for a in user.all_input_nodes):
+                chain.append(user)
+    return chain
+
+
+def prefetch_limit(ctx: PassContext) -> int:
+    """``Config.prefetch_bytes``; ``"auto"``: two all-gather buckets."""
+    value = ctx.config.prefetch_bytes
+    return value if value != "auto" else 2 * bucket_limit(ctx, UNSHARD)
+
+
+def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Issue collectives early (parameter prefetch capped), wait late, run optimizer updates inside backward."""
+    if not ctx.distributed:
+        return gm
+    nodes = list(gm.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    anchor = {node: float(i) for i, node in enumerate(nodes)}
+    starts = [n for n in nodes if is_collective(n)]
+    waits = {s: next(u for u in s.users if u.target is WAIT) for s in starts}
+    packing = {s: _packing_inputs(s) for s in starts}
+    unpacking = {s: _unpacking(waits[s]) for s in starts}
+
+    def external_inputs(start: fx.Node) -> list[fx.Node]:
+        group = set(packing[start]) | {start}
+        return [a for n in group for a in n.all_input_nodes if a not in group]
+
+    def first_reader(start: fx.Node) -> float:
+        group = set(unpacking[start])
+        readers = [index[u] for n in group for u in n.users if u not in group]
+        return min(readers, default=float(len(nodes)))
+
+    # issue early; parameter gathers (inputs are graph inputs) within the prefetch cap
+    def reads_only_graph_inputs(start: fx.Node) -> bool:
+        inputs = external_inputs(start)
+        return bool(inputs) and all(a.op == "placeholder" for a in inputs)
+
+    prefetchable = [s for s in starts if reads_only_graph_inputs(s)]
+    issued_asap = [s for s in starts if s not in prefetchable]
+
+    def issue_early() -> None:
+        for start in issued_asap:
+            issue = max((anchor[a] for a in external_inputs(start)), default=-1.0)
+            _place(anchor, [*packing[start], start], issue + _EPS)
+
+    issue_early()
+    _interleave_optimizer(nodes, anchor, starts, waits)
+    _monotone(nodes, anchor)
+    issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
+    _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx))
+    _monotone(nodes, anchor)
+    # wait late: each wait and its unpacking right before the first reader
+    for start in reversed(starts):
+        chain = unpacking[start]
+        group = set(chain)
+        readers = [anchor[u] for n in chain for u in n.users if u not in group]
+        if readers:
+            for i, node in enumerate(chain):
+                anchor[node] = min(readers) - _EPS * (len(chain) - i)
+    _monotone(nodes, anchor)
+    ordered = sorted(nodes, key=lambda n: (anchor[n], index[n]))
+    _reorder(gm.graph, ordered)
+    return gm
+
+
+def _place(anchor: dict, chain: list[fx.Node], position: float) -> None:
+    """Anchor ``chain`` (in its order) just after ``position``; never later than where it is."""
+    for i, node in enumerate(chain):
+        anchor[node] = min(anchor[node], position + _EPS * 1e-3 * (i + 1))
+
+
+def _place_prefetch(anchor: dict, gathers: list, first_reader: Callable, limit: int) -> None:
+    """Issue parameter gathers in the order they are read, each as soon as the gathers between its issue and
+    its read fit, with it, in ``limit`` bytes (a gather alone over the limit is issued right before its read)."""
+    by_use = sorted(gathers, key=first_reader)
+    sizes = [g.meta["val"].numel() * g.meta["val"].element_size() for g in by_use]
+    for i, start in enumerate(by_use):
+        held, j = sizes[i], i
+        while j > 0 and held + sizes[j - 1] <= limit:
+            held += sizes[j - 1]
+            j -= 1
+        if held > limit:
+            position = first_reader(start) - 0.5
+        else:  # gathers j..i are in flight or unread together; issue once gather j-1 has been read
+            position = first_reader(by_use[j - 1]) if j > 0 else -1.0
+        _place(anchor, [*_packing_inputs(start), start], position + _EPS * 1e-2 * i)
+
+
+def _interleave_optimizer(nodes: list, anchor: dict, starts: list, waits: dict) -> None:
+    """Optimizer work that needs reduction k (and none later) goes right before reduction k+1 is issued."""
+    reductions = [s for s in starts if s.meta.get("phase") == BACKWARD and s.target in _REDUCTIONS]
+    if len(reductions) < 2:
+        return
+    reduction_of_wait = {waits[s]: k for k, s in enumerate(reductions)}
+    needs: dict[fx.Node, int] = {}
+    for node in nodes:
+        k = max([reduction_of_wait.get(node, -1), *(needs.get(a, -1) for a in node.all_input_nodes)])
+        needs[node] = k
+        if node.meta.get("phase") == OPTIMIZER and node.op == "call_function" and 0 <= k < len(reductions) - 1:
+            anchor[node] = min(anchor[node], anchor[reductions[k + 1]] - 0.5)
+
+
+def _monotone(nodes: list, anchor: dict) -> None:
+    """Make anchors non-decreasing along every edge (in the original topological order)."""
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if anchor[arg] >= anchor[node]:
+                anchor[node] = anchor[arg] + _EPS * 1e-6
+
+
+def _reorder(graph: fx.Graph, ordered: list[fx.Node]) -> None:
+    """Move the graph's nodes into ``ordered`` (placeholders stay first, the output last)."""
+    body = [n for n in ordered if n.op not in ("placeholder", "output")]
+    cursor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in body:
+        cursor.append(node)
+        cursor = node

@@ -1,0 +1,159 @@
+"""Cost model of collectives (latency + bytes / bandwidth) and of compute, for bucket sizes and schedules.
+
+``fit_cost_model`` times each collective kind at two sizes on the real process group and fits
+``seconds = latency + bytes / bandwidth``; it also times a matmul and a copy for compute and memory speed. The
+result is cached per machine, backend and world size (``$XDG_CACHE_HOME/zgraph``), so only the first run on a
+machine pays the second or so it takes. Rank 0's numbers are broadcast, so every rank plans identically.
+``analytical_cost_model`` gives fixed defaults where measuring is off or impossible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from zgraph.runtime.process_group import ProcessGroupInfo
+
+KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """``seconds(nbytes) = latency + nbytes / bandwidth``; ``nbytes`` is the whole (gathered) tensor's size."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs the planning passes use. ``source``: ``measured``, ``cached`` or ``analytical``."""
+
+    collectives: dict[str, CollectiveCost]
+    flops_per_second: float
+    bytes_per_second: float
+    source: str
+
+    def collective_seconds(self, kind: str, nbytes: int) -> float:
+        return self.collectives[kind].seconds(nbytes)
+
+    def bucket_bytes(self, kind: str, latency_share: float = 0.1) -> int:
+        """Smallest bucket whose latency is at most ``latency_share`` of its transfer time."""
+        cost = self.collectives[kind]
+        return int(cost.latency * cost.bandwidth / latency_share)
+
+    def to_json(self) -> dict:
+        return {
+            "collectives": {k: asdict(v) for k, v in self.collectives.items()},
+            "flops_per_second": self.flops_per_second,
+            "bytes_per_second": self.bytes_per_second,
+        }
+
+    @staticmethod
+    def from_json(data: dict, source: str) -> CostModel:
+        return CostModel(
+            {k: CollectiveCost(**v) for k, v in data["collectives"].items()},
+            data["flops_per_second"],
+            data["bytes_per_second"],
+            source,
+        )
+
+
+def analytical_cost_model(backend: str | None) -> CostModel:
+    """Defaults: NCCL on one node (20 us, 100 GB/s; 100 TFLOP/s), or gloo over loopback TCP (150 us, 1 GB/s; a
+    CPU core's 50 GFLOP/s)."""
+    if backend == "nccl":
+        link = CollectiveCost(20e-6, 100e9)
+        return CostModel(dict.fromkeys(KINDS, link), 100e12, 1e12, "analytical")
+    link = CollectiveCost(150e-6, 1e9)
+    return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical")
+
+
+def _cache_path(group: ProcessGroupInfo, device: str) -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    name = f"cost-{group.backend}-{device}-w{group.world_size}-{socket.gethostname()}.json"
+    return os.path.join(root, "zgraph", name)
+
+
+def _time(fn: object, repeats: int) -> float:
+    fn()  # warm up
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - start) / repeats
+
+
+def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
+    world = group.world_size
+    c10d = torch.ops._c10d_functional
+    sizes = (64 * 1024, 4 * 1024 * 1024)  # bytes of the whole tensor
+    collectives = {}
+    for kind in KINDS:
+        points = []
+        for nbytes in sizes:
+            whole = torch.ones(nbytes // 4, device=device)
+            shard = whole[: whole.numel() // world].clone()
+            if kind == "all_gather_into_tensor":
+                run = lambda s=shard: c10d.wait_tensor(c10d.all_gather_into_tensor(s, world, group.group_name))
+            elif kind == "reduce_scatter_tensor":
+                run = lambda w=whole: c10d.wait_tensor(c10d.reduce_scatter_tensor(w, "avg", world, group.group_name))
+            else:
+                run = lambda w=whole: c10d.wait_tensor(c10d.all_reduce(w, "avg", group.group_name))
+            points.append((nbytes, _time(run, 5)))
+        (b0, t0), (b1, t1) = points
+        bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
+        collectives[kind] = CollectiveCost(max(t0 - b0 / bandwidth, 1e-6), bandwidth)
+    a = torch.randn(512, 512, device=device)
+    flops = 2 * 512**3 / _time(lambda: a @ a, 5)
+    big = torch.empty(8 * 1024 * 1024 // 4, device=device)
+    bytes_per_s = 2 * big.numel() * 4 / _time(lambda: big.clone(), 5)
+    return CostModel(collectives, flops, bytes_per_s, "measured")
+
+
+_FITTED: dict[tuple, CostModel] = {}
+
+
+def fit_cost_model(group: ProcessGroupInfo, device: torch.device, measure: bool) -> CostModel:
+    """The cost model for ``group``: cached file, fresh measurement, or analytical; identical on every rank.
+
+    Collective: every rank of the group must call it at the same point.
+    """
+    key = (group.group_name, group.world_size, str(device), measure)
+    if key in _FITTED:
+        return _FITTED[key]
+    if not group.distributed or not measure:
+        model = analytical_cost_model(group.backend)
+    else:
+        path = _cache_path(group, device.type)
+        decision: list = [None]
+        if group.rank == 0 and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    decision = [json.load(f)]
+            except (OSError, ValueError):
+                decision = [None]
+        dist.broadcast_object_list(decision, src=0)
+        if decision[0] is not None:
+            model = CostModel.from_json(decision[0], "cached")
+        else:
+            measured = [_measure(group, device).to_json()]
+            dist.broadcast_object_list(measured, src=0)
+            model = CostModel.from_json(measured[0], "measured")
+            if group.rank == 0:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(model.to_json(), f)
+                os.replace(path + ".tmp", path)
+    _FITTED[key] = model
+    return model
