@@ -7,7 +7,10 @@ what it does and what later passes may rely on.
 from __future__ import annotations
 
 from zgraph.passes.bucket import bucket
+from zgraph.passes.cast import cast
+from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
+from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
@@ -39,6 +42,9 @@ def default_pipeline() -> list[Pass]:
             provides={"grads_reduced"},
         ),
         Pass("shard_params", shard_params, requires={"phases"}, provides={"params_sharded"}),
+        Pass("cast", cast, requires={"grads_reduced"}, provides={"casts_placed"}),
+        Pass("clip_grad", clip_grad, requires={"grads_reduced"}, provides={"grad_norms_sharded"}),
+        Pass("loss_scale", loss_scale, requires={"grads_reduced"}, provides={"overflow_global"}),
         Pass("bucket", bucket, requires={"grads_reduced"}, provides={"bucketed"}),
         Pass("lower_collectives", lower_collectives, requires={"grads_reduced"}, provides={"collectives_lowered"}),
         Pass("schedule", schedule, requires={"collectives_lowered"}, provides={"scheduled"}),

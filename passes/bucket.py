@@ -26,6 +26,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, UNSHARD
@@ -65,16 +66,62 @@ def bucket_limit(ctx: PassContext, target: object) -> int:
     return max(MIN_AUTO_BYTES, min(MAX_AUTO_BYTES, auto))
 
 
+# Cheap ops that only re-view or re-type one value: they can follow a merged collective wherever it lands.
+_FOLLOWERS = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.slice.Tensor,
+    operator.getitem,
+}
+
+
+def _follows(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` only re-views or re-types ``node`` (it moves along with a bucket)."""
+    return user.target in _FOLLOWERS and user.all_input_nodes == [node]
+
+
+def _hoistable(node: fx.Node) -> bool:
+    """``node`` only re-views or re-types a graph input (e.g. a parameter shard cast to the compute dtype): it
+    can be computed as early as needed, before a bucket that reads it."""
+    while node.op != "placeholder":
+        if node.target not in _FOLLOWERS or len(node.all_input_nodes) != 1:
+            return False
+        node = node.all_input_nodes[0]
+    return True
+
+
+def _hoisted_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes of ``node``'s hoistable input chains (not the graph inputs), parents first."""
+    out: list[fx.Node] = []
+    for arg in node.all_input_nodes:
+        if arg.op != "placeholder" and _hoistable(arg):
+            out.extend(_hoisted_inputs(arg))
+            out.append(arg)
+    return out
+
+
+def _followers(node: fx.Node) -> list[fx.Node]:
+    """The chains of ``_follows`` users hanging from ``node``, in no particular order."""
+    out = []
+    for user in node.users:
+        if _follows(user, node):
+            out.append(user)
+            out.extend(_followers(user))
+    return out
+
+
 def plan_buckets(gm: fx.GraphModule, ctx: PassContext) -> list[Bucket]:
     """The buckets to build, in the order their collectives will be issued (deterministic)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     end = len(order)
 
     def ready(node: fx.Node) -> int:
-        return max((order[a] for a in node.all_input_nodes), default=-1)
+        return max((-1 if _hoistable(a) else order[a] for a in node.all_input_nodes), default=-1)
 
     def first_use(node: fx.Node) -> int:
-        return min((order[u] for u in node.users), default=end)
+        return min((first_use(u) if _follows(u, node) else order[u] for u in node.users), default=end)
 
     def key(node: fx.Node) -> tuple:
         val = node.args[0].meta["val"]
@@ -117,7 +164,8 @@ def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mode = fake_mode(gm)
     for plan in plan_buckets(gm, ctx):
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        users = [u for m in plan.members for u in m.users]
+        followers = {f for m in plan.members for f in _followers(m)}
+        users = [u for n in (*plan.members, *followers) for u in n.users if u not in followers]
         anchor = min(users, key=order.__getitem__)
         first = plan.members[0]
         inputs = [m.args[0] for m in plan.members]
@@ -125,6 +173,9 @@ def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             args = (inputs, [m.args[1] for m in plan.members], *first.args[2:])
         else:
             args = (inputs, *first.args[1:])
+        for chain_node in [n for m in plan.members for n in _hoisted_inputs(m)]:
+            if order[chain_node] > order[anchor]:
+                anchor.prepend(chain_node)  # a cast of a shard the bucket reads: computed before it
         merged = insert(gm, BUCKETED[plan.kind], args, before=anchor, phase=first.meta.get("phase"), mode=mode)
         merged.meta["zgraph_bucket"] = {
             "members": [m.args[0].name for m in plan.members],
@@ -136,6 +187,8 @@ def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             item.meta.update(val=merged.meta["val"][i], phase=member.meta.get("phase"))
             member.replace_all_uses_with(item)
             gm.graph.erase_node(member)
+        for follower in sorted(followers, key=order.__getitem__):  # they now read the bucket: move after it
+            anchor.prepend(follower)
     return gm
 
 

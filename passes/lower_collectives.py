@@ -9,7 +9,9 @@
 Collectives are ``torch.ops._c10d_functional`` ops, so the graph stays functional, traceable and
 inductor-compilable. Every collective is followed directly by its wait; the ``schedule`` pass may move waits.
 
-Provides ``collectives_lowered``: no zgraph layout operator is left; collective nodes carry
+``grad_norm`` and ``nonfinite`` become the aten ops they stand for, and ``combine`` an all-reduce.
+
+Provides ``collectives_lowered``: no zgraph operator is left; collective nodes carry
 ``meta["zgraph_collective"]`` (kind and what it moves) for inspection and for bucketing.
 """
 
@@ -21,7 +23,10 @@ import torch
 import torch.fx as fx
 
 from zgraph.ops import (
+    COMBINE,
+    GRAD_NORM,
     LAYOUT_OPS,
+    NONFINITE,
     REDUCE,
     REDUCE_BUCKET,
     REDUCE_SHARD,
@@ -56,6 +61,9 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace shard/unshard/reduce/reduce_shard by slices and functional collectives with their waits."""
     mode = fake_mode(gm)
     for node in list(gm.graph.nodes):
+        if node.target in (GRAD_NORM, NONFINITE):
+            _lower_reduction(gm, node, mode)
+            continue
         if node.target not in LAYOUT_OPS:
             continue
         if node.target in (UNSHARD_BUCKET, REDUCE_SHARD_BUCKET, REDUCE_BUCKET):
@@ -84,6 +92,12 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             out = insert(gm, c10d.wait_tensor.default, (gathered,), **at)
             if out.meta["val"].shape[0] != dim0:
                 out = insert(gm, aten.slice.Tensor, (out, 0, 0, dim0), **at)
+        elif node.target is COMBINE:
+            _, op, world, group = node.args
+            source = _contiguous(gm, x, node, mode, phase)
+            reduced = insert(gm, c10d.all_reduce.default, (source, op, group), **at)
+            reduced.meta["zgraph_collective"] = ("all_reduce", x)
+            out = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
         elif node.target is REDUCE:
             _, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
@@ -105,6 +119,27 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
+
+
+def _lower_reduction(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
+    """``grad_norm`` and ``nonfinite`` as the aten ops they stand for."""
+    at = dict(before=node, phase=node.meta.get("phase"), mode=mode)
+    if node.target is GRAD_NORM:
+        grad, order = node.args
+        out = insert(gm, aten.linalg_vector_norm.default, (grad, order), **at)
+    else:
+        flags = []
+        for grad in node.args[0]:
+            finite = insert(gm, aten.isfinite.default, (grad,), **at)
+            bad = insert(gm, aten.logical_not.default, (finite,), **at)
+            flags.append(insert(gm, aten.any.default, (bad,), **at))
+        if flags:
+            stacked = insert(gm, aten.stack.default, (flags,), **at)
+            out = insert(gm, aten.any.default, (stacked,), **at)
+        else:
+            out = insert(gm, aten.zeros.default, ([],), {"dtype": torch.bool}, **at)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
 
 
 def _numel(val: torch.Tensor) -> int:

@@ -247,10 +247,10 @@ def _check_no_markers(gm: fx.GraphModule) -> str | None:
 
 
 def _check_lowered(gm: fx.GraphModule) -> str | None:
-    from zgraph.ops import LAYOUT_OPS
+    from zgraph.ops import GRAD_NORM, LAYOUT_OPS, NONFINITE
 
     for node in gm.graph.nodes:
-        if node.target in LAYOUT_OPS:
+        if node.target in LAYOUT_OPS or node.target in (GRAD_NORM, NONFINITE):
             return f"layout operator {node.name} ({node.target}) is still in the graph"
     return None
 

@@ -122,6 +122,28 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence
     return plan
 
 
+def convert_master_dtype(binding: Binding, master: torch.dtype | None, state: torch.dtype | None) -> None:
+    """Store floating parameters (and their ``.grad``) in ``master``, and optimizer state tensors of a parameter's
+    shape in ``state`` (else in the master dtype), as ``Config.master_dtype`` / ``optimizer_state_dtype`` say."""
+    for record in binding.params:
+        p = record.tensor
+        if master is not None and p.is_floating_point() and p.dtype != master:
+            with torch.no_grad():
+                p.data = p.data.to(master)
+                if p.grad is not None:
+                    p.grad = p.grad.to(master)
+    target = state or master
+    if target is None:
+        return
+    for o in binding.optimizers:
+        for indices in o.group_params:
+            for i in indices:
+                param = binding.params[i].tensor
+                for key, value in o.optimizer.state.get(param, {}).items():
+                    if isinstance(value, Tensor) and value.shape == param.shape and value.dtype != target:
+                        o.optimizer.state[param][key] = value.to(target)
+
+
 # ------------------------------------------------------------------------------------------ sharding in place
 _OWNER: weakref.WeakKeyDictionary[nn.Module, tuple[ShardingPlan, Binding]] = weakref.WeakKeyDictionary()
 
@@ -256,6 +278,8 @@ class StateIO:
             return user_tensors[spec.index][1].detach()
         if kind == "input_grad":
             return user_tensors[spec.index][1].grad
+        if kind == "loss_scale":
+            return binding.loss_scale_state[spec.field]
         raise AssertionError(f"unknown graph input kind {kind!r}")
 
     def write(self, role: Any, value: Tensor, user_tensors: list) -> None:
@@ -287,5 +311,7 @@ class StateIO:
                 user_tensors[role.index][1].copy_(value)
         elif kind == "input_grad":
             user_tensors[role.index][1].grad = value
+        elif kind == "loss_scale":
+            binding.loss_scale_state[role.field] = value
         else:
             raise AssertionError(f"unknown graph output kind {kind!r}")

@@ -74,6 +74,7 @@ class Binding:
         self.modules = modules
         self.plan: Any = None  # the ShardingPlan (zgraph.runtime.sharded_state), set when the step binds
         self.cost_model: Any = None  # the CostModel (zgraph.runtime.cost_model), set when the step binds
+        self.loss_scale_state: dict[str, Tensor] = {}  # fp16 loss scale carried between calls (zgraph.precision)
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}

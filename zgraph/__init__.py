@@ -10,8 +10,16 @@ def train_step(model, opt, batch):
     return loss
 """
 
-from zgraph.config import Config
-from zgraph.errors import CaptureError, PipelineError, RankMismatchError, ShardedParameterError, ZGraphError
+from zgraph.checkpoint import consolidate, load, save
+from zgraph.config import Config, DynamicLossScale
+from zgraph.errors import (
+    CaptureError,
+    CheckpointError,
+    PipelineError,
+    RankMismatchError,
+    ShardedParameterError,
+    ZGraphError,
+)
 from zgraph.gather import full_state_dict, gather
 from zgraph.step import DistributedStep, distribute
 
@@ -19,13 +27,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "Config",
     "DistributedStep",
+    "DynamicLossScale",
     "PipelineError",
     "RankMismatchError",
     "ShardedParameterError",
     "ZGraphError",
+    "consolidate",
     "distribute",
     "full_state_dict",
     "gather",
+    "load",
+    "save",
 ]

@@ -44,12 +44,13 @@ from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.overrides import TorchFunctionMode
 
 from zgraph import optimizers as zopt
 from zgraph.errors import CaptureError
 from zgraph.ops import grad_contribution
+from zgraph.precision import StepMode, TracePrecision, keep_if_overflow
 from zgraph.runtime.state import Binding
+from zgraph.tree import map_leaves
 
 aten = torch.ops.aten
 
@@ -137,18 +138,6 @@ class _Returned:
 
 
 # --------------------------------------------------------------------------------------------- trace helpers
-class _PhaseMode(TorchFunctionMode):
-    """Tags every op run inside an autograd backward call (any spelling) with phase ``backward``."""
-
-    _BACKWARD = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-
-    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in self._BACKWARD:
-            with fx_traceback.annotate({"phase": BACKWARD}):
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 def _batch_norm_with_honest_schema(
     input: Tensor,
     weight: Tensor | None,
@@ -229,21 +218,48 @@ def _swap_module_tensors(binding: Binding, params: list[Tensor], buffers: list[T
             store[attr] = original
 
 
+@contextlib.contextmanager
+def _cast_forward_inputs(binding: Binding, dtype: torch.dtype) -> Iterator[None]:
+    """Floating-point tensors passed to a bound model's forward are cast to the compute dtype (what FSDP2's
+    ``cast_forward_inputs`` and DeepSpeed's bf16/fp16 engines do), so they meet parameters in that dtype."""
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, Tensor) and value.is_floating_point() else value
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return map_leaves(args, lambda _p, v: cast(v)), map_leaves(kwargs, lambda _p, v: cast(v))
+
+    handles = [root.register_forward_pre_hook(hook, with_kwargs=True) for _, root in binding.modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 _INSTANCE_MISSING = object()
 
 
+@dataclass
+class _Trace:
+    """What one trace of the step works with: the traced parameters, optimizer state and hyper-parameters,
+    precision handling, and what the optimizers did."""
+
+    binding: Binding
+    config: Any
+    params: list[Tensor]
+    states: dict[tuple[int, int], dict[str, Any]]
+    hparams: dict[tuple[int, int], dict[str, Tensor]]
+    precision: TracePrecision
+    created: list[tuple[int, int]] = field(default_factory=list)
+    stepped: list[int] = field(default_factory=list)
+
+
 @contextlib.contextmanager
-def _swap_optimizers(
-    binding: Binding,
-    params: list[Tensor],
-    states: dict[tuple[int, int], dict[str, Any]],
-    hparams: dict[tuple[int, int], dict[str, Tensor]],
-    created: list[tuple[int, int]],
-    stepped: list[int],
-) -> Iterator[None]:
+def _swap_optimizers(trace: _Trace) -> Iterator[None]:
     saved = []
     try:
-        for record in binding.optimizers:
+        for record in trace.binding.optimizers:
             opt = record.optimizer
             saved.append(
                 (
@@ -256,13 +272,13 @@ def _swap_optimizers(
             )
             traced_state: defaultdict = defaultdict(dict)
             for group, indices in zip(opt.param_groups, record.group_params):
-                group["params"] = [params[i] for i in indices]
+                group["params"] = [trace.params[i] for i in indices]
                 for i in indices:
-                    if (record.index, i) in states:
-                        traced_state[params[i]] = states[(record.index, i)]
+                    if (record.index, i) in trace.states:
+                        traced_state[trace.params[i]] = trace.states[(record.index, i)]
             opt.state = traced_state
-            opt.step = _traced_step(binding, record.index, params, hparams, created, stepped, opt.step)
-            opt.zero_grad = _in_phase(OPTIMIZER, opt.zero_grad)
+            opt.step = _traced_step(trace, record.index, opt.step)
+            opt.zero_grad = _in_optimizer(trace, opt.zero_grad)
         yield
     finally:
         for opt, group_params, state, step, zero_grad in saved:
@@ -276,26 +292,43 @@ def _swap_optimizers(
                     opt.__dict__[attr] = value
 
 
-def _in_phase(phase: str, fn: Callable) -> Callable:
+@contextlib.contextmanager
+def _optimizer_phase(trace: _Trace) -> Iterator[None]:
+    trace.precision.in_optimizer = True
+    try:
+        with fx_traceback.annotate({"phase": OPTIMIZER}), torch.no_grad():
+            yield
+    finally:
+        trace.precision.in_optimizer = False
+
+
+def _in_optimizer(trace: _Trace, fn: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with fx_traceback.annotate({"phase": phase}):
+        with _optimizer_phase(trace):
             return fn(*args, **kwargs)
 
     return wrapped
 
 
-def _traced_step(
-    binding: Binding,
-    o_index: int,
-    params: list[Tensor],
-    hparams: dict[tuple[int, int], dict[str, Tensor]],
-    created: list[tuple[int, int]],
-    stepped: list[int],
-    original_step: Callable,
-) -> Callable:
-    record = binding.optimizers[o_index]
+def _untraceable(opt: torch.optim.Optimizer, exc: Exception) -> CaptureError:
+    return CaptureError(
+        f"zgraph cannot trace the optimizer {type(opt).__module__}.{type(opt).__qualname__}: "
+        f"its step() failed under the tracer ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        f"{_where(exc)}. zgraph traces torch.optim.SGD, Adam and AdamW with hyper-parameters as "
+        "graph inputs, and other optimizers whose step() is plain tensor code."
+    )
+
+
+def _traced_step(trace: _Trace, o_index: int, original_step: Callable) -> Callable:
+    """``optimizer.step`` while the step is traced: zgraph's kernel for registered classes (hyper-parameters
+    from graph inputs), the optimizer's own ``step()`` otherwise; with loss-scale overflow skipping and
+    ``max_grad_norm`` clipping around it."""
+    record = trace.binding.optimizers[o_index]
     opt = record.optimizer
     kernel = zopt.kernel_for(opt)
+    params = trace.params
+    precision = trace.precision
+    state_dtype = trace.config.optimizer_state_dtype
 
     def step(closure: Callable | None = None) -> None:
         if closure is not None:
@@ -303,46 +336,56 @@ def _traced_step(
                 f"{type(opt).__name__}.step(closure) is not supported inside a zgraph step: the closure "
                 "re-evaluates the model, which zgraph cannot trace. Call step() without a closure."
             )
-        stepped.append(o_index)
-        with fx_traceback.annotate({"phase": OPTIMIZER}):
+        trace.stepped.append(o_index)
+        groups = [[i for i in indices if params[i].grad is not None] for indices in record.group_params]
+        flat = [i for group in groups for i in group]
+        for i in flat:
+            if params[i].grad.is_sparse:
+                raise CaptureError(f"{type(opt).__name__}: sparse gradients are not supported by zgraph")
+        with _optimizer_phase(trace):
+            grads, overflow = precision.prepare_update([params[i] for i in flat])
+            grad_of = {i: g for i, g in zip(flat, grads)}
             if kernel is None:
-                before = {id(p): len(opt.state.get(p, {})) for g in opt.param_groups for p in g["params"]}
+                if precision.grads_stay_scaled:
+                    raise CaptureError(
+                        f"fp16 master gradients with loss scaling need an optimizer zgraph has a kernel for "
+                        f"(SGD, Adam, AdamW), not {type(opt).__name__}"
+                    )
+                before = {id(params[i]): len(opt.state.get(params[i], {})) for i in flat}
+                tensors = [params[i] for i in flat] + [
+                    v for i in flat for v in opt.state.get(params[i], {}).values() if isinstance(v, Tensor)
+                ]
+                previous = [t.clone() for t in tensors] if overflow is not None else []
                 try:
                     original_step()
                 except CaptureError:
                     raise
                 except Exception as exc:
-                    raise CaptureError(
-                        f"zgraph cannot trace the optimizer {type(opt).__module__}.{type(opt).__qualname__}: "
-                        f"its step() failed under the tracer ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-                        f"{_where(exc)}. zgraph traces torch.optim.SGD, Adam and AdamW with hyper-parameters as "
-                        "graph inputs, and other optimizers whose step() is plain tensor code."
-                    ) from exc
-                for indices in record.group_params:
-                    for i in indices:
-                        if before.get(id(params[i]), 0) == 0 and opt.state.get(params[i]):
-                            created.append((o_index, i))
+                    raise _untraceable(opt, exc) from exc
+                keep_if_overflow(overflow, tensors, previous)
+                new_state = [i for i in flat if before[id(params[i])] == 0 and opt.state.get(params[i])]
+                trace.created.extend((o_index, i) for i in new_state)
                 return
-            with torch.no_grad():
-                for g_index, (group, indices) in enumerate(zip(opt.param_groups, record.group_params)):
-                    with_grad = [i for i in indices if params[i].grad is not None]
-                    for i in with_grad:
-                        if params[i].grad.is_sparse:
-                            raise CaptureError(f"{kernel.name} does not support sparse gradients")
-                    states = []
-                    for i in with_grad:
-                        state = opt.state[params[i]]
-                        if not state and kernel.initial_state is not None:
-                            state.update(kernel.initial_state(params[i], group))
-                            created.append((o_index, i))
-                        states.append(state)
-                    kernel.update(
-                        [params[i] for i in with_grad],
-                        [params[i].grad for i in with_grad],
-                        states,
-                        hparams[(o_index, g_index)],
-                        group,
-                    )
+            for g_index, (group, indices) in enumerate(zip(opt.param_groups, groups)):
+                states = []
+                for i in indices:
+                    state = opt.state[params[i]]
+                    if not state and kernel.initial_state is not None:
+                        state.update(kernel.initial_state(params[i], group, state_dtype))
+                        trace.created.append((o_index, i))
+                    states.append(state)
+                state_tensors = [v for st in states for v in st.values() if isinstance(v, Tensor)]
+                tensors = [params[i] for i in indices] + state_tensors
+                previous = [t.clone() for t in tensors] if overflow is not None else []
+                kernel.update(
+                    [params[i] for i in indices],
+                    [grad_of[i] for i in indices],
+                    states,
+                    trace.hparams[(o_index, g_index)],
+                    group,
+                    state_dtype,
+                )
+                keep_if_overflow(overflow, tensors, previous)
 
     return step
 
@@ -414,6 +457,8 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
     for leaf_index, (path, t) in enumerate(user_tensors):
         if t.grad is not None:
             add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
+    for name, value in binding.loss_scale_state.items():
+        add(GraphInput("loss_scale", f"loss_scale:{name}", 0, field=name), value)
     return _Inputs(specs, values)
 
 
@@ -442,9 +487,11 @@ def capture(
     binding: Binding,
     user_tensors: list[tuple[str, Tensor]],
     substitute: Callable[[str, Any, dict[int, Tensor]], Any],
+    config: Any,
     materialize_state: Callable[[CapturedGraph], bool] | None = None,
 ) -> CapturedGraph:
-    """Trace ``fn(*args, **kwargs)`` into a functional graph.
+    """Trace ``fn(*args, **kwargs)`` into a functional graph, with ``config``'s precision handling (compute
+    dtype, loss scaling, clipping: see ``zgraph.precision``).
 
     ``user_tensors`` are the tensor leaves of the arguments that are not bound state; ``substitute(label,
     arguments, traced)`` rebuilds the arguments the traced step receives (``traced`` maps ``id`` of bound
@@ -486,21 +533,28 @@ def capture(
         user = [by_kind["input"][i] for i in range(len(user_tensors))]
         for i, grad in by_kind["input_grad"].items():
             user[i].grad = grad
+        loss_state = {spec.field: value for spec, value in zip(inputs.specs, flat) if spec.kind == "loss_scale"}
+        precision = TracePrecision(config, {id(p): p for p in params}, loss_state)
         for i, p in enumerate(params):
             if p.requires_grad:
-                p.register_hook(lambda g, i=i: grad_contribution(g, i))
+                p.register_hook(lambda g, i=i: grad_contribution(precision.unscale_contribution(g), i))
 
         traced = {id(r.tensor): params[r.index] for r in binding.params}
         traced.update({id(t): user[i] for i, (_, t) in enumerate(user_tensors)})
-        created: list[tuple[int, int]] = []
-        stepped: list[int] = []
+        trace = _Trace(binding, config, params, states, hparams, precision)
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = _group_values(binding)
+
+        def is_grad(t: Tensor) -> bool:
+            return any(t is p.grad for p in params)
+
         with contextlib.ExitStack() as stack:
             stack.enter_context(_restore_python_state_on_error(binding))
             stack.enter_context(_swap_module_tensors(binding, params, buffers))
-            stack.enter_context(_swap_optimizers(binding, params, states, hparams, created, stepped))
-            stack.enter_context(_PhaseMode())
+            if config.param_dtype is not None:
+                stack.enter_context(_cast_forward_inputs(binding, config.param_dtype))
+            stack.enter_context(_swap_optimizers(trace))
+            stack.enter_context(StepMode(precision, is_grad))
             stack.enter_context(torch.set_grad_enabled(grad_enabled))
             new_args = substitute("args", args, traced)
             new_kwargs = substitute("kwargs", kwargs, traced)
@@ -517,6 +571,8 @@ def capture(
                     "change would be baked into the graph as a constant. Set them before calling the step (an LR "
                     "scheduler's step() between calls is fine): they are graph inputs."
                 )
+            with torch.no_grad():
+                final_loss_state = precision.finish_step([p.grad for p in params if p.grad is not None])
         flags_after = [(m, m.training) for m, _ in flags_before]
         outs: list[Any] = []
         roles: list[GraphOutput] = []
@@ -528,8 +584,6 @@ def capture(
                 roles.append(GraphOutput("user", path, len(roles)))
                 return _Returned(len(outs) - 1)
             return leaf
-
-        from zgraph.tree import map_leaves
 
         captured.result_template = map_leaves(result, returned)
         for r in binding.params:
@@ -565,8 +619,11 @@ def capture(
         captured.training_flags = [
             (m, after) for (m, before), (_, after) in zip(flags_before, flags_after) if before != after
         ]
-        captured.created_state = created
-        captured.optimizers_stepped = sorted(set(stepped))
+        for name, value in final_loss_state.items():
+            outs.append(value)
+            roles.append(GraphOutput("loss_scale", f"loss_scale:{name}", 0, field=name))
+        captured.created_state = trace.created
+        captured.optimizers_stepped = sorted(set(trace.stepped))
         result_holder["captured"] = captured
         result_holder["roles"] = roles
         return outs
@@ -575,7 +632,7 @@ def capture(
     captured = result_holder["captured"]
     roles = result_holder["roles"]
     if captured.created_state and materialize_state is not None and materialize_state(captured):
-        return capture(fn, args, kwargs, binding, user_tensors, substitute)
+        return capture(fn, args, kwargs, binding, user_tensors, substitute, config)
     captured.gm = _functionalize(gm1, inputs, fakes, mode, roles)
     return captured
 
@@ -687,6 +744,8 @@ def _readable_name(spec: GraphInput) -> str:
         return f"{spec.field}_{owner}"
     if spec.kind == "grad":
         return f"grad_{spec.name}"
+    if spec.kind == "loss_scale":
+        return f"loss_scale_{spec.field}"
     return spec.name
 
 

@@ -19,7 +19,18 @@ def main(argv: list[str] | None = None) -> int:
         "runs as one of torchrun's ranks.",
     )
     demo.add_arguments(demo_parser)
+    consolidate_parser = commands.add_parser(
+        "consolidate",
+        help="write a zgraph checkpoint's model as one plain state_dict file (whole fp32 tensors)",
+        description="Read a checkpoint directory written by zgraph.save (any world size and stage) in this one "
+        "process and torch.save the model's state_dict, whole tensors, float32 for lower-precision floats: "
+        "model.load_state_dict(torch.load(OUT)) needs no zgraph.",
+    )
+    consolidate_parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (zgraph.save)")
+    consolidate_parser.add_argument("out", metavar="OUT.pt", help="file to write")
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return _consolidate(args.checkpoint, args.out)
     if args.command == "demo":
         try:
             demo.run(args)
@@ -29,6 +40,21 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("zgraph demo: interrupted", file=sys.stderr)
             return 130
+    return 0
+
+
+def _consolidate(checkpoint: str, out: str) -> int:
+    from zgraph.checkpoint import consolidate
+    from zgraph.errors import CheckpointError
+
+    try:
+        state = consolidate(checkpoint, out)
+    except CheckpointError as error:
+        print(f"zgraph consolidate: {error}", file=sys.stderr)
+        return 1
+    tensors = [v for v in state.values() if hasattr(v, "nbytes")]
+    size = sum(t.nbytes for t in tensors)
+    print(f"wrote {out}: {len(state)} entries, {len(tensors)} tensors, {size / 2**20:.2f} MiB")
     return 0
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 _BACKENDS = ("inductor", "eager")
 _STAGES = (0, 1, 2, 3)
 
@@ -36,6 +38,24 @@ class Config:
             ``stage3_param_persistence_threshold``, same default: 100000).
         measure_collectives: fit the collective cost model (latency + bytes / bandwidth) by a short
             measurement on the first call, cached per machine and world size; False uses an analytical model.
+        param_dtype: dtype parameters are used in by forward and backward (the compute dtype); in stage 3 they
+            are gathered in it. None (default): the parameters' own dtype. Like FSDP2's
+            ``MixedPrecisionPolicy.param_dtype``; gradients flow back to the master parameters.
+        reduce_dtype: dtype gradients are averaged across ranks in. None (default): the dtype backward
+            produces them in.
+        master_dtype: dtype the parameters (the master weights) and the gradients left on them are stored in;
+            zgraph converts the model on the first call. None (default): as the model is. ``torch.bfloat16`` is
+            DeepSpeed's ``bf16_master_weights_and_grads``; ``torch.float16`` its
+            ``fp16_master_weights_and_gradients`` (needs ``loss_scale``).
+        optimizer_state_dtype: dtype of optimizer state tensors of a parameter's shape (Adam's moments, SGD's
+            momentum). None (default): the master dtype. ``torch.bfloat16`` is DeepSpeed's
+            ``bf16_optimizer_states``; ``torch.float16`` is rejected, as DeepSpeed does. With 16-bit master
+            weights or states the update is computed in float32 and rounded once when stored.
+        loss_scale: fp16 loss scaling. None (default): none. A float: a static scale. ``"dynamic"`` or a
+            ``zgraph.DynamicLossScale``: DeepSpeed's dynamic scaling — steps whose gradients overflow (on any
+            rank) are skipped and the scale backs off; after ``growth_interval`` good steps it grows.
+        max_grad_norm: clip gradients to this global norm (over every rank's shards) before the optimizer
+            step, as ``torch.nn.utils.clip_grad_norm_`` would. None (default): no clipping.
     """
 
     stage: int = 0
@@ -47,6 +67,12 @@ class Config:
     prefetch_bytes: int | str = "auto"
     param_persistence_threshold: int = 100_000
     measure_collectives: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
+    optimizer_state_dtype: torch.dtype | None = None
+    loss_scale: float | str | DynamicLossScale | None = None
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, _STAGES, int)
@@ -54,6 +80,20 @@ class Config:
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             _check_size(name, getattr(self, name), allow_auto=True)
         _check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
+        for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"Config.{name} must be None or one of torch.float32, torch.bfloat16, torch.float16; got {value!r}"
+                )
+        self._check_loss_scale()
+        if self.max_grad_norm is not None and (
+            not isinstance(self.max_grad_norm, (int, float))
+            or isinstance(self.max_grad_norm, bool)
+            or not self.max_grad_norm > 0
+        ):
+            raise ValueError(f"Config.max_grad_norm must be None or a positive number; got {self.max_grad_norm!r}")
+        _check_precision(self)
         if not isinstance(self.measure_collectives, bool):
             raise ValueError(
                 f"Config.measure_collectives must be True or False; got {self.measure_collectives!r} "
@@ -62,9 +102,94 @@ class Config:
         object.__setattr__(self, "disable_passes", _as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", _as_pass_tuple(self.extra_passes))
 
+    def _check_loss_scale(self) -> None:
+        value = self.loss_scale
+        if value is None or isinstance(value, DynamicLossScale):
+            return
+        if value == "dynamic":
+            object.__setattr__(self, "loss_scale", DynamicLossScale())
+            return
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            object.__setattr__(self, "loss_scale", float(value))
+            return
+        raise ValueError(
+            f'Config.loss_scale must be None, "dynamic", a zgraph.DynamicLossScale or a positive float; got {value!r}'
+        )
+
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated like a new Config)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic fp16 loss scaling, with DeepSpeed's meaning and defaults.
+
+    Attributes:
+        init_scale: first scale (DeepSpeed ``initial_scale_power`` 16: 2**16).
+        growth_factor: the scale is multiplied by this after ``growth_interval`` steps without overflow.
+        backoff_factor: the scale is multiplied by this when a step overflows (after ``hysteresis`` overflows).
+        growth_interval: steps without overflow before the scale grows (DeepSpeed ``loss_scale_window``).
+        hysteresis: overflows tolerated before the scale backs off (DeepSpeed ``hysteresis``); every
+            overflowing step is skipped regardless.
+        min_scale: the scale never goes below this (DeepSpeed ``min_loss_scale``).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "init_scale": self.init_scale > 0,
+            "growth_factor": self.growth_factor >= 1,
+            "backoff_factor": 0 < self.backoff_factor <= 1,
+            "growth_interval": isinstance(self.growth_interval, int) and self.growth_interval >= 1,
+            "hysteresis": isinstance(self.hysteresis, int) and self.hysteresis >= 1,
+            "min_scale": 0 < self.min_scale <= self.init_scale,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"DynamicLossScale.{name} is out of range: {getattr(self, name)!r}")
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+
+
+def _check_precision(config: Config) -> None:
+    """Reject the precision combinations DeepSpeed rejects, saying why."""
+    dtypes = {config.param_dtype, config.reduce_dtype, config.master_dtype, config.optimizer_state_dtype}
+    if config.optimizer_state_dtype == torch.float16:
+        raise ValueError(
+            "Config.optimizer_state_dtype=torch.float16 is rejected (as DeepSpeed rejects fp16 optimizer states): "
+            "Adam's second moment squares gradients and leaves fp16's range; use torch.bfloat16 or torch.float32"
+        )
+    if torch.float16 in dtypes and torch.bfloat16 in dtypes:
+        raise ValueError(
+            "Config mixes torch.float16 and torch.bfloat16 (param/reduce/master/optimizer-state dtypes); DeepSpeed "
+            "enables fp16 or bf16, not both: pick one 16-bit format"
+        )
+    fp16 = torch.float16 in dtypes
+    if fp16 and config.loss_scale is None:
+        raise ValueError(
+            "Config uses torch.float16 without loss_scale: fp16's 5-bit exponent flushes small gradients to zero; "
+            'set loss_scale="dynamic" (as DeepSpeed does for fp16) or a float'
+        )
+    if config.loss_scale is not None and torch.bfloat16 in dtypes:
+        raise ValueError(
+            "Config.loss_scale is set with a torch.bfloat16 dtype: loss scaling is fp16's (DeepSpeed enables fp16 or "
+            "bf16, not both), and bf16 has float32's exponent range, so it needs none"
+        )
+    master, compute = config.master_dtype, config.param_dtype
+    if master is not None and compute is not None and _BITS[master] < _BITS[compute]:
+        raise ValueError(
+            f"Config.master_dtype={master} is less precise than param_dtype={compute}: the master weights would lose "
+            "what the updates add; use a master dtype at least as wide as the compute dtype"
+        )
 
 
 def _type_name(value: object) -> str:

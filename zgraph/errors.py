@@ -25,3 +25,7 @@ class RankMismatchError(ZGraphError):
 
 class ShardedParameterError(ZGraphError):
     """A stage-3 sharded parameter was used outside the compiled step and outside ``zgraph.gather``."""
+
+
+class CheckpointError(ZGraphError):
+    """A checkpoint cannot be saved or loaded: incomplete directory, or state that does not match the model."""

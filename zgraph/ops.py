@@ -152,3 +152,51 @@ REDUCE_SHARD_BUCKET = torch.ops.zgraph.reduce_shard_bucket.default
 REDUCE_BUCKET = torch.ops.zgraph.reduce_bucket.default
 BUCKETED = {UNSHARD: UNSHARD_BUCKET, REDUCE_SHARD: REDUCE_SHARD_BUCKET, REDUCE: REDUCE_BUCKET}
 LAYOUT_OPS = (SHARD, UNSHARD, REDUCE, REDUCE_SHARD, UNSHARD_BUCKET, REDUCE_SHARD_BUCKET, REDUCE_BUCKET)
+
+
+# ---------------------------------------------------------------------------------------- global reductions
+# Reductions over gradients that must see every rank's shard. Capture emits ``grad_norm`` (for a norm of a
+# parameter's gradient, e.g. inside ``clip_grad_norm_``) and ``nonfinite`` (fp16 overflow check); where the
+# gradient is sharded, the ``clip_grad`` / ``loss_scale`` passes compute them on this rank's shard (zero
+# padding is neutral) and ``combine`` the partial results across ranks.
+
+
+@torch.library.custom_op("zgraph::grad_norm", mutates_args=())
+def grad_norm(grad: Tensor, ord: float) -> Tensor:
+    """``torch.linalg.vector_norm(grad, ord)`` of a whole gradient."""
+    return torch.linalg.vector_norm(grad, ord)
+
+
+@grad_norm.register_fake
+def _grad_norm_fake(grad: Tensor, ord: float) -> Tensor:
+    return grad.new_empty(())
+
+
+@torch.library.custom_op("zgraph::nonfinite", mutates_args=())
+def nonfinite(grads: list[Tensor]) -> Tensor:
+    """True if any element of any of ``grads`` is inf or nan (a 0-d bool tensor)."""
+    flags = [torch.logical_not(torch.isfinite(g)).any() for g in grads]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
+@nonfinite.register_fake
+def _nonfinite_fake(grads: list[Tensor]) -> Tensor:
+    return torch.empty((), dtype=torch.bool)
+
+
+@torch.library.custom_op("zgraph::combine", mutates_args=())
+def combine(x: Tensor, op: str, world_size: int, group: str) -> Tensor:
+    """Every rank's ``x`` combined with ``op`` (``"sum"`` or ``"max"``): an all-reduce."""
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), op, group))
+
+
+@combine.register_fake
+def _combine_fake(x: Tensor, op: str, world_size: int, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+GRAD_NORM = torch.ops.zgraph.grad_norm.default
+NONFINITE = torch.ops.zgraph.nonfinite.default
+COMBINE = torch.ops.zgraph.combine.default
+LAYOUT_OPS = (*LAYOUT_OPS, COMBINE)

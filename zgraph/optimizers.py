@@ -26,6 +26,37 @@ from torch.optim.optimizer import _get_scalar_dtype
 HyperParams = dict[str, Tensor]
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _update_each(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
+    state_dtype: torch.dtype | None,
+    update_one: Callable[[Tensor, Tensor, dict], None],
+) -> None:
+    """``update_one(param, grad, state)`` for every parameter. Where the parameter, its gradient or a state
+    tensor is 16-bit, the update runs on float32 copies and is rounded once into the stored tensors (the
+    "opmath" of PyTorch's fused optimizers); all-float32 updates run in place, exactly as ``torch.optim``'s.
+    State the update creates is stored in ``state_dtype`` (None: the parameter's dtype)."""
+    for param, grad, state in zip(params, grads, states):
+        stored = [param, grad, *(v for v in state.values() if isinstance(v, Tensor) and v.dim() > 0)]
+        if state_dtype not in _LOW_PRECISION and not any(t.dtype in _LOW_PRECISION for t in stored):
+            update_one(param, grad, state)
+            continue
+        work_param = param.float()
+        work = {k: v.float() if isinstance(v, Tensor) and v.dtype in _LOW_PRECISION else v for k, v in state.items()}
+        update_one(work_param, grad.float(), work)
+        if work_param is not param:
+            param.copy_(work_param)
+        for key, value in work.items():
+            if key not in state:
+                state[key] = value.to(state_dtype or param.dtype) if isinstance(value, Tensor) else value
+            elif value is not state[key]:
+                state[key].copy_(value)
+
+
 def _scalar(t: Tensor) -> float:
     """A 0-d tensor as a Python scalar argument (``alpha=``, ``value=``); traced as a graph scalar."""
     return t.item()
@@ -39,16 +70,18 @@ class OptimizerKernel:
         name: the optimizer's class name, for messages.
         hyperparameters: ``fn(group) -> {name: float}``, the numeric values lifted to graph inputs.
         structure: ``fn(group) -> tuple``, the Python branches the update takes; part of the guard key.
-        initial_state: ``fn(param, group) -> dict``, the state ``torch.optim`` creates on a parameter's first
-            step; None where that state depends on the gradient (it is then created inside the graph).
-        update: ``fn(params, grads, states, hp, group)``: the in-place update of params with grads.
+        initial_state: ``fn(param, group, state_dtype) -> dict``, the state ``torch.optim`` creates on a
+            parameter's first step (tensors of the parameter's shape in ``state_dtype``, None: the parameter's
+            dtype); None where that state depends on the gradient (it is then created inside the graph).
+        update: ``fn(params, grads, states, hp, group, state_dtype)``: the in-place update of params with
+            grads; state it creates is stored in ``state_dtype`` (None: the parameter's dtype).
     """
 
     name: str
     hyperparameters: Callable[[dict], dict[str, float]]
     structure: Callable[[dict], tuple]
-    initial_state: Callable[[Tensor, dict], dict[str, Tensor]] | None
-    update: Callable[[list[Tensor], list[Tensor], list[dict], HyperParams, dict], None]
+    initial_state: Callable[[Tensor, dict, torch.dtype | None], dict[str, Tensor]] | None
+    update: Callable[[list[Tensor], list[Tensor], list[dict], HyperParams, dict, torch.dtype | None], None]
 
 
 # ----------------------------------------------------------------------------------------------------- SGD
@@ -65,9 +98,17 @@ def _sgd_structure(group: dict) -> tuple:
     )
 
 
-def _sgd_update(params: list[Tensor], grads: list[Tensor], states: list[dict], hp: HyperParams, group: dict) -> None:
+def _sgd_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
+    hp: HyperParams,
+    group: dict,
+    state_dtype: torch.dtype | None = None,
+) -> None:
     momentum_on, decay_on, nesterov, maximize = _sgd_structure(group)
-    for param, grad, state in zip(params, grads, states):
+
+    def update(param: Tensor, grad: Tensor, state: dict) -> None:
         grad = grad if not maximize else -grad
         if decay_on:
             grad = grad.add(param, alpha=_scalar(hp["weight_decay"]))
@@ -80,6 +121,8 @@ def _sgd_update(params: list[Tensor], grads: list[Tensor], states: list[dict], h
                 buf.mul_(hp["momentum"]).add_(grad, alpha=_scalar(1 - hp["dampening"]))
             grad = grad.add(buf, alpha=_scalar(hp["momentum"])) if nesterov else buf
         param.add_(grad, alpha=_scalar(-hp["lr"]))
+
+    _update_each(params, grads, states, state_dtype, update)
 
 
 SGD = OptimizerKernel("SGD", _sgd_hp, _sgd_structure, None, _sgd_update)
@@ -106,21 +149,30 @@ def _adam_structure(group: dict) -> tuple:
     )
 
 
-def _adam_initial_state(param: Tensor, group: dict) -> dict[str, Tensor]:
+def _adam_initial_state(param: Tensor, group: dict, state_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    dtype = state_dtype or param.dtype
     state = {
         "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
-        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
     }
     if group["amsgrad"]:
-        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
     return state
 
 
-def _adam_update(params: list[Tensor], grads: list[Tensor], states: list[dict], hp: HyperParams, group: dict) -> None:
+def _adam_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
+    hp: HyperParams,
+    group: dict,
+    state_dtype: torch.dtype | None = None,
+) -> None:
     decay_on, decoupled, amsgrad, maximize = _adam_structure(group)
     lr, beta1, beta2, eps, weight_decay = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
-    for param, grad, state in zip(params, grads, states):
+
+    def update(param: Tensor, grad: Tensor, state: dict) -> None:
         grad = grad if not maximize else -grad
         exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
         step_t += 1
@@ -143,6 +195,8 @@ def _adam_update(params: list[Tensor], grads: list[Tensor], states: list[dict], 
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=_scalar(-step_size))
+
+    _update_each(params, grads, states, state_dtype, update)
 
 
 def _adam_kernel(name: str) -> OptimizerKernel:

@@ -26,11 +26,12 @@ from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, _Returned, ca
 from zgraph.config import Config
 from zgraph.explain import dump_graphs, explain_table
 from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
+from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.executor import Executable, compile_graph
 from zgraph.runtime.process_group import ensure_process_group
-from zgraph.runtime.sharded_state import StateIO, apply_plan, make_plan, normalize_state
+from zgraph.runtime.sharded_state import StateIO, apply_plan, convert_master_dtype, make_plan, normalize_state
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, map_leaves, structure_key
 
@@ -219,6 +220,12 @@ class DistributedStep:
         binding = self._bindings.get(_binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
+            convert_master_dtype(binding, self.config.master_dtype, self.config.optimizer_state_dtype)
+            binding.loss_scale_state = initial_loss_scale_state(self.config)
+            for _, opt in optimizers:
+                loaded = getattr(opt, "_zgraph_loss_scale", None) or {}  # zgraph.load before the first step
+                binding.loss_scale_state.update((k, v) for k, v in loaded.items() if k in binding.loss_scale_state)
+                opt._zgraph_loss_scale = binding.loss_scale_state  # saved and restored by zgraph.save / load
             binding.plan = make_plan(
                 self.config.stage, ensure_process_group(), binding, self.config.param_persistence_threshold
             )
@@ -253,6 +260,7 @@ class DistributedStep:
             binding,
             user_tensors,
             self._substitute,
+            self.config,
             materialize_state=functools.partial(self._materialize_created_state, binding),
         )
         capture_seconds = time.perf_counter() - start
@@ -288,7 +296,7 @@ class DistributedStep:
                 g for g, idx in zip(opt.param_groups, binding.optimizers[o_index].group_params) if p_index in idx
             )
             param = binding.params[p_index].tensor
-            opt.state[param] = kernel.initial_state(param.detach(), group)
+            opt.state[param] = kernel.initial_state(param.detach(), group, self.config.optimizer_state_dtype)
             created = True
         normalize_state(binding.plan, binding)
         return created

@@ -1,0 +1,253 @@
+"""What capture does for mixed precision, loss scaling and clipping while it traces the step.
+
+- **Compute dtype** (``Config.param_dtype``): while the step runs (not inside the optimizer), every torch call
+  that reads a parameter reads it cast to the compute dtype, through one differentiable cast per parameter and
+  forward/backward round. Autograd then differentiates through the cast, so gradients arrive at the (master)
+  parameters in their dtype — what FSDP2's ``MixedPrecisionPolicy`` gives. ``model.parameters()``, ``.grad``
+  and the optimizer see the master parameters.
+- **Loss scaling** (``Config.loss_scale``): every backward call (``backward()``, ``autograd.backward``,
+  ``autograd.grad``) seeds autograd with the scaled gradient (computed in float32, as DeepSpeed scales
+  ``loss.float()``); each parameter's gradient contribution is unscaled as it arrives (kept scaled when it is
+  fp16: it is unscaled in float32 inside the optimizer), and gradients ``autograd.grad`` returns for other
+  tensors are unscaled, so the step's own code sees true gradients. Each optimizer step checks its gradients
+  for inf/nan (``zgraph::nonfinite``, made global over ranks by the ``loss_scale`` pass) and, when one is found,
+  leaves parameters and optimizer state as they were. The scale is updated once per step.
+- **Gradient norms**: ``torch.linalg.vector_norm`` of a parameter's gradient (what ``clip_grad_norm_`` computes)
+  is recorded as ``zgraph::grad_norm``, which the ``clip_grad`` pass computes from gradient shards.
+  ``Config.max_grad_norm`` clips each optimizer's gradients before its update, as ``clip_grad_norm_`` would.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx import traceback as fx_traceback
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from zgraph.config import Config, DynamicLossScale
+from zgraph.ops import grad_norm, nonfinite
+
+BACKWARD_CALLS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+def loss_scale_fields(config: Config) -> tuple[str, ...]:
+    """The loss-scale state a step carries between calls (graph inputs and outputs)."""
+    if config.loss_scale is None:
+        return ()
+    if isinstance(config.loss_scale, DynamicLossScale):
+        return ("scale", "good_steps", "hysteresis")
+    return ("scale",)
+
+
+def initial_loss_scale_state(config: Config) -> dict[str, Tensor]:
+    policy = config.loss_scale
+    if policy is None:
+        return {}
+    if isinstance(policy, DynamicLossScale):
+        return {
+            "scale": torch.tensor(policy.init_scale, dtype=torch.float32),
+            "good_steps": torch.tensor(0, dtype=torch.int64),
+            "hysteresis": torch.tensor(policy.hysteresis, dtype=torch.int64),
+        }
+    return {"scale": torch.tensor(float(policy), dtype=torch.float32)}
+
+
+@dataclass
+class TracePrecision:
+    """Per-trace precision state (see the module docstring).
+
+    Attributes:
+        config: the step's config.
+        params: traced parameter leaves by ``id`` (those cast to the compute dtype, and whose gradients are
+            unscaled on arrival).
+        loss_state: the traced loss-scale state (``scale``, and for dynamic scaling ``good_steps``,
+            ``hysteresis``), empty without loss scaling.
+    """
+
+    config: Config
+    params: dict[int, Tensor]
+    loss_state: dict[str, Tensor] = field(default_factory=dict)
+    in_optimizer: bool = False
+    overflow_flags: list[Tensor] = field(default_factory=list)
+    _casts: dict[int, Tensor] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------- compute dtype
+    def compute_view(self, value: Any) -> Any:
+        """A parameter as the step's code should see it: cast to the compute dtype (cached per round)."""
+        dtype = self.config.param_dtype
+        if dtype is None or self.in_optimizer or not isinstance(value, Tensor):
+            return value
+        param = self.params.get(id(value))
+        if param is None or not param.is_floating_point() or param.dtype == dtype:
+            return value
+        cast = self._casts.get(id(param))
+        if cast is None:
+            cast = self._casts[id(param)] = param.to(dtype)
+        return cast
+
+    def end_round(self) -> None:
+        """A backward call finished: the next forward casts afresh (so a gathered parameter is not kept
+        alive from one forward/backward round to the next)."""
+        self._casts.clear()
+
+    # ---------------------------------------------------------------------------------------- loss scale
+    @property
+    def scaling(self) -> bool:
+        return bool(self.loss_state)
+
+    @property
+    def grads_stay_scaled(self) -> bool:
+        """fp16 gradients are stored scaled (unscaling them in fp16 would flush small ones to zero)."""
+        return self.config.master_dtype == torch.float16
+
+    def scale_seed(self, output: Tensor, gradient: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(output, gradient)`` for autograd with the loss scale applied, in float32."""
+        scale = self.loss_state["scale"]
+        if gradient is None:
+            return output.float(), scale.expand(output.shape)
+        return output.float(), gradient.float() * scale
+
+    def unscale_contribution(self, grad: Tensor) -> Tensor:
+        if not self.scaling or (self.grads_stay_scaled and grad.dtype == torch.float16):
+            return grad
+        return grad * (1.0 / self.loss_state["scale"]).to(grad.dtype)
+
+    def unscale_returned(self, grad: Tensor | None) -> Tensor | None:
+        if grad is None or not self.scaling:
+            return grad
+        return grad * (1.0 / self.loss_state["scale"]).to(grad.dtype)
+
+    # ------------------------------------------------------------------------------------------ optimizer
+    def prepare_update(self, params: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+        """The gradients the update should use (unscaled, clipped) and the overflow flag (None: no scaling)."""
+        grads = [p.grad for p in params]
+        if self.scaling and self.grads_stay_scaled:
+            inverse = 1.0 / self.loss_state["scale"]
+            grads = [g.float() * inverse for g in grads]
+        flag = None
+        if self.scaling:
+            flag = nonfinite(grads)
+            self.overflow_flags.append(flag)
+        if self.config.max_grad_norm is not None and grads:
+            if grads[0] is params[0].grad:
+                torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+                grads = [p.grad for p in params]
+            else:
+                total = torch.nn.utils.get_total_norm(grads, 2.0)
+                coefficient = torch.clamp(self.config.max_grad_norm / (total + 1e-6), max=1.0)
+                grads = [g * coefficient.to(g.dtype) for g in grads]
+        return grads, flag
+
+    def finish_step(self, all_grads: list[Tensor]) -> dict[str, Tensor]:
+        """The loss-scale state after this step (updated once, from every optimizer step's overflow flag)."""
+        if not self.scaling:
+            return {}
+        flags = self.overflow_flags or ([nonfinite(all_grads)] if all_grads else [])
+        state = dict(self.loss_state)
+        policy = self.config.loss_scale
+        if not flags or not isinstance(policy, DynamicLossScale):
+            return state
+        overflow = torch.stack(flags).any()
+        scale, good, hysteresis = state["scale"], state["good_steps"], state["hysteresis"]
+        backed_off = torch.clamp(scale * policy.backoff_factor, min=policy.min_scale)
+        on_overflow_scale = torch.where(hysteresis <= 1, backed_off, scale)
+        on_overflow_hysteresis = torch.where(hysteresis <= 1, hysteresis, hysteresis - 1)
+        grown_good = good + 1
+        grow = grown_good % policy.growth_interval == 0
+        on_success_scale = torch.where(grow, scale * policy.growth_factor, scale)
+        on_success_hysteresis = torch.where(grow, torch.full_like(hysteresis, policy.hysteresis), hysteresis)
+        return {
+            "scale": torch.where(overflow, on_overflow_scale, on_success_scale),
+            "good_steps": torch.where(overflow, torch.zeros_like(good), grown_good),
+            "hysteresis": torch.where(overflow, on_overflow_hysteresis, on_success_hysteresis),
+        }
+
+
+def keep_if_overflow(flag: Tensor | None, tensors: list[Tensor], before: list[Tensor]) -> None:
+    """Put back each tensor's value from before the update where ``flag`` (an overflow) is set."""
+    if flag is None:
+        return
+    for tensor, old in zip(tensors, before):
+        tensor.copy_(torch.where(flag, old, tensor))
+
+
+class StepMode(TorchFunctionMode):
+    """Torch-function hooks active while the step is traced: backward calls are tagged ``backward`` and
+    loss-scaled; parameters are read in the compute dtype; norms of gradients become ``zgraph::grad_norm``."""
+
+    def __init__(self, precision: TracePrecision, is_grad: Callable[[Tensor], bool]):
+        super().__init__()
+        self.precision = precision
+        self.is_grad = is_grad
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        precision = self.precision
+        if func in BACKWARD_CALLS:
+            with fx_traceback.annotate({"phase": "backward"}):
+                result = self._backward(func, args, kwargs)
+            precision.end_round()
+            return result
+        norms = self._grad_norms(func, args, kwargs)
+        if norms is not None:
+            return norms
+        name = getattr(func, "__name__", "")
+        if precision.config.param_dtype is not None and name not in ("__get__", "__set__") and not name.endswith("_"):
+            args, kwargs = tree_map(precision.compute_view, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _grad_norms(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """``zgraph::grad_norm`` for a whole-tensor norm of parameter gradients; None for anything else."""
+        if func is torch.linalg.vector_norm:  # vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None)
+            bound = dict(zip(("x", "ord", "dim", "keepdim"), args))
+            bound.update(kwargs)
+            x = bound.get("x", bound.get("input"))
+            plain = bound.get("dim") is None and not bound.get("keepdim") and bound.get("dtype") is None
+            if isinstance(x, Tensor) and plain and self.is_grad(x):
+                return grad_norm(x, float(bound.get("ord", 2)))
+        elif func is torch._foreach_norm:
+            tensors = args[0] if args else kwargs["self"]
+            order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+            dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+            if dtype is None and tensors and all(self.is_grad(t) for t in tensors):
+                return [grad_norm(t, float(order)) for t in tensors]
+        return None
+
+    def _backward(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        precision = self.precision
+        if not precision.scaling:
+            return func(*args, **kwargs)
+        bound = _bind(func, args, kwargs)
+        if func is Tensor.backward:
+            out, grad = precision.scale_seed(bound["self"], bound["gradient"])
+            options = {k: bound[k] for k in ("retain_graph", "create_graph", "inputs")}
+            return torch.autograd.backward([out], [grad], **options)
+        outputs_key, grads_key = (
+            ("outputs", "grad_outputs") if func is torch.autograd.grad else ("tensors", "grad_tensors")
+        )
+        outputs = bound[outputs_key]
+        outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+        grads = bound[grads_key]
+        grads = [None] * len(outputs) if grads is None else ([grads] if isinstance(grads, Tensor) else list(grads))
+        seeds = [precision.scale_seed(o, g) for o, g in zip(outputs, grads)]
+        bound[outputs_key] = [s[0] for s in seeds]
+        bound[grads_key] = [s[1] for s in seeds]
+        result = func(**bound)
+        if func is not torch.autograd.grad:
+            return result
+        inputs = bound["inputs"]
+        inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+        return tuple(r if id(i) in precision.params else precision.unscale_returned(r) for i, r in zip(inputs, result))
+
+
+def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``func``'s arguments by name, defaults filled in."""
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
