@@ -4,7 +4,13 @@
   run past the end;
 - ``unshard(x)`` → ``all_gather_into_tensor`` + ``wait_tensor``, then a slice dropping the padding rows;
 - ``reduce(x)`` → ``all_reduce(avg)`` + ``wait_tensor``;
-- ``reduce_shard(x)`` → zero-pad to whole shards where needed, ``reduce_scatter_tensor(avg)`` + ``wait_tensor``.
+- ``reduce_shard(x)`` → ``reduce_scatter_tensor(avg)`` + ``wait_tensor``, the input packed (zero-padded to
+  whole shards, made contiguous) by ``aten._chunk_cat`` in one copy where needed.
+
+Buckets: an ``unshard`` bucket becomes one ``all_gather_into_tensor_coalesced`` (each shard gathered straight
+into its whole tensor: no copy in, no copy out); ``reduce_shard`` and ``reduce`` buckets pack their gradients
+into one flat buffer with ``aten._chunk_cat`` (one copy, which also pads and transposes) and reduce it in one
+collective, each result a view of the output.
 
 Collectives are ``torch.ops._c10d_functional`` ops, so the graph stays functional, traceable and
 inductor-compilable. Every collective is followed directly by its wait; the ``schedule`` pass may move waits.
@@ -108,11 +114,11 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             assert node.target is REDUCE_SHARD
             _, world, rank, group = node.args
             rows = _rows(val.shape[0], world)
-            if rows * world != val.shape[0]:
-                padding = _pad_arg(val.dim(), rows * world - val.shape[0])
-                source = insert(gm, aten.constant_pad_nd.default, (x, padding), **at)
+            if rows * world != val.shape[0] or not val.is_contiguous():
+                table = insert(gm, aten._chunk_cat.default, ([x], 0, world), **at)  # pad + pack in one copy
+                source = insert(gm, aten.view.default, (table, [rows * world, *val.shape[1:]]), **at)
             else:
-                source = _contiguous(gm, x, node, mode, phase)
+                source = x
             scattered = insert(gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), **at)
             scattered.meta["zgraph_collective"] = ("reduce_scatter", x)
             out = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
@@ -147,43 +153,30 @@ def _numel(val: torch.Tensor) -> int:
 
 
 def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
-    """One collective on a flat buffer for a bucket; each member's result is a view of it, or (gathers) a
-    contiguous copy of its columns."""
+    """One collective for a bucket: a coalesced all-gather (no copies), or a reduction of one flat buffer
+    packed by a single ``_chunk_cat`` copy, each member's result a view of it."""
     phase = node.meta.get("phase")
     at = dict(before=node, phase=phase, mode=mode)
     xs = node.args[0]
     vals = [x.meta["val"] for x in xs]
     outs: list[fx.Node] = []
     if node.target is UNSHARD_BUCKET:
+        # one coalesced all-gather: every shard gathered into its own whole tensor, no packing copies (on gloo
+        # this is also faster than a flat buffer; see benchmarks/README.md)
         _, dim0s, world, group = node.args
-        flats = [insert(gm, aten.view.default, (_contiguous(gm, x, node, mode, phase), [-1]), **at) for x in xs]
-        flat = insert(gm, aten.cat.default, (flats,), **at)
-        gathered = insert(gm, c10d.all_gather_into_tensor.default, (flat, world, group), **at)
+        sources = [_contiguous(gm, x, node, mode, phase) for x in xs]
+        gathered = insert(gm, c10d.all_gather_into_tensor_coalesced.default, (sources, world, group), **at)
         gathered.meta["zgraph_collective"] = ("all_gather", xs)
-        done = insert(gm, c10d.wait_tensor.default, (gathered,), **at)
-        sizes = [_numel(v) for v in vals]
-        table = insert(gm, aten.view.default, (done, [world, sum(sizes)]), **at)
-        columns = insert(gm, aten.split_with_sizes.default, (table, sizes, 1), **at)
-        for i, (val, dim0) in enumerate(zip(vals, dim0s)):
-            column = insert(gm, operator.getitem, (columns, i), **at)
-            whole = insert(gm, aten.clone.default, (column,), {"memory_format": torch.contiguous_format}, **at)
-            out = insert(gm, aten.view.default, (whole, [world * val.shape[0], *val.shape[1:]]), **at)
-            if world * val.shape[0] != dim0:
+        for i, dim0 in enumerate(dim0s):
+            item = insert(gm, operator.getitem, (gathered, i), **at)
+            out = insert(gm, c10d.wait_tensor.default, (item,), **at)
+            if out.meta["val"].shape[0] != dim0:
                 out = insert(gm, aten.slice.Tensor, (out, 0, 0, dim0), **at)
             outs.append(out)
     elif node.target is REDUCE_SHARD_BUCKET:
         _, world, rank, group = node.args
-        rows_blocks = []
-        for x, val in zip(xs, vals):
-            rows = _rows(val.shape[0], world)
-            if rows * world != val.shape[0]:
-                x = insert(
-                    gm, aten.constant_pad_nd.default, (x, _pad_arg(val.dim(), rows * world - val.shape[0])), **at
-                )
-            else:
-                x = _contiguous(gm, x, node, mode, phase)
-            rows_blocks.append(insert(gm, aten.view.default, (x, [world, -1]), **at))
-        table = insert(gm, aten.cat.default, (rows_blocks, 1), **at)
+        # one copy: each gradient's rank-r rows (zero-padded to equal rows) land in row r of the table
+        table = insert(gm, aten._chunk_cat.default, (list(xs), 0, world), **at)
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
         scattered = insert(gm, c10d.reduce_scatter_tensor.default, (flat, "avg", world, group), **at)
         scattered.meta["zgraph_collective"] = ("reduce_scatter", xs)
@@ -196,8 +189,8 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
             outs.append(insert(gm, aten.view.default, (piece, list(shape)), **at))
     else:
         _, world, group = node.args
-        flats = [insert(gm, aten.view.default, (_contiguous(gm, x, node, mode, phase), [-1]), **at) for x in xs]
-        flat = insert(gm, aten.cat.default, (flats,), **at)
+        table = insert(gm, aten._chunk_cat.default, (list(xs), 0, 1), **at)  # one copy, any strides
+        flat = insert(gm, aten.view.default, (table, [-1]), **at)
         reduced = insert(gm, c10d.all_reduce.default, (flat, "avg", group), **at)
         reduced.meta["zgraph_collective"] = ("all_reduce", xs)
         done = insert(gm, c10d.wait_tensor.default, (reduced,), **at)

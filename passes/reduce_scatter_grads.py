@@ -4,8 +4,11 @@ Every ``zgraph::grad_contribution(g, i)`` marker (a gradient autograd produced f
 is replaced by the average over ranks — what DDP gives, and, since every rank's loss is a mean over its
 micro-batch, the gradient of the global-batch mean loss:
 
-- stage ≤ 1: ``zgraph::reduce`` (an all-reduce); gradients stay whole on every rank. Where the optimizer reads
-  the gradient through ``shard(...)`` it slices the reduced gradient.
+- stage ≤ 1: gradients stay whole on every rank: ``zgraph::reduce`` (an all-reduce) wherever something reads
+  the whole averaged gradient (the ``.grad`` the step leaves, the step's own code). When only the sharded
+  optimizer reads it (the step ends with ``zero_grad()``), each rank needs just its shard and the reduction is
+  a ``zgraph::reduce_shard`` (a reduce-scatter, half an all-reduce's traffic) — DeepSpeed's ZeRO-1 reduces the
+  same way (``reduce_scatter: true``). Nothing observable changes.
 - stage ≥ 2: ``zgraph::reduce_shard`` (a reduce-scatter) wherever the gradient is read as a shard; the
   ``.grad`` a step leaves on a parameter, and one it finds there on entry, are shards. A reader that needs
   the whole gradient gets ``unshard`` of the reduced shard.
@@ -39,7 +42,7 @@ from zgraph.passes.pipeline import PassContext
 
 
 def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Average gradients across ranks: all-reduce (stage <= 1) or reduce-scatter into shards (stage >= 2)."""
+    """Average gradients across ranks: reduce-scatter where only shards are read, else all-reduce (stage <= 1)."""
     graph = gm.graph
     markers = [n for n in graph.nodes if n.target is GRAD_CONTRIBUTION]
     if not ctx.distributed:
@@ -56,7 +59,8 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         local, index = node.args
         info = ctx.params[index]
         readers_of_shard = [u for u in node.users if u.target is SHARD]
-        if sharded_grads and info.shard is not None:
+        only_shards_read = len(readers_of_shard) == len(node.users)
+        if info.shard is not None and (sharded_grads or only_shards_read):
             reduced = insert(gm, REDUCE_SHARD, (local, world, rank, group), after=node, phase=BACKWARD, mode=mode)
             for user in readers_of_shard:
                 user.replace_all_uses_with(reduced)

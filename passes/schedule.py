@@ -40,6 +40,7 @@ _PACKING = {
     aten.view.default,
     aten.reshape.default,
     aten.cat.default,
+    aten._chunk_cat.default,
     aten.constant_pad_nd.default,
     aten.clone.default,
     aten.slice.Tensor,
@@ -78,14 +79,26 @@ def _packing_inputs(start: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _unpacking(wait: fx.Node) -> list[fx.Node]:
-    """The wait and the views/copies that only unpack its result, in graph order."""
-    chain = [wait]
+def _unpacking(first: fx.Node) -> list[fx.Node]:
+    """``first`` (a wait, or the getitem a wait reads) and the waits/views/copies that only unpack its result,
+    in graph order."""
+    chain = [first]
     for node in chain:
         for user in node.users:
-            if user.target in _PACKING and user not in chain and all(a in chain for a in user.all_input_nodes):
+            unpacks = user.target in _PACKING or user.target is WAIT
+            if unpacks and user not in chain and all(a in chain for a in user.all_input_nodes):
                 chain.append(user)
     return chain
+
+
+def _completions(start: fx.Node) -> list[list[fx.Node]]:
+    """One chain per result of a collective: its wait and what unpacks it (a coalesced collective has one per
+    tensor, reached through ``getitem``)."""
+    chains = []
+    for user in start.users:
+        if user.target is WAIT or user.target is operator.getitem:
+            chains.append(_unpacking(user))
+    return chains
 
 
 def prefetch_limit(ctx: PassContext) -> int:
@@ -102,16 +115,16 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     index = {node: i for i, node in enumerate(nodes)}
     anchor = {node: float(i) for i, node in enumerate(nodes)}
     starts = [n for n in nodes if is_collective(n)]
-    waits = {s: next(u for u in s.users if u.target is WAIT) for s in starts}
     packing = {s: _packing_inputs(s) for s in starts}
-    unpacking = {s: _unpacking(waits[s]) for s in starts}
+    unpacking = {s: _completions(s) for s in starts}  # per result: its wait and what unpacks it
+    waits = {s: chains[0][0] for s, chains in unpacking.items() if len(chains) == 1}
 
     def external_inputs(start: fx.Node) -> list[fx.Node]:
         group = set(packing[start]) | {start}
         return [a for n in group for a in n.all_input_nodes if a not in group]
 
     def first_reader(start: fx.Node) -> float:
-        group = set(unpacking[start])
+        group = {n for chain in unpacking[start] for n in chain}
         readers = [index[u] for n in group for u in n.users if u not in group]
         return min(readers, default=float(len(nodes)))
 
@@ -134,14 +147,14 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
     _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx))
     _monotone(nodes, anchor)
-    # wait late: each wait and its unpacking right before the first reader
+    # wait late: each wait and its unpacking right before the first reader of that result
     for start in reversed(starts):
-        chain = unpacking[start]
-        group = set(chain)
-        readers = [anchor[u] for n in chain for u in n.users if u not in group]
-        if readers:
-            for i, node in enumerate(chain):
-                anchor[node] = min(readers) - _EPS * (len(chain) - i)
+        for chain in unpacking[start]:
+            group = set(chain)
+            readers = [anchor[u] for n in chain for u in n.users if u not in group]
+            if readers:
+                for i, node in enumerate(chain):
+                    anchor[node] = min(readers) - _EPS * (len(chain) - i)
     _monotone(nodes, anchor)
     ordered = sorted(nodes, key=lambda n: (anchor[n], index[n]))
     _reorder(gm.graph, ordered)
@@ -158,7 +171,7 @@ def _place_prefetch(anchor: dict, gathers: list, first_reader: Callable, limit: 
     """Issue parameter gathers in the order they are read, each as soon as the gathers between its issue and
     its read fit, with it, in ``limit`` bytes (a gather alone over the limit is issued right before its read)."""
     by_use = sorted(gathers, key=first_reader)
-    sizes = [g.meta["val"].numel() * g.meta["val"].element_size() for g in by_use]
+    sizes = [_bytes(g.meta["val"]) for g in by_use]
     for i, start in enumerate(by_use):
         held, j = sizes[i], i
         while j > 0 and held + sizes[j - 1] <= limit:
@@ -169,6 +182,12 @@ def _place_prefetch(anchor: dict, gathers: list, first_reader: Callable, limit: 
         else:  # gathers j..i are in flight or unread together; issue once gather j-1 has been read
             position = first_reader(by_use[j - 1]) if j > 0 else -1.0
         _place(anchor, [*_packing_inputs(start), start], position + _EPS * 1e-2 * i)
+
+
+def _bytes(value: object) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(v) for v in value)
+    return value.numel() * value.element_size()
 
 
 def _interleave_optimizer(nodes: list, anchor: dict, starts: list, waits: dict) -> None:

@@ -9,6 +9,7 @@ is hidden behind compute. Used by ``explain()`` to show what the ``schedule`` pa
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,11 @@ def compute_seconds(node: fx.Node, cost_model: object) -> float:
     return _flops(node) / cost_model.flops_per_second + moved / cost_model.bytes_per_second
 
 
+def _collective_of(node: fx.Node) -> fx.Node:
+    """The collective a wait reads (through ``getitem`` for coalesced collectives)."""
+    return node.args[0] if node.target is operator.getitem else node
+
+
 def estimate(gm: fx.GraphModule, cost_model: object) -> Timeline:
     """Simulate the graph's order on one compute and one communication stream."""
     now = comm_free = compute = communication = exposed = 0.0
@@ -87,8 +93,8 @@ def estimate(gm: fx.GraphModule, cost_model: object) -> Timeline:
             begin = max(now, comm_free)
             finish[node] = comm_free = begin + seconds
             communication += seconds
-        elif node.target is WAIT and node.args[0] in finish:
-            stall = max(0.0, finish[node.args[0]] - now)
+        elif node.target is WAIT and _collective_of(node.args[0]) in finish:
+            stall = max(0.0, finish[_collective_of(node.args[0])] - now)
             exposed += stall
             now += stall
         else:

@@ -42,6 +42,7 @@ def describe_collectives(gm: fx.GraphModule) -> list[str]:
         kind = collective_kind(node)
         if kind is not None:
             val = node.meta.get("val")
+            val = val[0] if isinstance(val, (list, tuple)) and val else val
             dtype = val.dtype if isinstance(val, torch.Tensor) else None
             lines.append(f"collective {kind} {collective_bytes(node)} bytes {dtype} ({node.meta.get('phase')})")
     return lines

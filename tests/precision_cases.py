@@ -78,7 +78,8 @@ def _collectives(step: zgraph.DistributedStep) -> list[tuple[str, str, str]]:
     for node in step.graphs["final"].graph.nodes:
         kind = collective_kind(node)
         if kind is not None:
-            out.append((kind, str(node.args[0].meta["val"].dtype), node.meta.get("phase")))
+            source = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+            out.append((kind, str(source.meta["val"].dtype), node.meta.get("phase")))
     return out
 
 

@@ -40,11 +40,12 @@ def checks(tmp_path_factory):
 
 def test_collective_counts_per_stage(checks):
     """MLP Linear(8,16) -> tanh -> Linear(16,4): 4 parameters, all trained. Backward reads only the second
-    weight (the first layer's input needs no gradient). No bucketing yet: one collective per tensor."""
+    weight (the first layer's input needs no gradient). Bucketing off: one collective per tensor. The step ends
+    with zero_grad(), so from stage 1 on only the sharded optimizer reads gradients: reduce-scatter."""
     counts = checks(2)["collective_counts"]
     gather, scatter = "all_gather_into_tensor", "reduce_scatter_tensor"
     assert counts[0] == {("all_reduce", "backward"): 4}
-    assert counts[1] == {("all_reduce", "backward"): 4, (gather, "optimizer"): 4}
+    assert counts[1] == {(scatter, "backward"): 4, (gather, "optimizer"): 4}
     assert counts[2] == {(scatter, "backward"): 4, (gather, "optimizer"): 4}
     assert counts[3] == {(gather, "forward"): 4, (gather, "backward"): 1, (scatter, "backward"): 4}
 
