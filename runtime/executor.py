@@ -14,26 +14,37 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from zgraph.passes.pipeline import copy_graph_module
+from zgraph.runtime.reinplace import reinplace_state_updates
+
 
 @dataclass
 class Executable:
-    """A compiled step graph: ``run(inputs) -> outputs`` (flat lists, in graph order)."""
+    """A compiled step graph: ``run(inputs) -> outputs`` (flat lists, in graph order).
+
+    Attributes:
+        updated_inputs: output positions that are their own state's input tensor, updated in place (eager
+            backend, see ``zgraph.runtime.reinplace``): they alias an input on purpose.
+    """
 
     run: Callable[[Sequence[Tensor]], Sequence]
     backend: str
     compile_seconds: float
+    updated_inputs: frozenset[int] = frozenset()
 
 
 def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
     """Compile ``gm`` for ``backend`` (``"eager"`` or ``"inductor"``)."""
     start = time.perf_counter()
     if backend == "eager":
+        runnable = copy_graph_module(gm)
+        updated = reinplace_state_updates(runnable)
 
         def run_eager(inputs: Sequence[Tensor]) -> Sequence:
             with torch.no_grad():
-                return gm(*inputs)
+                return runnable(*inputs)
 
-        return Executable(run_eager, backend, time.perf_counter() - start)
+        return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated))
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 

@@ -59,7 +59,8 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         aliasing = any(r.alias_info is not None for r in returns)
-        if not aliasing and not func._schema.is_mutable:
+        # torch.tensor(data) allocates outside the dispatcher, then lifts the new tensor: count it there
+        if func is torch.ops.aten.lift_fresh.default or (not aliasing and not func._schema.is_mutable):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, Tensor):
                     self.track(leaf)

@@ -100,6 +100,11 @@ def whole(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     import zgraph
 
     model_state, optim_state = zgraph.full_state_dict(model, opt)
+    # like state_dict(), full_state_dict shares memory with live (whole) state, which later steps update in place
+    optim_state["state"] = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in optim_state["state"].items()
+    }
     return {"model": {k: v.clone() for k, v in model_state.items()}, "optimizer": optim_state}
 
 

@@ -335,7 +335,7 @@ class DistributedStep:
                 hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
         inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
         outputs = list(compiled.executable.run(inputs))
-        _unalias(outputs, inputs)
+        _unalias(outputs, inputs, compiled.executable.updated_inputs)
         user_values = []
         for value, role in zip(outputs, compiled.output_roles):
             if role.kind == "user":
@@ -387,16 +387,37 @@ def _binding_key(modules: list, optimizers: list) -> tuple:
     )
 
 
-def _unalias(outputs: list, inputs: list) -> None:
-    """Outputs that share memory with an input or with each other are cloned, so state never aliases."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+def _memory(t: Tensor) -> tuple[int, int, int]:
+    """``(storage, first byte, end byte)`` a tensor's elements occupy."""
+    size = t.element_size()
+    extent = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()) if n > 0) + 1
+    start = t.storage_offset() * size
+    return t.untyped_storage().data_ptr(), start, start + extent * size
+
+
+def _unalias(outputs: list, inputs: list, updated_inputs: frozenset[int] = frozenset()) -> None:
+    """Outputs whose memory overlaps an input's or another output's are cloned, so no two pieces of state ever
+    share elements (except ``updated_inputs``: a state's own input, updated in place). Disjoint views of one
+    buffer (a bucket's results) keep sharing it."""
+    taken: dict[int, list[tuple[int, int]]] = {}
+
+    def overlaps(t: Tensor) -> bool:
+        storage, start, end = _memory(t)
+        return any(start < e and s < end for s, e in taken.get(storage, ()))
+
+    def take(t: Tensor) -> None:
+        storage, start, end = _memory(t)
+        taken.setdefault(storage, []).append((start, end))
+
+    for t in inputs:
+        if isinstance(t, Tensor) and t.numel():
+            take(t)
     for i, value in enumerate(outputs):
-        if isinstance(value, Tensor) and value.numel():
-            ptr = value.untyped_storage().data_ptr()
-            if ptr in seen:
-                outputs[i] = value.clone()
-            else:
-                seen.add(ptr)
+        if i in updated_inputs or not isinstance(value, Tensor) or not value.numel():
+            continue
+        if overlaps(value):
+            outputs[i] = value = value.clone()
+        take(value)
 
 
 def distribute(config: Config | None = None, **overrides: Any) -> Callable[[Callable], DistributedStep]:

@@ -1,0 +1,108 @@
+"""Updates in place for the eager backend: the optimizer writes into its state as ``torch.optim`` does.
+
+The pipeline's graphs are functional: an optimizer step makes new parameter and state tensors while the old ones,
+still referenced by the model and the optimizer, stay alive until the step returns — twice the optimizer's memory
+at the end of every step, and fresh allocations each call. Inductor removes this itself; for the FX executor this
+rewrite does, on the final graph only:
+
+For every state output (parameter, gradient, buffer, optimizer state) whose value is computed by a chain
+``x1 = op1(P, ...)``, ``x2 = op2(x1, ...)``, ..., ``out = opk(x_{k-1}, ...)`` starting at the *same* state's input
+``P``, where every op has an in-place form (``mul`` → ``mul_``...), keeps ``P``'s shape and dtype, each
+intermediate has no other reader, and nothing reads ``P`` after ``op1``: the chain becomes in-place on ``P``.
+The output is then the input tensor itself, updated, and writing it back is free. Anything else (where the old
+value is still needed, a dtype change, ``where`` for skipped fp16 steps) stays functional.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+
+def _inplace_variant(target: object) -> object | None:
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    name = target._schema.name.split("::")[-1]
+    if name.endswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name + "_", None)
+    if packet is None:
+        return None
+    return getattr(packet, target._overloadname, None)
+
+
+def _state_key(spec: object) -> tuple:
+    return (spec.kind, spec.index, spec.field, spec.optimizer)
+
+
+def reinplace_state_updates(gm: fx.GraphModule) -> list[int]:
+    """Rewrite ``gm`` in place as described above; returns the output positions that are now updated inputs."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    placeholders = {
+        _state_key(n.meta["zgraph_input"]): n
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.meta["zgraph_input"].kind in ("param", "grad", "buffer", "opt_state")
+    }
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    updated = []
+    for position, (value, role) in enumerate(zip(values, output.meta["zgraph_outputs"])):
+        source = placeholders.get(_state_key(role))
+        if source is None or not isinstance(value, fx.Node):
+            continue
+        chain = _chain(source, value, values)
+        if chain is None:
+            continue
+        first = chain[0]
+        if any(order[r] > order[first] for r in _readers(source) if r is not first):
+            continue  # the old value (or a view of it, or a collective still sending it) is read afterwards
+        for node in chain:
+            node.target = _inplace_variant(node.target)
+        updated.append(position)
+    gm.recompile()
+    return updated
+
+
+def _aliases(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info for r in target._schema.returns)
+
+
+def _readers(source: fx.Node) -> list[fx.Node]:
+    """Every node that reads ``source``'s memory: its users, the users of views of it, and the waits of
+    collectives sending it (an asynchronous collective reads its input until its wait)."""
+    out = []
+    frontier = list(source.users)
+    while frontier:
+        node = frontier.pop()
+        out.append(node)
+        if _aliases(node) or (
+            isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
+        ):
+            frontier.extend(node.users)
+    return out
+
+
+def _chain(source: fx.Node, value: fx.Node, outputs: list) -> list[fx.Node] | None:
+    """The ops from ``source`` (first argument of the first) to ``value``, each rewritable in place."""
+    chain = []
+    node = value
+    want = source.meta["val"]
+    while node is not source:
+        if node.op != "call_function" or _inplace_variant(node.target) is None or not node.args:
+            return None
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.shape != want.shape or val.dtype != want.dtype:
+            return None
+        if node is not value and (len(node.users) != 1 or node in outputs):
+            return None
+        chain.append(node)
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return None
+    chain.reverse()
+    return chain if chain else None
