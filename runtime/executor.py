@@ -1,12 +1,13 @@
 """Backends that turn the transformed step graph into something to call.
 
-``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. Both run under
-``torch.no_grad()``: the graph already holds the backward pass as explicit ops.
+``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. The graph already holds
+the backward pass as explicit ops and its inputs do not require grad, so nothing is recorded for autograd.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,9 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
         updated = reinplace_state_updates(runnable)
 
         def run_eager(inputs: Sequence[Tensor]) -> Sequence:
-            with torch.no_grad():
+            # grad mode as when the step was traced: a few kernels (mkldnn's LSTM) keep what their explicit
+            # backward needs only with it on; no input requires grad, so nothing is recorded
+            with torch.enable_grad():
                 return runnable(*inputs)
 
         return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated))
@@ -51,8 +54,19 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
         # Compile against the graph's own fake inputs: their fake mode has the ShapeEnv that holds the scalar
         # symbols optimizer kernels create with .item() (hyper-parameters).
         fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-        with torch.no_grad():
-            compiled = compile_fx(gm, fake_inputs)
+        try:
+            with torch.no_grad():
+                compiled = compile_fx(gm, fake_inputs)
+        except Exception as error:  # the same graph runs op by op: slower, same numbers
+            warnings.warn(
+                f"zgraph: inductor could not compile the step graph ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0][:300]}); running it with the eager backend instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            fallback = compile_graph(gm, "eager")
+            fallback.compile_seconds = time.perf_counter() - start
+            return fallback
 
         def run_inductor(inputs: Sequence[Tensor]) -> Sequence:
             with torch.no_grad():

@@ -7,6 +7,7 @@ the same aten ops as eager (the optimizer kernels mirror torch.optim op for op),
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from parity import run_parity
@@ -252,3 +253,37 @@ def test_inductor_backend_matches_eager():
         bitwise=False,
         rtol=1e-5,
     )
+
+
+def test_lstm_step_replays_with_the_kernels_backward_state():
+    """Regression: mkldnn's LSTM keeps its backward workspace only with grad mode on; the graph must replay
+    with the grad mode it was traced with."""
+
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.rnn = nn.LSTM(8, 16, batch_first=True)
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.out(self.rnn(x.unsqueeze(1).repeat(1, 5, 1))[0][:, -1])
+
+    run_parity(standard_step, lambda: _with_opt(Recurrent(), torch.optim.Adam, lr=1e-2), batches())
+
+
+def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
+    import torch._inductor.compile_fx as inductor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(inductor, "compile_fx", broken)
+    with pytest.warns(RuntimeWarning, match="inductor could not compile.*no C\\+\\+ compiler"):
+        compiled = run_parity(
+            standard_step,
+            lambda: _with_opt(mlp(), torch.optim.AdamW, lr=1e-2),
+            batches(2),
+            config=zgraph.Config(backend="inductor"),
+        )
+    assert "final (eager)" in compiled.explain()
