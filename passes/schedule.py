@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.capture import BACKWARD, OPTIMIZER
+from zgraph.explain import tensor_bytes
 from zgraph.ops import UNSHARD
 from zgraph.passes.bucket import bucket_limit
 from zgraph.passes.pipeline import PassContext
@@ -171,7 +172,7 @@ def _place_prefetch(anchor: dict, gathers: list, first_reader: Callable, limit: 
     """Issue parameter gathers in the order they are read, each as soon as the gathers between its issue and
     its read fit, with it, in ``limit`` bytes (a gather alone over the limit is issued right before its read)."""
     by_use = sorted(gathers, key=first_reader)
-    sizes = [_bytes(g.meta["val"]) for g in by_use]
+    sizes = [tensor_bytes(g.meta["val"]) for g in by_use]
     for i, start in enumerate(by_use):
         held, j = sizes[i], i
         while j > 0 and held + sizes[j - 1] <= limit:
@@ -182,12 +183,6 @@ def _place_prefetch(anchor: dict, gathers: list, first_reader: Callable, limit: 
         else:  # gathers j..i are in flight or unread together; issue once gather j-1 has been read
             position = first_reader(by_use[j - 1]) if j > 0 else -1.0
         _place(anchor, [*_packing_inputs(start), start], position + _EPS * 1e-2 * i)
-
-
-def _bytes(value: object) -> int:
-    if isinstance(value, (list, tuple)):
-        return sum(_bytes(v) for v in value)
-    return value.numel() * value.element_size()
 
 
 def _interleave_optimizer(nodes: list, anchor: dict, starts: list, waits: dict) -> None:

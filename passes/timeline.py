@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from zgraph.explain import collective_bytes, collective_kind
+from zgraph.explain import collective_bytes, collective_kind, tensor_bytes
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -36,14 +36,6 @@ class Timeline:
     @property
     def total(self) -> float:
         return self.compute + self.exposed
-
-
-def _tensor_bytes(value: object) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -73,7 +65,7 @@ def _flops(node: fx.Node) -> int:
 def compute_seconds(node: fx.Node, cost_model: object) -> float:
     if node.op != "call_function" or _is_view(node):
         return 0.0
-    moved = _tensor_bytes(node.meta.get("val")) + sum(_tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    moved = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return _flops(node) / cost_model.flops_per_second + moved / cost_model.bytes_per_second
 
 

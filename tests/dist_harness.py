@@ -66,3 +66,17 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, in
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"{target} on {world_size} ranks did not finish in {timeout:.0f} s")
+
+
+def run_named(rank: int, world: int, out_path: str, names: list[str], namespace: dict) -> None:
+    """Worker body: call ``namespace[name](rank, world)`` for each name; rank 0 saves ``{name: result}``, a
+    failure recorded as ``{"error": traceback}`` (every rank reaches the same barriers)."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = namespace[name](rank, world)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out_path)

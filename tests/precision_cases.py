@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import traceback
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_harness import run_named
 from torch import nn
 
 import zgraph
@@ -197,12 +196,5 @@ def max_grad_norm(rank: int, world: int) -> dict:
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
-    results = {}
-    for name in names:
-        try:
-            results[name] = globals()[name](rank, world)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    if rank == 0:
-        torch.save(results, out_path)
+    """Worker: run the named checks; rank 0 saves ``{name: result}``."""
+    run_named(rank, world, out_path, names, globals())

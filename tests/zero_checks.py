@@ -4,11 +4,11 @@ memory held per rank, errors that must not hang, ``zgraph.gather``."""
 from __future__ import annotations
 
 import gc
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_harness import run_named
 from torch import nn
 
 import zgraph
@@ -209,16 +209,8 @@ def gather_roundtrip(rank: int, world: int) -> dict:
 
 
 def run_checks(rank: int, world: int, out_path: str, names: list[str]) -> None:
-    """Worker: run the named checks; rank 0 saves ``{name: result}`` (or ``{"error": traceback}``)."""
-    results = {}
-    for name in names:
-        try:
-            results[name] = globals()[name](rank, world)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    if rank == 0:
-        torch.save(results, out_path)
+    """Worker: run the named checks; rank 0 saves ``{name: result}``."""
+    run_named(rank, world, out_path, names, globals())
 
 
 def _gpt_step(model, opt, idx, tgt):

@@ -45,18 +45,19 @@ def collective_kind(node: fx.Node) -> str | None:
     return None
 
 
-def _nbytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a list/tuple."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
+        return sum(tensor_bytes(v) for v in value)
     return 0
 
 
 def collective_bytes(node: fx.Node) -> int:
     """Bytes of the full tensor a collective produces or consumes (the larger side)."""
-    out = _nbytes(node.meta.get("val"))
-    ins = sum(_nbytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+    out = tensor_bytes(node.meta.get("val"))
+    ins = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
     return max(out, ins)
 
 
