@@ -7,8 +7,9 @@ the step runs on one process and sharding is the identity.
 
 from __future__ import annotations
 
-import functools
 import os
+import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,34 @@ def ensure_process_group() -> ProcessGroupInfo:
     )
 
 
-@functools.cache
+_MESHES: weakref.WeakValueDictionary[tuple, object] = weakref.WeakValueDictionary()
+
+
 def device_mesh(device_type: str, world_size: int) -> object:
-    """The 1-D ``DeviceMesh`` over the default group (one per device type, shared by every sharded tensor)."""
+    """The 1-D ``DeviceMesh`` over the default group, shared by every sharded tensor while any of them lives.
+
+    Held weakly: once no sharded tensor uses it, the mesh (and its reference to the process group) goes, so a
+    destroyed group's threads are joined while the interpreter is alive rather than during its shutdown,
+    where a gloo group kept alive only by a cache aborts the process. Keyed by the default group's name too, so
+    a group made after ``destroy_process_group`` gets a new mesh.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world_size,))
+    key = (device_type, world_size, dist.group.WORLD.group_name)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (world_size,))
+        _MESHES[key] = mesh
+    return mesh
+
+
+def end_finished_rank() -> None:
+    """Exit a spawned rank that finished its work (group destroyed, results written) without interpreter teardown.
+
+    DTensor's sharding-propagation cache keeps the device mesh, and through it the gloo group and its threads,
+    alive until the interpreter shuts down; tearing gloo down that late occasionally aborts the process
+    ("terminate called without an active exception") after all the work succeeded.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -14,7 +14,6 @@ parameters). 0-d parameters, and tensors an optimizer holds that no module owns,
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,19 +144,46 @@ def convert_master_dtype(binding: Binding, master: torch.dtype | None, state: to
 
 
 # ------------------------------------------------------------------------------------------ sharding in place
-_OWNER: weakref.WeakKeyDictionary[nn.Module, tuple[ShardingPlan, Binding]] = weakref.WeakKeyDictionary()
+_OWNER_ATTR = "_zgraph_owner"
+
+
+class _Owner:
+    """The plan and binding that sharded a module, kept on the module itself.
+
+    On the module (not in a global weak map, whose values would keep their own keys alive): the module, its
+    binding and its sharded tensors form one cycle that the garbage collector frees together once the user
+    drops the model, and with it the device mesh and process group they reference. Neither copied nor
+    pickled: ``copy.deepcopy(model)`` or ``torch.save(model)`` gives a module no step owns, as before.
+    """
+
+    __slots__ = ("plan", "binding")
+
+    def __init__(self, plan: ShardingPlan, binding: Binding):
+        self.plan = plan
+        self.binding = binding
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_no_owner, ())
+
+
+def _no_owner() -> None:
+    return None
 
 
 def sharding_of(module: nn.Module) -> tuple[ShardingPlan, Binding] | None:
     """The plan and binding that sharded ``module`` (or one of its ancestors' bindings), if any."""
-    return _OWNER.get(module)
+    owner = module.__dict__.get(_OWNER_ATTR)
+    return (owner.plan, owner.binding) if owner is not None else None
 
 
 def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
     """Shard the binding's state in place, as the plan says: parameters (stage 3), gradients (stage ≥ 2) and
     optimizer state (stage ≥ 1). Records which modules are sharded, for ``zgraph.gather``."""
     for _, root in binding.modules:
-        owner = _OWNER.get(root)
+        owner = sharding_of(root)
         if owner is not None and owner[0] is not plan:
             if owner[0].stage != plan.stage or owner[0].group != plan.group:
                 raise ZGraphError(
@@ -169,9 +195,10 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
             if plan.params_sharded(record.index) and not isinstance(record.tensor, DTensor):
                 _shard_parameter(plan, binding, record.index)
         normalize_state(plan, binding)
+    owner = _Owner(plan, binding)
     for _, root in binding.modules:
         for module in root.modules():
-            _OWNER[module] = (plan, binding)
+            module.__dict__[_OWNER_ATTR] = owner
         if plan.stage >= 3 and plan.group.distributed:
             _guard_outside_use(root)
 

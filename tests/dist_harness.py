@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zgraph.runtime.process_group import end_finished_rank
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,6 +45,7 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+    end_finished_rank()
 
 
 def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool = True) -> None:

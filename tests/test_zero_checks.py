@@ -17,6 +17,7 @@ CHECKS = [
     "differing_plans",
     "prefetch_memory",
     "persistence",
+    "released",
 ]
 
 
@@ -129,3 +130,9 @@ def test_small_parameters_persist_in_stage3(checks):
     small = [n for n, numel in result["numels"].items() if numel <= 100_000]
     assert result["sharded"] == big == ["head.weight", "tok.weight"] and small
     assert result["forward_gathers"] >= 1
+
+
+def test_a_sharded_model_is_freed_when_the_user_drops_it(checks):
+    """Nothing zgraph keeps (its record of which step sharded a module) holds the model, its optimizer or their
+    tensors alive after the user drops model, optimizer and step."""
+    assert checks(2)["released"] == {stage: (True, True) for stage in range(4)}

@@ -74,7 +74,7 @@ def memory(rank: int, world: int) -> dict:
     every allocation since the model was built."""
     out = {}
     x = torch.randn(8, 64)
-    device_mesh("cpu", world)  # made once per process; not model state
+    mesh = device_mesh("cpu", world)  # made once per process (held here); not model state
     for stage in range(4):
         gc.collect()
         tracker = LiveTensorBytes()
@@ -88,6 +88,7 @@ def memory(rank: int, world: int) -> dict:
             gc.collect()
         out[stage] = {"state": state_bytes(model, opt), "tracked": tracker.current}
         del model, opt, step
+    del mesh  # held until every stage is measured
     return out
 
 
@@ -309,3 +310,21 @@ def persistence(rank: int, world: int) -> dict:
         "forward_gathers": len(gathered),
         "numels": {n: p.numel() for n, p in model.named_parameters()},
     }
+
+
+def released(rank: int, world: int) -> dict:
+    """Per stage: is a model a step sharded freed once the user drops model, optimizer and step?"""
+    import weakref
+
+    out = {}
+    x = torch.randn(8, 64)
+    for stage in range(4):
+        model = _big_mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(_step_keeping_grads)
+        step(model, opt, x)
+        model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)
+        del model, opt, step
+        gc.collect()
+        out[stage] = (model_ref() is None, opt_ref() is None)
+    return out

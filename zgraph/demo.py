@@ -33,6 +33,7 @@ from zgraph.data import VOCAB, batch, corpus_tokens
 from zgraph.explain import human_bytes
 from zgraph.models import GPT, GPTConfig, count_params, lm_loss
 from zgraph.runtime.memory import state_bytes as held_state_bytes
+from zgraph.runtime.process_group import end_finished_rank
 
 DEMO_GPT = GPTConfig(vocab=VOCAB, d_model=256, layers=4, heads=4, seq=128)
 DEFAULT_NPROC = 2
@@ -163,6 +164,7 @@ def _rank_main(local_rank: int, args: argparse.Namespace, world_size: int, port:
     if summary is not None:
         with open(summary_path, "w") as f:
             json.dump(summary, f)
+    end_finished_rank()
 
 
 # ------------------------------------------------------------------------------------------------- one rank
