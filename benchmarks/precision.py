@@ -29,14 +29,16 @@ from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
+# The seeds' recipe: bf16 master weights, gradients and Adam states, with ``torch.autocast`` in the step.
 SETTINGS = {
-    "fp32": {},
-    "bf16": {
-        "param_dtype": torch.bfloat16,
-        "master_dtype": torch.bfloat16,
-        "optimizer_state_dtype": torch.bfloat16,
-    },
+    "fp32": {"config": {}, "autocast": False},
+    "bf16": {"config": {"master_dtype": torch.bfloat16, "optimizer_state_dtype": torch.bfloat16}, "autocast": True},
 }
+
+
+def _forward_loss(model, idx, tgt, autocast: bool):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return lm_loss(model(idx), tgt)
 
 
 def _vm_hwm_mib() -> float:
@@ -47,15 +49,15 @@ def _vm_hwm_mib() -> float:
     return float("nan")
 
 
-def _step_keeping_grads(model, opt, idx, tgt):
-    loss = lm_loss(model(idx), tgt)
+def _step_keeping_grads(model, opt, idx, tgt, autocast: bool):
+    loss = _forward_loss(model, idx, tgt, autocast)
     loss.backward()
     opt.step()
     return loss
 
 
-def _train_step(model, opt, idx, tgt):
-    loss = lm_loss(model(idx), tgt)
+def _train_step(model, opt, idx, tgt, autocast: bool):
+    loss = _forward_loss(model, idx, tgt, autocast)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -70,7 +72,8 @@ def _rank_env(rank: int, world: int, port: int) -> None:
 
 def memory_rank(rank: int, world: int, port: int, setting: str, out: str) -> None:
     _rank_env(rank, world, port)
-    config = zgraph.Config(stage=3, backend="eager", **SETTINGS[setting])
+    config = zgraph.Config(stage=3, backend="eager", **SETTINGS[setting]["config"])
+    autocast = SETTINGS[setting]["autocast"]
     tracker = LiveTensorBytes()
     with tracker:
         torch.manual_seed(0)
@@ -80,7 +83,7 @@ def memory_rank(rank: int, world: int, port: int, setting: str, out: str) -> Non
         g = torch.Generator().manual_seed(rank)
         idx = torch.randint(0, GPT_100M.vocab, (2, GPT_100M.seq), generator=g)
         for _ in range(2):
-            loss = float(step(model, opt, idx, idx.roll(-1, dims=1)))
+            loss = float(step(model, opt, idx, idx.roll(-1, dims=1), autocast))
         gc.collect()
     held = state_bytes(model, opt)
     result = {
@@ -103,7 +106,8 @@ def memory_rank(rank: int, world: int, port: int, setting: str, out: str) -> Non
 
 def convergence_rank(rank: int, world: int, port: int, setting: str, steps: int, out: str) -> None:
     _rank_env(rank, world, port)
-    config = zgraph.Config(stage=3, backend="eager", **SETTINGS[setting])
+    config = zgraph.Config(stage=3, backend="eager", **SETTINGS[setting]["config"])
+    autocast = SETTINGS[setting]["autocast"]
     torch.manual_seed(0)
     model = GPT(DEMO_GPT)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -114,7 +118,7 @@ def convergence_rank(rank: int, world: int, port: int, setting: str, steps: int,
     start = time.perf_counter()
     for _ in range(steps):
         idx, tgt = rank_batch(tokens, 8, rank, world, generator)
-        loss = step(model, opt, idx, tgt).detach().float().clone()
+        loss = step(model, opt, idx, tgt, autocast).detach().float().clone()
         dist.all_reduce(loss)
         losses.append(float(loss) / world)
     if rank == 0:
@@ -210,7 +214,7 @@ def _plot(runs: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {"fp32": "fp32 master, grads, Adam states", "bf16": "bf16 master, grads, Adam states, compute"}
+    labels = {"fp32": "fp32 master, grads, Adam states", "bf16": "bf16 master, grads, Adam states + autocast"}
     for setting, run in runs.items():
         ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=labels[setting], linewidth=1)
     ax.set_xlabel("step")
