@@ -7,6 +7,9 @@ the same aten ops as eager (the optimizer kernels mirror torch.optim op for op),
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,6 +179,86 @@ def test_lr_scheduler_between_calls_takes_effect_without_retrace():
 
     compiled = run_parity(step, make, batches(), between_calls=lambda state: state[2].step())
     assert len(compiled._cache) == 1, "an LR change must not retrace"
+
+
+def _schedulers() -> dict[str, Callable]:
+    return {
+        "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + i)),
+        "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10),
+        "warmup_then_cosine": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+            opt,
+            [
+                torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2),
+                torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+            ],
+            milestones=[2],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_schedulers()))
+def test_lr_scheduler_stepped_inside_the_step(name):
+    """``scheduler.step()`` after ``opt.step()`` inside the step, as training loops write it: the scheduler runs
+    eagerly after the graph on every call, the next call's graph reads the new learning rate (and OneCycle's
+    betas), and nothing retraces."""
+
+    def make():
+        model, opt = _with_opt(mlp(), torch.optim.AdamW, lr=1e-2)
+        return model, opt, _schedulers()[name](opt)
+
+    def step(model, opt, scheduler, x, y):
+        loss = standard_step(model, opt, x, y)
+        scheduler.step()
+        return loss
+
+    lrs = []
+    compiled = run_parity(step, make, batches(), between_calls=lambda state: lrs.append(_hparams(state[1])))
+    assert lrs[0::2] == lrs[1::2], "learning rates and betas follow eager's"
+    assert len(set(map(str, lrs))) > 1, "the schedule changed the learning rate"
+    assert len(compiled._cache) == 1
+
+
+def _hparams(opt: torch.optim.Optimizer) -> list:
+    return [(g["lr"], g["betas"]) for g in opt.param_groups]
+
+
+def test_lr_scheduler_stepped_before_the_optimizer_takes_effect_in_the_same_call():
+    def make():
+        model, opt = _with_opt(mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(model, opt, scheduler, x, y):
+        scheduler.step()  # unusual order (torch warns), but eager semantics must hold
+        return standard_step(model, opt, x, y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's warning about the order, on both sides
+        run_parity(step, make, batches())
+
+
+def test_lr_scheduler_steps_that_cannot_be_replayed_raise():
+    model, opt = _with_opt(mlp(), torch.optim.SGD, lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    x, y = next(iter(batches()))
+
+    def on_plateau(model, opt, x, y):
+        loss = standard_step(model, opt, x, y)
+        plateau.step(loss)
+        return loss
+
+    with pytest.raises(zgraph.CaptureError, match="ReduceLROnPlateau.step\\(\\) with arguments"):
+        zgraph.distribute(backend="eager")(on_plateau)(model, opt, x, y)
+
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+
+    def between_updates(model, opt, x, y):
+        standard_step(model, opt, x, y)
+        scheduler.step()
+        return standard_step(model, opt, x, y)
+
+    with pytest.raises(zgraph.CaptureError, match="between two step\\(\\) calls of its optimizer"):
+        zgraph.distribute(backend="eager")(between_updates)(model, opt, x, y)
 
 
 def test_hyperparameters_are_graph_inputs_not_constants():

@@ -40,6 +40,23 @@ def test_data_dependent_branch_names_the_call_and_the_source_line():
     assert model.weight.grad is None
 
 
+def test_grad_scaler_points_to_zgraph_loss_scaling():
+    scaler = torch.amp.GradScaler("cpu")
+
+    @zgraph.distribute(backend="eager")
+    def step(model, opt, x):
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    model, opt = _model_opt()
+    with pytest.raises(zgraph.CaptureError, match="GradScaler") as info:
+        step(model, opt, torch.randn(3, 4))
+    assert 'loss_scale="dynamic"' in str(info.value) and "scaler.step(opt)" in str(info.value)
+
+
 def test_untraceable_optimizer_is_named():
     class ThresholdSGD(torch.optim.Optimizer):
         def __init__(self, params):

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph import optimizers as zopt
 from zgraph.errors import CaptureError
@@ -115,6 +116,9 @@ class CapturedGraph:
         training_flags: ``(module, training)`` to restore where the step called ``train()``/``eval()``.
         created_state: ``(optimizer, param)`` pairs whose state the step created (first optimizer step).
         optimizers_stepped: indices of optimizers whose ``step()`` the step called.
+        scheduler_steps: LR schedulers whose ``step()`` the step called, in call order, each as
+            ``(scheduler, before_update)``: they run eagerly around the graph on every call (``before_update``:
+            before the graph, so its optimizer update reads the new values, as in eager; else after it).
     """
 
     gm: fx.GraphModule
@@ -125,6 +129,7 @@ class CapturedGraph:
     training_flags: list[tuple[nn.Module, bool]] = field(default_factory=list)
     created_state: list[tuple[int, int]] = field(default_factory=list)
     optimizers_stepped: list[int] = field(default_factory=list)
+    scheduler_steps: list[tuple[LRScheduler, bool]] = field(default_factory=list)
 
 
 class _Returned:
@@ -180,6 +185,13 @@ def _where(exc: BaseException) -> str:
     if frame is None:
         return ""
     return f" at {frame.filename}:{frame.lineno} ({frame.name}): `{(frame.line or '').strip()}`"
+
+
+def _raised_in_grad_scaler(exc: BaseException) -> bool:
+    return any(
+        frame.filename.replace(os.sep, "/").endswith("amp/grad_scaler.py")
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
 
 
 def _data_dependent(exc: BaseException) -> str | None:
@@ -253,6 +265,7 @@ class _Trace:
     precision: TracePrecision
     created: list[tuple[int, int]] = field(default_factory=list)
     stepped: list[int] = field(default_factory=list)
+    scheduler_steps: list[tuple[LRScheduler, bool, int]] = field(default_factory=list)  # + len(stepped) then
 
 
 @contextlib.contextmanager
@@ -290,6 +303,61 @@ def _swap_optimizers(trace: _Trace) -> Iterator[None]:
                     opt.__dict__.pop(attr, None)
                 else:
                     opt.__dict__[attr] = value
+
+
+def _scheduler_classes() -> list[type]:
+    """``LRScheduler`` and every loaded subclass that defines its own ``step``."""
+    found, todo = [], [LRScheduler]
+    while todo:
+        cls = todo.pop()
+        if "step" in cls.__dict__:
+            found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+@contextlib.contextmanager
+def _record_scheduler_steps(trace: _Trace) -> Iterator[None]:
+    """While tracing, an LR scheduler's ``step()`` is recorded instead of run: it changes Python numbers (the
+    learning rates), not tensors, so zgraph runs it for real around the graph on every call (see
+    ``CapturedGraph.scheduler_steps``); the graph reads the learning rates as inputs."""
+    optimizer_index = {id(r.optimizer): r.index for r in trace.binding.optimizers}
+
+    def record(scheduler: LRScheduler, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs:
+            raise CaptureError(
+                f"{type(scheduler).__name__}.step() with arguments inside a zgraph step: its new learning rate "
+                "would depend on values the graph computes (e.g. ReduceLROnPlateau's metric). Call it between "
+                "step calls with the value the step returns."
+            )
+        o_index = optimizer_index.get(id(scheduler.optimizer))
+        before_update = o_index is not None and o_index not in trace.stepped
+        trace.scheduler_steps.append((scheduler, before_update, len(trace.stepped)))
+
+    classes = _scheduler_classes()
+    saved = [(cls, cls.__dict__["step"]) for cls in classes]
+    try:
+        for cls in classes:
+            cls.step = record
+        yield
+    finally:
+        for cls, step in saved:
+            cls.step = step
+
+
+def _scheduler_order(trace: _Trace) -> list[tuple[LRScheduler, bool]]:
+    """The recorded scheduler steps, checked: a scheduler stepped between two updates of its optimizer would
+    change the learning rate in the middle of the graph, which reads each learning rate once."""
+    optimizer_index = {id(r.optimizer): r.index for r in trace.binding.optimizers}
+    for scheduler, _, stepped_before in trace.scheduler_steps:
+        o_index = optimizer_index.get(id(scheduler.optimizer))
+        if o_index in trace.stepped[:stepped_before] and o_index in trace.stepped[stepped_before:]:
+            raise CaptureError(
+                f"{type(scheduler).__name__}.step() runs between two step() calls of its optimizer inside one "
+                "zgraph step; zgraph reads each learning rate once per call. Step the scheduler before the first "
+                "or after the last optimizer step."
+            )
+    return [(scheduler, before) for scheduler, before, _ in trace.scheduler_steps]
 
 
 @contextlib.contextmanager
@@ -554,6 +622,7 @@ def capture(
             if config.param_dtype is not None:
                 stack.enter_context(_cast_forward_inputs(binding, config.param_dtype))
             stack.enter_context(_swap_optimizers(trace))
+            stack.enter_context(_record_scheduler_steps(trace))
             stack.enter_context(StepMode(precision, is_grad))
             stack.enter_context(torch.set_grad_enabled(grad_enabled))
             new_args = substitute("args", args, traced)
@@ -568,8 +637,9 @@ def capture(
             if _group_values(binding) != groups_before:
                 raise CaptureError(
                     "the step changed optimizer param_groups values (e.g. lr) while it ran; in a zgraph step that "
-                    "change would be baked into the graph as a constant. Set them before calling the step (an LR "
-                    "scheduler's step() between calls is fine): they are graph inputs."
+                    "change would be baked into the graph as a constant. Set them before calling the step, or use an "
+                    "LR scheduler (its step(), inside the step or between calls, runs eagerly around the graph): "
+                    "they are graph inputs."
                 )
             with torch.no_grad():
                 final_loss_state = precision.finish_step([p.grad for p in params if p.grad is not None])
@@ -624,6 +694,7 @@ def capture(
             roles.append(GraphOutput("loss_scale", f"loss_scale:{name}", 0, field=name))
         captured.created_state = trace.created
         captured.optimizers_stepped = sorted(set(trace.stepped))
+        captured.scheduler_steps = _scheduler_order(trace)
         result_holder["captured"] = captured
         result_holder["roles"] = roles
         return outs
@@ -651,6 +722,14 @@ def _trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn:
         raise
     except Exception as exc:
         detail = _data_dependent(exc)
+        if detail is not None and _raised_in_grad_scaler(exc):
+            raise CaptureError(
+                f"zgraph cannot capture `{name}`: torch.amp.GradScaler decides in Python whether gradients "
+                f"overflowed{_where(exc)}. zgraph does fp16 loss scaling in the graph: drop the GradScaler (call "
+                'loss.backward() and opt.step() directly) and set zgraph.Config(loss_scale="dynamic"), or '
+                "zgraph.DynamicLossScale(...) for GradScaler's init_scale / growth_factor / backoff_factor / "
+                "growth_interval."
+            ) from exc
         if detail is None:
             raise CaptureError(
                 f"zgraph could not capture `{name}`: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"

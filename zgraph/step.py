@@ -327,6 +327,10 @@ class DistributedStep:
 
     def _run(self, compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
         io = StateIO(binding, binding.plan)
+        captured = compiled.captured
+        for scheduler, before_update in captured.scheduler_steps:
+            if before_update:
+                scheduler.step()  # the user's step stepped it before its optimizer: the graph reads the new lr
         hyper: dict[tuple[int, int], dict[str, float]] = {}
         for spec in compiled.input_specs:
             if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
@@ -342,7 +346,6 @@ class DistributedStep:
                 user_values.append(value)
             else:
                 io.write(role, value, user_tensors)
-        captured = compiled.captured
         for i in captured.none_grads:
             binding.params[i].tensor.grad = None
         for i in captured.none_input_grads:
@@ -354,6 +357,9 @@ class DistributedStep:
             module.training = training
         for o_index in captured.optimizers_stepped:
             binding.optimizers[o_index].optimizer._opt_called = True  # what LR schedulers check
+        for scheduler, before_update in captured.scheduler_steps:
+            if not before_update:
+                scheduler.step()
         return map_leaves(
             captured.result_template,
             lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,
