@@ -18,6 +18,7 @@ CHECKS = [
     "prefetch_memory",
     "persistence",
     "released",
+    "user_collectives",
 ]
 
 
@@ -136,3 +137,13 @@ def test_a_sharded_model_is_freed_when_the_user_drops_it(checks):
     """Nothing zgraph keeps (its record of which step sharded a module) holds the model, its optimizer or their
     tensors alive after the user drops model, optimizer and step."""
     assert checks(2)["released"] == {stage: (True, True) for stage in range(4)}
+
+
+def test_collectives_the_user_calls_inside_the_step(checks):
+    """``dist.all_reduce`` (AVG; MAX with ``async_op``), ``broadcast`` and ``all_gather_into_tensor`` written in
+    the step give, on every call, what the same collectives give eagerly; an untraceable one raises clearly."""
+    result = checks(2)["user_collectives"]
+    for inside, eager in zip(result["inside"], result["eager"]):
+        for got, want in zip(inside, eager):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert "c10d.allgather_" in result["list_all_gather"]

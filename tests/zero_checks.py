@@ -328,3 +328,50 @@ def released(rank: int, world: int) -> dict:
         gc.collect()
         out[stage] = (model_ref() is None, opt_ref() is None)
     return out
+
+
+def _step_with_user_collectives(model, opt, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+    biggest = loss.detach().clone()
+    dist.all_reduce(biggest, op=dist.ReduceOp.MAX, async_op=True).wait()
+    from_rank1 = loss.detach().reshape(1).clone()
+    dist.broadcast(from_rank1, src=1)
+    every = torch.empty(dist.get_world_size(), dtype=loss.dtype)
+    dist.all_gather_into_tensor(every, loss.detach().reshape(1))
+    return loss.detach(), mean_loss, biggest, from_rank1, every
+
+
+def _step_with_list_all_gather(model, opt, x):
+    loss = model(x).pow(2).mean()
+    everyone = [torch.empty_like(loss) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, loss.detach())
+    return loss
+
+
+def user_collectives(rank: int, world: int) -> dict:
+    """A step that calls torch.distributed collectives itself (logging a mean loss, say): what they return
+    inside the compiled step, and the same collectives run eagerly on the losses the step returned."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zgraph.distribute(stage=3, backend="eager")(_step_with_user_collectives)
+    out = {"inside": [], "eager": []}
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+        loss, mean_loss, biggest, from_rank1, every = step(model, opt, x)
+        out["inside"].append([mean_loss, biggest, from_rank1, every])
+        everyone = [torch.empty_like(loss) for _ in range(world)]
+        dist.all_gather(everyone, loss)
+        stacked = torch.stack(everyone)
+        out["eager"].append([stacked.mean(), stacked.max(), stacked[1].reshape(1), stacked])
+    try:
+        zgraph.distribute(stage=0, backend="eager")(_step_with_list_all_gather)(_mlp(), None, torch.randn(4, 8))
+        out["list_all_gather"] = "no error"
+    except zgraph.CaptureError as error:
+        out["list_all_gather"] = str(error)
+    return out

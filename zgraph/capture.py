@@ -51,6 +51,7 @@ from zgraph.errors import CaptureError
 from zgraph.ops import grad_contribution
 from zgraph.precision import StepMode, TracePrecision, keep_if_overflow
 from zgraph.runtime.state import Binding
+from zgraph.traced_collectives import functional_c10d, untraceable_collective
 from zgraph.tree import map_leaves
 
 aten = torch.ops.aten
@@ -623,6 +624,7 @@ def capture(
                 stack.enter_context(_cast_forward_inputs(binding, config.param_dtype))
             stack.enter_context(_swap_optimizers(trace))
             stack.enter_context(_record_scheduler_steps(trace))
+            stack.enter_context(functional_c10d())
             stack.enter_context(StepMode(precision, is_grad))
             stack.enter_context(torch.set_grad_enabled(grad_enabled))
             new_args = substitute("args", args, traced)
@@ -700,6 +702,13 @@ def capture(
         return outs
 
     gm1 = _trace(traced_step, fakes, mode, fn)
+    collective = untraceable_collective(gm1)
+    if collective is not None:
+        raise CaptureError(
+            f"the step calls a torch.distributed collective zgraph cannot trace ({collective}); inside a step "
+            "use torch.distributed.all_reduce, broadcast, all_gather_into_tensor or reduce_scatter_tensor on "
+            "tensors (traced as functional collectives), or torch.distributed._functional_collectives"
+        )
     captured = result_holder["captured"]
     roles = result_holder["roles"]
     if captured.created_state and materialize_state is not None and materialize_state(captured):
