@@ -14,6 +14,7 @@ parameters). 0-d parameters, and tensors an optimizer holds that no module owns,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +118,8 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence
         t = record.tensor
         spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
         plan.specs.append(spec)
-        plan.persistent.append(not record.slots or t.numel() <= persistence_threshold)
+        already_sharded = getattr(t, _PADDED, None) is not None  # by another step's plan (e.g. fwd/bwd only)
+        plan.persistent.append(not already_sharded and (not record.slots or t.numel() <= persistence_threshold))
     return plan
 
 
@@ -191,6 +193,8 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
                     f"{owner[0].stage}; a module can be driven by steps of one stage only"
                 )
     if plan.group.distributed:
+        if plan.stage >= 2:
+            _watch_eager_optimizer_steps()
         for record in binding.params:
             if plan.params_sharded(record.index) and not isinstance(record.tensor, DTensor):
                 _shard_parameter(plan, binding, record.index)
@@ -201,6 +205,51 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
             module.__dict__[_OWNER_ATTR] = owner
         if plan.stage >= 3 and plan.group.distributed:
             _guard_outside_use(root)
+
+
+_REPLACED_BY = "_zgraph_replaced_by"
+
+
+def adopt_sharded_parameters(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Point optimizers at the sharded parameters that replaced the ones they hold.
+
+    A stage-3 step that binds a module but not its optimizer (a forward/backward step of a gradient-accumulation
+    loop, with ``opt.step()`` in another step) replaces the module's parameters by sharded ones; the optimizer
+    still holds the originals, each of which records its replacement. Their state moves along."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                new = p
+                while getattr(new, _REPLACED_BY, None) is not None:
+                    new = getattr(new, _REPLACED_BY)
+                if new is not p:
+                    group["params"][i] = new
+                    if p in opt.state:
+                        opt.state[new] = opt.state.pop(p)
+
+
+def _before_eager_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every eager ``optimizer.step()`` once zgraph shards gradients or parameters: adopt replaced parameters,
+    so an optimizer stepped outside zgraph (after a zgraph forward/backward step) updates the sharded
+    parameters the module uses, as FSDP2's would (torch's optimizers run on ``DTensor`` shards); refuse whole
+    parameters with sharded gradients (stage 2), which an eager optimizer cannot combine."""
+    adopt_sharded_parameters([opt])
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor) and getattr(p.grad, _PADDED, None) is not None:
+                raise ZGraphError(
+                    f"{type(opt).__name__}.step() outside a zgraph step, but a zgraph stage-2 step left these "
+                    "parameters' gradients sharded across ranks. Call opt.step() inside a zgraph step (e.g. "
+                    "decorate `def update(opt): opt.step(); opt.zero_grad()` with the same config), or use "
+                    "stage 3 (sharded parameters, which eager optimizers can update) or stage <= 1."
+                )
+
+
+@functools.cache
+def _watch_eager_optimizer_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_before_eager_optimizer_step)
 
 
 def _shard_parameter(plan: ShardingPlan, binding: Binding, index: int) -> None:
@@ -214,6 +263,7 @@ def _shard_parameter(plan: ShardingPlan, binding: Binding, index: int) -> None:
         new.grad = plan.wrap(pad_shard(old.grad, spec, plan.rank), spec) if plan.stage >= 2 else old.grad
     for module, attr in record.slots:
         module._parameters[attr] = new
+    setattr(old, _REPLACED_BY, new)  # for optimizers this binding does not know (see adopt_sharded_parameters)
     for o in binding.optimizers:
         opt = o.optimizer
         for group in opt.param_groups:

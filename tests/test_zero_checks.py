@@ -19,6 +19,7 @@ CHECKS = [
     "persistence",
     "released",
     "user_collectives",
+    "split_steps",
 ]
 
 
@@ -147,3 +148,17 @@ def test_collectives_the_user_calls_inside_the_step(checks):
         for got, want in zip(inside, eager):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert "c10d.allgather_" in result["list_all_gather"]
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_accumulation_over_calls_with_the_optimizer_in_another_step(checks, stage):
+    """``forward_backward`` (zgraph, no optimizer) twice, then ``opt.step()`` in a second zgraph step: equal to
+    eager on the global batch at every stage. Stepping the optimizer eagerly instead works where eager optimizers
+    can: stages 0-1 (whole gradients) and 3 (the optimizer adopts the sharded parameters and updates the DTensor
+    shards, as with FSDP2); stage 2 (whole parameters, sharded gradients) raises clearly."""
+    result = checks(2)["split_steps"]
+    assert result[("zgraph", stage)] < 1e-6
+    if stage == 2:
+        assert "stage-2 step left these parameters' gradients sharded" in result[("eager", stage)]
+    else:
+        assert result[("eager", stage)] < 1e-6

@@ -3,6 +3,7 @@ memory held per rank, errors that must not hang, ``zgraph.gather``."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import torch
@@ -374,4 +375,48 @@ def user_collectives(rank: int, world: int) -> dict:
         out["list_all_gather"] = "no error"
     except zgraph.CaptureError as error:
         out["list_all_gather"] = str(error)
+    return out
+
+
+def _forward_backward(model, x):
+    loss = model(x).pow(2).mean() / 2
+    loss.backward()
+    return loss.detach()
+
+
+def _update(opt):
+    opt.step()
+    opt.zero_grad()
+
+
+def split_steps(rank: int, world: int) -> dict:
+    """Gradient accumulation over calls: a zgraph step with forward/backward only, called twice, then the
+    optimizer stepped by a second zgraph step ("zgraph") or eagerly ("eager"). Per stage and optimizer mode: the
+    largest difference of the full parameters from eager PyTorch on the global batch, or the error."""
+    out = {}
+    for mode in ("zgraph", "eager"):
+        for stage in range(4):
+            torch.manual_seed(0)
+            model = _mlp()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            reference = copy.deepcopy(model)
+            reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+            config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+            forward_backward = zgraph.distribute(config)(_forward_backward)
+            update = zgraph.distribute(config)(_update) if mode == "zgraph" else _update
+            try:
+                for call in range(2):
+                    for micro in range(2):
+                        xs = [
+                            torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * call + 10 * micro + r))
+                            for r in range(world)
+                        ]
+                        forward_backward(model, xs[rank])
+                        _forward_backward(reference, torch.cat(xs))
+                    update(opt)
+                    _update(reference_opt)
+                full = zgraph.full_state_dict(model)
+                out[(mode, stage)] = max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+            except zgraph.ZGraphError as error:
+                out[(mode, stage)] = str(error)
     return out

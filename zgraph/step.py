@@ -31,7 +31,14 @@ from zgraph.runtime.consistency import check_same_graph, describe_collectives, d
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.executor import Executable, compile_graph
 from zgraph.runtime.process_group import ensure_process_group
-from zgraph.runtime.sharded_state import StateIO, apply_plan, convert_master_dtype, make_plan, normalize_state
+from zgraph.runtime.sharded_state import (
+    StateIO,
+    adopt_sharded_parameters,
+    apply_plan,
+    convert_master_dtype,
+    make_plan,
+    normalize_state,
+)
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, map_leaves, structure_key
 
@@ -217,6 +224,7 @@ class DistributedStep:
 
     def _binding(self, args: tuple, kwargs: dict) -> Binding:
         modules, optimizers = discover(self._fn, args, kwargs)
+        adopt_sharded_parameters([opt for _, opt in optimizers])
         binding = self._bindings.get(_binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
