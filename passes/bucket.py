@@ -8,7 +8,7 @@ the next node while all of these hold:
   with a backward one: that would keep it alive across the two);
 - the bucket's bytes (of the whole tensors) stay within ``Config.allgather_bucket_bytes`` (gathers) or
   ``Config.reduce_bucket_bytes`` (reductions); ``"auto"`` asks the cost model for the smallest size whose
-  (idle-measured) latency is 2.5 % of its transfer time (``CostModel.bucket_bytes``);
+  latency is a tenth of its transfer time;
 - the merged collective has a legal place: every member's input is computed before the first use of any
   member's output.
 

@@ -46,13 +46,8 @@ class CostModel:
     def collective_seconds(self, kind: str, nbytes: int) -> float:
         return self.collectives[kind].seconds(nbytes)
 
-    def bucket_bytes(self, kind: str, latency_share: float = 0.025) -> int:
-        """Smallest bucket whose latency is at most ``latency_share`` of its transfer time.
-
-        The latency is measured with the other ranks idle; inside a step the same call waits behind their
-        compute (on a CPU, gloo's threads share the cores with it), so its fixed cost there is several times
-        larger. The default share is therefore small: on the bench GPT (2 gloo ranks) buckets sized at 2.5 %
-        ran 2-7 % faster per step than at 10 %, for ZeRO-1 to 3 alike (``benchmarks/README.md``)."""
+    def bucket_bytes(self, kind: str, latency_share: float = 0.1) -> int:
+        """Smallest bucket whose latency is at most ``latency_share`` of its transfer time."""
         cost = self.collectives[kind]
         return int(cost.latency * cost.bandwidth / latency_share)
 

@@ -29,7 +29,7 @@ class Config:
             the function, appended at the end of the pipeline).
         allgather_bucket_bytes: largest all-gather the ``bucket`` pass builds by merging parameter gathers, in
             bytes of the gathered (whole) tensors; 0 disables merging; ``"auto"`` (default) sizes buckets from
-            the cost model so that a collective's latency is 2.5 % of its transfer time.
+            the cost model so that a collective's latency is a tenth of its transfer time.
         reduce_bucket_bytes: the same for gradient reduce-scatters and all-reduces.
         prefetch_bytes: stage 3: how many bytes of parameters the ``schedule`` pass may have gathered ahead of
             their first use (issued or landed, not yet used); ``"auto"`` (default): two all-gather buckets.
