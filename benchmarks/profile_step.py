@@ -66,12 +66,12 @@ def category(name: str) -> str | None:
     return None
 
 
-def _rank(rank: int, port: int, system: str, model_name: str, warmup: int, steps: int, out: str) -> None:
+def _rank(rank: int, port: int, system: str, model_name: str, warmup: int, steps: int, backend: str, out: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    args = argparse.Namespace(lr=1e-3, backend="eager", micro_batch=8)
+    args = argparse.Namespace(lr=1e-3, backend=backend, micro_batch=8)
     init_group(system)
     torch.manual_seed(0)
     config = MODELS[model_name]
@@ -112,13 +112,14 @@ def _rank(rank: int, port: int, system: str, model_name: str, warmup: int, steps
     dist.destroy_process_group()
 
 
-def profile(system: str, model: str, warmup: int, steps: int) -> dict:
+def profile(system: str, model: str, warmup: int, steps: int, backend: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "result.json")
-        mp.start_processes(_rank, args=(port, system, model, warmup, steps, out), nprocs=WORLD, start_method="spawn")
+        args = (port, system, model, warmup, steps, backend, out)
+        mp.start_processes(_rank, args=args, nprocs=WORLD, start_method="spawn")
         with open(out) as f:
             return json.load(f)
 
@@ -144,15 +145,18 @@ def main() -> None:
     parser.add_argument("--systems", default="ddp,fsdp2,zgraph-z0,zgraph-z1,zgraph-z2,zgraph-z3")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--backend", choices=("eager", "inductor"), default="eager", help="zgraph's backend")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    results = [profile(s, args.model, args.warmup, args.steps) for s in args.systems.split(",")]
+    results = [profile(s, args.model, args.warmup, args.steps, args.backend) for s in args.systems.split(",")]
     text = (
-        f"{args.model} GPT, 2 gloo ranks x 1 thread, micro-batch 8, {args.steps} profiled steps after "
+        f"{args.model} GPT, 2 gloo ranks x 1 thread, micro-batch 8, zgraph backend {args.backend}, "
+        f"{args.steps} profiled steps after "
         f"{args.warmup} warm-up; rank 0's main-thread operator self time per step, seconds\n\n{table(results)}\n"
     )
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"profile_{args.model}.md"), "w") as f:
+    suffix = "" if args.backend == "eager" else f"_{args.backend}"
+    with open(os.path.join(RESULTS, f"profile_{args.model}{suffix}.md"), "w") as f:
         f.write(text)
     print(text)
 

@@ -36,10 +36,18 @@ from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-# Data movement that only packs a collective's input or unpacks its output.
+# Data movement that only packs a collective's input or unpacks its output: copies, and views and casts that
+# re-type or re-lay one tensor (a gathered weight's transpose moves with its wait, not ahead of it).
 _PACKING = {
     aten.view.default,
     aten.reshape.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten._to_copy.default,
     aten.cat.default,
     aten._chunk_cat.default,
     aten.constant_pad_nd.default,
