@@ -20,6 +20,7 @@ CHECKS = [
     "released",
     "user_collectives",
     "split_steps",
+    "waits_before_use",
 ]
 
 
@@ -162,3 +163,11 @@ def test_accumulation_over_calls_with_the_optimizer_in_another_step(checks, stag
         assert "stage-2 step left these parameters' gradients sharded" in result[("eager", stage)]
     else:
         assert result[("eager", stage)] < 1e-6
+
+
+def test_stage3_waits_sit_right_before_the_first_real_use(checks):
+    """A gathered parameter's wait (and its transpose or cast) moves to right before the op that computes with
+    it, so the gather overlaps everything before that op."""
+    between = checks(2)["waits_before_use"]
+    assert between, "the stage-3 graph has forward gathers"
+    assert max(between.values()) == 0, between

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import operator
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
 from dist_harness import run_named
 from torch import nn
@@ -420,3 +422,49 @@ def split_steps(rank: int, world: int) -> dict:
             except zgraph.ZGraphError as error:
                 out[(mode, stage)] = str(error)
     return out
+
+
+def waits_before_use(rank: int, world: int) -> dict:
+    """Stage 3, automatic buckets and prefetch: for every wait of a forward parameter gather in the final graph,
+    the compute ops between the wait and the first op that really reads its result (views, casts and other
+    waits do not count). "Wait late" means none."""
+    from zgraph.passes.schedule import WAIT, is_collective
+
+    aten = torch.ops.aten
+    moves_bytes_only = {  # views, casts and copies: they do not compute with the gathered values
+        aten.view.default,
+        aten.reshape.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten._to_copy.default,
+        aten.clone.default,
+        aten.slice.Tensor,
+        aten.split_with_sizes.default,
+        operator.getitem,
+    }
+
+    model = _small_gpt()
+    step = zgraph.distribute(stage=3, backend="eager", param_persistence_threshold=0)(_gpt_step)
+    step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
+    nodes = list(step.graphs["final"].graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def passive(n: fx.Node) -> bool:
+        return n.op != "call_function" or n.target in moves_bytes_only or n.target is WAIT or is_collective(n)
+
+    between = {}
+    for wait in (n for n in nodes if n.target is WAIT and n.meta.get("phase") == "forward"):
+        chain, readers = {wait}, []
+        for n in nodes[position[wait] + 1 :]:
+            if any(a in chain for a in n.all_input_nodes):
+                if passive(n):
+                    chain.add(n)
+                else:
+                    readers.append(n)
+        if readers:
+            first = min(position[r] for r in readers)
+            between[wait.name] = sum(not passive(n) for n in nodes[position[wait] + 1 : first])
+    return between
