@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -120,6 +120,8 @@ class CapturedGraph:
         scheduler_steps: LR schedulers whose ``step()`` the step called, in call order, each as
             ``(scheduler, before_update)``: they run eagerly around the graph on every call (``before_update``:
             before the graph, so its optimizer update reads the new values, as in eager; else after it).
+        python_results: ``(path, value)`` of the Python numbers in the step's return value: computed once, while
+            capturing, and returned unchanged by every call.
     """
 
     gm: fx.GraphModule
@@ -131,6 +133,7 @@ class CapturedGraph:
     created_state: list[tuple[int, int]] = field(default_factory=list)
     optimizers_stepped: list[int] = field(default_factory=list)
     scheduler_steps: list[tuple[LRScheduler, bool]] = field(default_factory=list)
+    python_results: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class _Returned:
@@ -248,6 +251,113 @@ def _cast_forward_inputs(binding: Binding, dtype: torch.dtype) -> Iterator[None]
     finally:
         for handle in handles:
             handle.remove()
+
+
+class UnboundState(Exception):  # noqa: N818 - a signal to the caller, not an error the user sees
+    """Raised while tracing when the step reaches training state zgraph did not bind: a module whose parameters
+    or buffers are real tensors (reached through a helper function, a ``functools.partial``, an object deeper
+    than zgraph looks), or an optimizer stepped or zeroed that is not among the bound ones. The caller binds
+    them and captures again."""
+
+    def __init__(self, modules: list[nn.Module] = (), optimizers: list[torch.optim.Optimizer] = ()):
+        super().__init__("the step uses modules or optimizers zgraph has not bound yet")
+        self.modules = list(modules)
+        self.optimizers = list(optimizers)
+
+
+def _is_real(t: Any) -> bool:
+    return isinstance(t, Tensor) and not isinstance(t, FakeTensor)
+
+
+@contextlib.contextmanager
+def _watch_unbound_state(binding: Binding) -> Iterator[None]:
+    """Raise ``UnboundState`` as soon as the traced step calls a module that holds real (unbound) parameters or
+    buffers, or steps / zeroes an optimizer that is not bound — before either can act on real tensors."""
+    bound = {id(r.optimizer) for r in binding.optimizers}
+
+    def module_called(module: nn.Module, args: Any) -> None:
+        tensors = [*module._parameters.values(), *module._buffers.values()]
+        if any(_is_real(t) for t in tensors):
+            raise UnboundState(modules=[module])
+
+    def optimizer_used(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        if id(opt) not in bound:
+            raise UnboundState(optimizers=[opt])
+
+    original_zero_grad = torch.optim.Optimizer.zero_grad
+
+    def zero_grad(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        optimizer_used(opt)  # bound optimizers have their own traced zero_grad (see _swap_optimizers)
+        return original_zero_grad(opt, *args, **kwargs)
+
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handles = [register_module_forward_pre_hook(module_called), register_optimizer_step_pre_hook(optimizer_used)]
+    torch.optim.Optimizer.zero_grad = zero_grad
+    try:
+        yield
+    finally:
+        torch.optim.Optimizer.zero_grad = original_zero_grad
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _swap_slots(swaps: list[tuple[Any, Tensor]], traced: dict[int, Tensor]) -> Iterator[None]:
+    """Put the traced stand-in of each located tensor (see ``zgraph.locate``) into its slot while tracing."""
+    done = []
+    try:
+        for slot, real in swaps:
+            stand_in = traced.get(id(real))
+            if stand_in is not None:
+                slot.set(stand_in)
+                done.append((slot, real))
+        yield
+    finally:
+        for slot, real in reversed(done):
+            slot.set(real)
+
+
+@contextlib.contextmanager
+def _data_assignment_as_copy(state: list[Tensor]) -> Iterator[None]:
+    """``t.data = value`` on a traced piece of state (a parameter, buffer, optimizer state, argument) becomes
+    ``t.copy_(value)`` without autograd: the tracer does not see a ``.data`` assignment, so the new value
+    would be lost. A value of another shape or dtype cannot be expressed that way and is an error."""
+    tracked = {id(t) for t in state}
+    descriptor = torch._C.TensorBase.data
+
+    def set_data(tensor: Tensor, value: Tensor) -> None:
+        if id(tensor) not in tracked:
+            descriptor.__set__(tensor, value)
+            return
+        if value.shape != tensor.shape or value.dtype != tensor.dtype:
+            raise CaptureError(
+                f"the step assigns `.data` of shape {tuple(value.shape)} ({value.dtype}) to a tensor of shape "
+                f"{tuple(tensor.shape)} ({tensor.dtype}); zgraph can only trace a `.data` assignment that keeps "
+                "shape and dtype (it becomes an in-place copy)"
+            )
+        with torch.no_grad():
+            tensor.copy_(value)
+
+    torch.Tensor.data = property(descriptor.__get__, set_data)
+    try:
+        yield
+    finally:
+        del torch.Tensor.data
+
+
+def real_constants(gm: fx.GraphModule) -> list[Tensor]:
+    """The real (not fake) tensors a trace froze into ``gm`` as constants: tensors the step read from places
+    zgraph did not swap traced stand-ins into."""
+    out, seen = [], set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if _is_real(value) and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+    return out
 
 
 _INSTANCE_MISSING = object()
@@ -427,7 +537,7 @@ def _traced_step(trace: _Trace, o_index: int, original_step: Callable) -> Callab
                 previous = [t.clone() for t in tensors] if overflow is not None else []
                 try:
                     original_step()
-                except CaptureError:
+                except (CaptureError, UnboundState):
                     raise
                 except Exception as exc:
                     raise _untraceable(opt, exc) from exc
@@ -558,15 +668,21 @@ def capture(
     substitute: Callable[[str, Any, dict[int, Tensor]], Any],
     config: Any,
     materialize_state: Callable[[CapturedGraph], bool] | None = None,
+    swaps: list[tuple[Any, Tensor]] = (),
+    check_constants: Callable[[list[Tensor]], None] | None = None,
 ) -> CapturedGraph:
     """Trace ``fn(*args, **kwargs)`` into a functional graph, with ``config``'s precision handling (compute
     dtype, loss scaling, clipping: see ``zgraph.precision``).
 
-    ``user_tensors`` are the tensor leaves of the arguments that are not bound state; ``substitute(label,
-    arguments, traced)`` rebuilds the arguments the traced step receives (``traced`` maps ``id`` of bound
-    parameters, buffers and argument tensors to their traced stand-ins). If the step creates optimizer state
-    (a first ``step()``) and ``materialize_state(captured)`` creates it for real and returns True, the step is
-    traced again with that state as graph inputs.
+    ``user_tensors`` are the tensors the step reads that are not bound state: leaves of its arguments, and
+    tensors located elsewhere (``zgraph.locate``); ``substitute(label, arguments, traced)`` rebuilds the
+    arguments the traced step receives (``traced`` maps ``id`` of bound parameters, buffers and user tensors to
+    their traced stand-ins), and ``swaps`` are ``(slot, tensor)`` pairs whose slot gets the tensor's stand-in
+    while tracing. ``check_constants(tensors)`` sees the real tensors the trace froze as constants; it may
+    raise (to bind them, or to refuse them). Raises ``UnboundState`` when the step reaches modules or
+    optimizers that are not bound. If the step creates optimizer state (a first ``step()``) and
+    ``materialize_state(captured)`` creates it for real and returns True, the step is traced again with that
+    state as graph inputs.
     """
     inputs = collect_inputs(binding, user_tensors)
     for spec, value in zip(inputs.specs, inputs.values):
@@ -620,6 +736,14 @@ def capture(
         with contextlib.ExitStack() as stack:
             stack.enter_context(_restore_python_state_on_error(binding))
             stack.enter_context(_swap_module_tensors(binding, params, buffers))
+            stack.enter_context(_swap_slots(swaps, traced))
+            stack.enter_context(_watch_unbound_state(binding))
+            stack.enter_context(
+                _data_assignment_as_copy(
+                    [*params, *(b for b in buffers if b is not None), *user]
+                    + [v for state in states.values() for v in state.values() if isinstance(v, Tensor)]
+                )
+            )
             if config.param_dtype is not None:
                 stack.enter_context(_cast_forward_inputs(binding, config.param_dtype))
             stack.enter_context(_swap_optimizers(trace))
@@ -655,6 +779,8 @@ def capture(
                 outs.append(leaf)
                 roles.append(GraphOutput("user", path, len(roles)))
                 return _Returned(len(outs) - 1)
+            if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+                captured.python_results.append((f"result{path}", leaf))
             return leaf
 
         captured.result_template = map_leaves(result, returned)
@@ -702,6 +828,12 @@ def capture(
         return outs
 
     gm1 = _trace(traced_step, fakes, mode, fn)
+    constants = real_constants(gm1)
+    for t in constants:
+        if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
+            t.grad = None
+    if check_constants is not None:
+        check_constants(constants)
     collective = untraceable_collective(gm1)
     if collective is not None:
         raise CaptureError(
@@ -712,7 +844,7 @@ def capture(
     captured = result_holder["captured"]
     roles = result_holder["roles"]
     if captured.created_state and materialize_state is not None and materialize_state(captured):
-        return capture(fn, args, kwargs, binding, user_tensors, substitute, config)
+        return capture(fn, args, kwargs, binding, user_tensors, substitute, config, None, swaps, check_constants)
     captured.gm = _functionalize(gm1, inputs, fakes, mode, roles)
     return captured
 
@@ -727,7 +859,7 @@ def _trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn:
                 decomposition_table=_TRACE_DECOMPOSITIONS,
                 _allow_non_fake_inputs=True,
             )(*fakes)
-    except CaptureError:
+    except (CaptureError, UnboundState):
         raise
     except Exception as exc:
         detail = _data_dependent(exc)

@@ -7,13 +7,15 @@ compiles on a miss, then runs the graph and writes the new state back into the m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import time
 import types
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +24,11 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from zgraph import optimizers as zopt
-from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, _Returned, capture
+from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, UnboundState, _Returned, capture
 from zgraph.config import Config
+from zgraph.errors import CaptureError
 from zgraph.explain import dump_graphs, explain_table
+from zgraph.locate import Locator, Slot, locate
 from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
 from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
@@ -71,23 +75,37 @@ def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int],
             _find_state(value, f"{path}.{name}", out, seen, depth + 1)
 
 
-def discover(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[tuple[str, nn.Module]], list]:
-    """Modules and optimizers a step uses: in its arguments (any nesting), its closure, and the globals it names."""
+def discover(
+    fn: Callable, args: tuple, kwargs: dict, observed: Sequence[tuple[str, Any]] = ()
+) -> tuple[list[tuple[str, nn.Module]], list]:
+    """Modules and optimizers a step uses: in its arguments (any nesting), the arguments a ``functools.partial``
+    binds, its closure, the globals it names, and ``observed`` (found while tracing an earlier call)."""
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
     for name, value in _bound_arguments(fn, args, kwargs):
         _find_state(value, name, found, seen)
-    code = getattr(fn, "__code__", None)
+    inner = fn
+    while isinstance(inner, (functools.partial, types.MethodType)):
+        if isinstance(inner, functools.partial):
+            _find_state(list(inner.args), "partial.args", found, seen)
+            _find_state(dict(inner.keywords), "partial.keywords", found, seen)
+            inner = inner.func
+        else:
+            _find_state(inner.__self__, "self", found, seen)
+            inner = inner.__func__
+    code = getattr(inner, "__code__", None)
     if code is not None:
-        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        for name, cell in zip(code.co_freevars, getattr(inner, "__closure__", None) or ()):
             try:
                 _find_state(cell.cell_contents, name, found, seen, depth=1)
             except ValueError:  # empty cell
                 continue
-        fn_globals = getattr(fn, "__globals__", {})
+        fn_globals = getattr(inner, "__globals__", {})
         for name in code.co_names:
             if name in fn_globals:
                 _find_state(fn_globals[name], name, found, seen, depth=1)
+    for name, value in observed:
+        _find_state(value, name, found, seen)
     modules = [(label, m) for label, m in found if isinstance(m, nn.Module)]
     optimizers = [(label, o) for label, o in found if isinstance(o, torch.optim.Optimizer)]
     return modules, optimizers
@@ -102,16 +120,32 @@ def _value_key(value: Any) -> Any:
     if isinstance(value, Tensor):
         return _tensor_key(value)
     if isinstance(value, _STATE_TYPES):
-        return (type(value), id(value))
+        return (type(value), "object", id(value))
     try:
         hash(value)
     except TypeError:
-        return (type(value), id(value))
+        return (type(value), "object", id(value))
     return (type(value), value)
 
 
-def guard_key(binding: Binding, args_tree: Any) -> tuple:
-    """Everything a captured graph depends on besides tensor values. A different key retraces."""
+_KEY_PARTS = (
+    "the modules and optimizers",
+    "grad mode",
+    "autocast",
+    "parameters (shape, dtype, requires_grad, .grad)",
+    "buffers",
+    "optimizer hyper-parameters or state",
+    "train()/eval() flags",
+    "the structure of the arguments",
+    "an argument",
+    "a tensor read outside the arguments",
+)
+
+
+def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: Sequence[Tensor] = ()) -> tuple:
+    """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
+    arguments, ``located`` the tensors read from places ``zgraph.locate`` found. A different key retraces. Its
+    parts are named by ``_KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
     params = tuple(
         (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad, _grad_key(r.tensor)) for r in binding.params
     )
@@ -130,7 +164,7 @@ def guard_key(binding: Binding, args_tree: Any) -> tuple:
         )
         opts.append((groups, states))
     training = tuple(m.training for _, root in binding.modules for m in root.modules())
-    leaves = tuple(_value_key(leaf) for _, leaf in iter_leaves(args_tree))
+    leaves = tuple((path, _value_key(leaf)) for name, value in arguments for path, leaf in iter_leaves(value, name))
     autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
     return (
         id(binding),
@@ -140,8 +174,9 @@ def guard_key(binding: Binding, args_tree: Any) -> tuple:
         buffers,
         tuple(opts),
         training,
-        structure_key(args_tree),
+        tuple((name, structure_key(value)) for name, value in arguments),
         leaves,
+        tuple(_tensor_key(t) for t in located),
     )
 
 
@@ -196,6 +231,9 @@ class DistributedStep:
         self._bindings: dict[tuple, Binding] = {}
         self._cache: dict[tuple, CompiledStep] = {}
         self._last: CompiledStep | None = None
+        self._observed: list[tuple[str, Any]] = []  # modules / optimizers the step reached that discovery missed
+        self._locators: list[Locator] = []  # where the tensors it reads outside its arguments live
+        self._searched: set[int] = set()  # bindings whose requires-grad tensors have been located
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
@@ -204,26 +242,85 @@ class DistributedStep:
 
     # -------------------------------------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        binding = self._binding(args, kwargs)
-        user_tensors = self._user_tensors(binding, args, kwargs)
-        key = guard_key(binding, (args, kwargs))
-        compiled = self._cache.get(key)
-        if compiled is None:
+        schedulers_stepped = False
+        for attempt in range(_MAX_REBINDS + 1):
+            binding = self._binding(args, kwargs)
+            if id(binding) not in self._searched:
+                self._searched.add(id(binding))
+                # tensors that require grad, read outside the arguments: located before the first trace, so
+                # autograd never sees the real tensor (it would leave a traced .grad on it)
+                self._add_locators(binding, args, kwargs, lambda t: t.requires_grad)
+            located = self._located(binding, args, kwargs)
+            user_tensors = self._user_tensors(binding, args, kwargs, located)
+            arguments = _bound_arguments(self._fn, args, kwargs)
+            key = guard_key(binding, arguments, [t for _, _, t in located])
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                if not schedulers_stepped:
+                    schedulers_stepped = True
+                    if self._step_schedulers_first(compiled):
+                        continue
+                break
             try:
-                compiled = self._compile(binding, args, kwargs, user_tensors)
+                compiled = self._compile(binding, args, kwargs, user_tensors, located)
+            except _Rebind as found:
+                if attempt == _MAX_REBINDS:
+                    raise CaptureError(f"zgraph could not bind the state the step uses: {found}") from None
+                continue
             except Exception as error:
                 if binding.plan.group.distributed:
                     check_same_graph(0, [], error)  # tell the other ranks, then re-raise
                 raise
-            key = guard_key(binding, (args, kwargs))
+            key = guard_key(binding, arguments, [t for _, _, t in located])
+            self._warn_if_recaptured_often(key)
             self._cache[key] = compiled
+            if not schedulers_stepped:
+                schedulers_stepped = True
+                if self._step_schedulers_first(compiled):
+                    continue
+            break
         if binding.plan.group.distributed:
             check_same_graph(compiled.digest, compiled.description)
         self._last = compiled
         return self._run(compiled, binding, user_tensors)
 
+    def _warn_if_recaptured_often(self, key: tuple) -> None:
+        """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what
+        changed since the previous capture: each capture traces (and compiles) the whole step."""
+        same_state = [k for k in self._cache if k[0] == key[0]]
+        if len(same_state) + 1 != _RECAPTURE_WARNING:
+            return
+        previous = same_state[-1]
+        part = next(i for i, (a, b) in enumerate(zip(previous, key)) if a != b)
+        why = _KEY_PARTS[part]
+        if part == _KEY_PARTS.index("an argument"):
+            changed = [(p, a, b) for (p, a), (_, b) in zip(previous[part], key[part]) if a != b]
+            if changed:
+                path, before, after = changed[0]
+                why = f"argument `{path}` changed from {_describe(before)} to {_describe(after)}"
+        warnings.warn(
+            f"zgraph: `{getattr(self._fn, '__qualname__', self._fn)}` has been captured {_RECAPTURE_WARNING} times; "
+            f"the last time because {why}. Every capture traces and compiles the whole step again. Python numbers "
+            "and objects among the arguments are part of the graph (pass numbers that change as tensors), and an "
+            "optimizer zgraph has no kernel for (other than SGD, Adam, AdamW) is traced with its hyper-parameters "
+            "as constants, so a changing learning rate recaptures it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    @staticmethod
+    def _step_schedulers_first(compiled: CompiledStep) -> bool:
+        """Step the LR schedulers the user's step steps before its optimizer's ``step()``, as eager would at
+        that point (the graph then reads the new learning rates). True if an optimizer traced as written (no
+        zgraph kernel: its hyper-parameters are constants of the graph, part of the guard key) reads them: the
+        graph must then be looked up, or traced, again."""
+        first = [scheduler for scheduler, before_update in compiled.captured.scheduler_steps if before_update]
+        for scheduler in first:
+            scheduler.step()
+        return any(zopt.kernel_for(scheduler.optimizer) is None for scheduler in first)
+
     def _binding(self, args: tuple, kwargs: dict) -> Binding:
-        modules, optimizers = discover(self._fn, args, kwargs)
+        modules, optimizers = discover(self._fn, args, kwargs, self._observed)
         adopt_sharded_parameters([opt for _, opt in optimizers])
         binding = self._bindings.get(_binding_key(modules, optimizers))
         if binding is None:
@@ -244,34 +341,98 @@ class DistributedStep:
             self._bindings[_binding_key(modules, optimizers)] = binding
         return binding
 
-    def _user_tensors(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    def _located(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Slot, Tensor]]:
+        """``(path, slot, tensor)`` of the located tensors (see ``zgraph.locate``) as they are in this call."""
+        arguments = dict(_bound_arguments(self._fn, args, kwargs))
+        out = []
+        for locator in self._locators:
+            slot = locator.resolve(self._fn, arguments)
+            value = slot.get() if slot is not None else None
+            if isinstance(value, Tensor):
+                out.append((locator.path, slot, value))
+        return out
+
+    def _user_tensors(
+        self, binding: Binding, args: tuple, kwargs: dict, located: Sequence[tuple[str, Slot, Tensor]] = ()
+    ) -> list[tuple[str, Tensor]]:
+        """The tensors the step reads that are not bound state: its arguments' tensor leaves, then the located
+        tensors."""
         out = []
         seen: set[int] = set()
-        for name, value in _bound_arguments(self._fn, args, kwargs):
-            for path, leaf in iter_leaves(value, name):
-                if not isinstance(leaf, Tensor) or id(leaf) in seen:
-                    continue
-                seen.add(id(leaf))
-                if binding.param_index(leaf) is None and binding.buffer_index(leaf) is None:
-                    out.append((path, leaf))
+        leaves = [leaf for name, value in _bound_arguments(self._fn, args, kwargs) for leaf in iter_leaves(value, name)]
+        for path, leaf in [*leaves, *((path, t) for path, _, t in located)]:
+            if not isinstance(leaf, Tensor) or id(leaf) in seen:
+                continue
+            seen.add(id(leaf))
+            if binding.param_index(leaf) is None and binding.buffer_index(leaf) is None:
+                out.append((path, leaf))
         return out
+
+    def _add_locators(self, binding: Binding, args: tuple, kwargs: dict, wanted: Callable) -> list[Locator]:
+        """Locate the tensors ``wanted`` accepts (``zgraph.locate``) and remember the new places."""
+        arguments = dict(_bound_arguments(self._fn, args, kwargs))
+        known = {loc.path for loc in self._locators}
+        new = [loc for loc in locate(wanted, self._fn, arguments, binding.modules).values() if loc.path not in known]
+        self._locators.extend(new)
+        return new
+
+    def _check_constants(self, binding: Binding, args: tuple, kwargs: dict, constants: list[Tensor]) -> None:
+        """Capture froze ``constants`` into the graph. Those zgraph can locate become inputs read on every call
+        (raise ``_Rebind`` to capture again); a parameter, buffer or tensor that requires grad it cannot locate
+        is an error: its gradient or updates would be lost."""
+        already = {id(t) for _, _, t in self._located(binding, args, kwargs)}
+        frozen = {id(t) for t in constants} - already
+        found = self._add_locators(binding, args, kwargs, lambda t: id(t) in frozen)
+        if found:
+            raise _Rebind(f"tensors read outside the arguments: {', '.join(loc.path for loc in found)}")
+        for t in constants:
+            if id(t) in already:
+                continue
+            index = binding.param_index(t)
+            if t.requires_grad or index is not None or binding.buffer_index(t) is not None:
+                what = f"parameter {binding.params[index].name}" if index is not None else "a tensor"
+                raise CaptureError(
+                    f"the step reads {what} of shape {tuple(t.shape)} ({t.dtype}"
+                    f"{', requires_grad' if t.requires_grad else ''}) from a place zgraph cannot swap a traced "
+                    "value into (inside a tuple, or an object it does not search), so it would be frozen into the "
+                    "graph and its gradient or updates lost. Pass it to the step as an argument, or make it an "
+                    "nn.Parameter or buffer of a module the step uses."
+                )
 
     def _substitute(self, label: str, obj: Any, traced: dict[int, Tensor]) -> Any:
         return map_leaves(obj, lambda _path, leaf: traced.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf)
 
-    def _compile(self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list) -> CompiledStep:
+    def _compile(
+        self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list, located: Sequence = ()
+    ) -> CompiledStep:
         start = time.perf_counter()
-        captured = capture(
-            self._fn,
-            args,
-            kwargs,
-            binding,
-            user_tensors,
-            self._substitute,
-            self.config,
-            materialize_state=functools.partial(self._materialize_created_state, binding),
-        )
+        try:
+            captured = capture(
+                self._fn,
+                args,
+                kwargs,
+                binding,
+                user_tensors,
+                self._substitute,
+                self.config,
+                materialize_state=functools.partial(self._materialize_created_state, binding),
+                swaps=[(slot, t) for _, slot, t in located],
+                check_constants=functools.partial(self._check_constants, binding, args, kwargs),
+            )
+        except UnboundState as found:
+            self._observe(found, args, kwargs)
+            raise _Rebind(f"modules / optimizers reached while tracing: {self._observed}") from None
         capture_seconds = time.perf_counter() - start
+        if captured.python_results:
+            shown = ", ".join(f"{path} = {value!r}" for path, value in captured.python_results[:3])
+            warnings.warn(
+                f"zgraph: `{getattr(self._fn, '__qualname__', self._fn)}` returns Python numbers ({shown}"
+                f"{', ...' if len(captured.python_results) > 3 else ''}): they were computed once, when the step "
+                "was captured, and every call returns them unchanged. Return tensors (they are computed on every "
+                "call), or read Python values such as the learning rate after the call.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         ctx = self._context(binding)
         records = run_pipeline(captured.gm, ctx, self._pipeline)
         final = records[-1].gm if records else captured.gm
@@ -336,9 +497,6 @@ class DistributedStep:
     def _run(self, compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
         io = StateIO(binding, binding.plan)
         captured = compiled.captured
-        for scheduler, before_update in captured.scheduler_steps:
-            if before_update:
-                scheduler.step()  # the user's step stepped it before its optimizer: the graph reads the new lr
         hyper: dict[tuple[int, int], dict[str, float]] = {}
         for spec in compiled.input_specs:
             if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
@@ -392,6 +550,53 @@ class DistributedStep:
     def dump(self, directory: str | os.PathLike) -> list[str]:
         """Write every graph of the last variant as readable Python into ``directory``; returns the paths."""
         return dump_graphs(self.graphs, directory)
+
+    def _observe(self, found: UnboundState, args: tuple, kwargs: dict) -> None:
+        """Remember the modules and optimizers the trace reached (bound from the next capture on), each named
+        after where the step's code holds it, else after its class."""
+        known = {id(obj) for _, obj in self._observed}
+        roots = _named_objects(self._fn, args, kwargs)
+        for obj in [*found.modules, *found.optimizers]:
+            if id(obj) in known:
+                continue
+            known.add(id(obj))
+            self._observed.append((roots.get(id(obj), type(obj).__name__.lower()), obj))
+
+
+_MAX_REBINDS = 4
+_RECAPTURE_WARNING = 8
+
+
+def _describe(leaf_key: Any) -> str:
+    """A guard-key leaf (``_value_key``) as the user would recognise it."""
+    if len(leaf_key) == 6 and isinstance(leaf_key[1], torch.dtype):
+        return f"a tensor of shape {leaf_key[0]} ({leaf_key[1]})"
+    if len(leaf_key) == 3:
+        return f"a {leaf_key[0].__name__} object"
+    return repr(leaf_key[1])
+
+
+class _Rebind(Exception):  # noqa: N818 - control flow inside DistributedStep.__call__
+    """The trace found state to bind (modules, optimizers, located tensors): capture again."""
+
+
+def _named_objects(fn: Callable, args: tuple, kwargs: dict) -> dict[int, str]:
+    """``id -> name`` of the objects a step's arguments, globals and closure name directly."""
+    names: dict[int, str] = {}
+    for name, value in _bound_arguments(fn, args, kwargs):
+        names.setdefault(id(value), name)
+    inner = fn
+    while isinstance(inner, (functools.partial, types.MethodType)):
+        inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
+    code = getattr(inner, "__code__", None)
+    if code is not None:
+        for name in code.co_names:
+            if name in getattr(inner, "__globals__", {}):
+                names.setdefault(id(inner.__globals__[name]), name)
+        for name, cell in zip(code.co_freevars, getattr(inner, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):
+                names.setdefault(id(cell.cell_contents), name)
+    return names
 
 
 def _binding_key(modules: list, optimizers: list) -> tuple:
