@@ -3,14 +3,15 @@
 - ``shard(x)`` → a dim-0 slice of ``x`` (a view, no copy), padded with zero rows only on the ranks whose rows
   run past the end;
 - ``unshard(x)`` → ``all_gather_into_tensor`` + ``wait_tensor``, then a slice dropping the padding rows;
-- ``reduce(x)`` → ``all_reduce(avg)`` + ``wait_tensor``;
+- ``reduce(x)`` → ``all_reduce(avg)`` + ``wait_tensor`` (also for 0-d tensors, which are never sharded);
 - ``reduce_shard(x)`` → ``reduce_scatter_tensor(avg)`` + ``wait_tensor``, the input packed (zero-padded to
   whole shards, made contiguous) by ``aten._chunk_cat`` in one copy where needed.
 
 Buckets: an ``unshard`` bucket becomes one ``all_gather_into_tensor_coalesced`` (each shard gathered straight
 into its whole tensor: no copy in, no copy out); ``reduce_shard`` and ``reduce`` buckets pack their gradients
-into one flat buffer with ``aten._chunk_cat`` (one copy, which also pads and transposes) and reduce it in one
-collective, each result a view of the output.
+into one flat buffer with ``aten._chunk_cat`` (one copy, which also pads and transposes; 0-d members enter as
+views of shape ``[1]``) and reduce it in one collective, each result a view of the output with the member's
+shape (``()`` for 0-d members).
 
 Collectives are ``torch.ops._c10d_functional`` ops, so the graph stays functional, traceable and
 inductor-compilable. Every collective is followed directly by its wait; the ``schedule`` pass may move waits.
@@ -189,6 +190,8 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
             outs.append(insert(gm, aten.view.default, (piece, list(shape)), **at))
     else:
         _, world, group = node.args
+        # _chunk_cat packs along dim 0: a 0-d member (a learnable scalar) goes in as a view of shape [1]
+        xs = [insert(gm, aten.view.default, (x, [1]), **at) if v.dim() == 0 else x for x, v in zip(xs, vals)]
         table = insert(gm, aten._chunk_cat.default, (list(xs), 0, 1), **at)  # one copy, any strides
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
         reduced = insert(gm, c10d.all_reduce.default, (flat, "avg", group), **at)
