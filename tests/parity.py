@@ -70,19 +70,29 @@ def run_parity(
     bitwise: bool = True,
     rtol: float = 1e-6,
     between_calls: Callable[[tuple], None] | None = None,
+    seed: int | None = None,
 ) -> zgraph.DistributedStep:
     """Run ``step(*state, *batch)`` with zgraph and eagerly on a deep copy of ``state``; after every call
     compare returned values, parameters, buffers, ``.grad`` and optimizer state.
 
     ``make()`` returns the state tuple (modules, optimizers...). ``between_calls(state)`` runs after each call
-    on both copies (an LR scheduler step, say).
+    on both copies (an LR scheduler step, say). ``seed``: for steps that draw random numbers, the global
+    generator is seeded with ``seed + call`` before each run of a call, and its state after the two runs must
+    be equal too.
     """
     state = make()
     reference = copy.deepcopy(state)
     compiled = zgraph.distribute(config or zgraph.Config(backend="eager"))(step)
     for call, batch in enumerate(batches):
+        if seed is not None:
+            torch.manual_seed(seed + call)
         got = compiled(*state, *batch)
+        rng_after = torch.get_rng_state()
+        if seed is not None:
+            torch.manual_seed(seed + call)
         want = step(*reference, *batch)
+        if seed is not None:
+            assert torch.equal(rng_after, torch.get_rng_state()), f"call {call}: generator state after the step"
         assert_close(got, want, bitwise=bitwise, what=f"call {call}: returned value", rtol=rtol)
         compare_states(state, reference, bitwise=bitwise, what=f"call {call}", rtol=rtol)
         if between_calls is not None:

@@ -920,6 +920,7 @@ def _functionalize(
     output.meta["zgraph_outputs"] = kept_roles
     _name_placeholders(graph, placeholders)
     graph.eliminate_dead_code()
+    __import__("zgraph.random_layout").random_layout.match_random_layout(gm, gm1)  # eager's random fill order
     _tag_phases(graph)
     gm.recompile()
     return gm
