@@ -2,6 +2,14 @@
 
 ``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. The graph already holds
 the backward pass as explicit ops and its inputs do not require grad, so nothing is recorded for autograd.
+
+Inductor compiles a copy of the graph that differs from what the eager backend runs, so that it computes what
+eager PyTorch computes:
+
+- ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication, ``add(x, mul(y, alpha))``
+  (``explicit_alpha``). Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``, and
+  the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).
+  ``addcmul``/``addcdiv`` keep their ``value``: inductor lowers them itself, with symbolic values.
 """
 
 from __future__ import annotations
@@ -15,8 +23,11 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import copy_graph_module
 from zgraph.runtime.reinplace import reinplace_state_updates
+
+aten = torch.ops.aten
 
 
 @dataclass
@@ -55,8 +66,9 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
         # symbols optimizer kernels create with .item() (hyper-parameters).
         fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         try:
+            graph = explicit_alpha(copy_graph_module(gm))
             with torch.no_grad():
-                compiled = compile_fx(gm, fake_inputs)
+                compiled = compile_fx(graph, fake_inputs)
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(
                 f"zgraph: inductor could not compile the step graph ({type(error).__name__}: "
@@ -74,3 +86,32 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
 
         return Executable(run_inductor, backend, time.perf_counter() - start)
     raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
+
+
+def explicit_alpha(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``add``/``sub(x, y, alpha=a)`` with ``a`` other than 1 (a graph scalar, such as ``-lr`` read with
+    ``.item()``, or a constant) into ``add``/``sub(x, mul(y, a))``, ``y`` first cast to the result's dtype as
+    the eager kernel does; in place, returns ``gm``.
+
+    For inductor only: its ``add(x, mm(a, b))`` -> ``addmm`` fusion ignores ``alpha`` (torch 2.13). The product
+    is rounded once more than in eager's fused ``x + alpha * y``: within fp32 rounding, not bitwise."""
+    mode = None
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.add.Tensor, aten.sub.Tensor):
+            continue
+        alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+        other = node.args[1]
+        if (not isinstance(alpha, fx.Node) and alpha == 1) or not isinstance(other, fx.Node):
+            continue
+        out, val = node.meta.get("val"), other.meta.get("val")
+        if not isinstance(out, Tensor) or not isinstance(val, Tensor):
+            continue
+        mode = mode or fake_mode(gm)
+        at = dict(before=node, phase=node.meta.get("phase"), mode=mode)
+        if val.dtype != out.dtype:
+            other = insert(gm, aten._to_copy.default, (other,), {"dtype": out.dtype}, **at)
+        scaled = insert(gm, aten.mul.Tensor, (other, alpha), **at)
+        node.args = (node.args[0], scaled)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+    gm.recompile()
+    return gm

@@ -338,6 +338,76 @@ def test_inductor_backend_matches_eager():
     )
 
 
+class Stack(nn.Module):
+    """Ten small linear layers (one parameter group each) and an ``add(x, mm, alpha=0.5)`` of the user's own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(10))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 7:
+                x = x.add(x @ layer.weight, alpha=0.5)
+        return self.head(x)
+
+
+def _every_optimizer_variant() -> tuple:
+    model = Stack()
+    layers = [list(layer.parameters()) for layer in model.layers]
+    sgd = torch.optim.SGD(
+        [
+            {"params": layers[0]},
+            {"params": layers[1], "momentum": 0.9, "dampening": 0.1},
+            {"params": layers[2], "momentum": 0.9, "nesterov": True},
+            {"params": layers[3], "weight_decay": 0.1},
+            {"params": layers[4], "momentum": 0.5, "maximize": True},
+        ],
+        lr=0.05,
+    )
+    adam = torch.optim.Adam(
+        [{"params": layers[5]}, {"params": layers[6], "weight_decay": 0.1}, {"params": layers[7], "amsgrad": True}],
+        lr=1e-2,
+    )
+    adamw = torch.optim.AdamW(
+        [
+            {"params": layers[8]},
+            {"params": [*layers[9], *model.head.parameters()], "weight_decay": 0.1, "amsgrad": True},
+        ],
+        lr=1e-2,
+    )
+    return model, sgd, adam, adamw
+
+
+def test_inductor_optimizer_updates_match_eager():
+    """Regression: inductor fused add(x, mm(..), alpha=a) into addmm and dropped alpha (the optimizers'
+    param.add_(grad, alpha=-lr): plain SGD moved by +grad, coupled weight decay was lost; and a user's own
+    alpha). One compile: SGD (plain, momentum with dampening, nesterov, weight decay, maximize), Adam (plain,
+    weight decay, amsgrad), AdamW (default, weight decay with amsgrad). Within fp32 rounding of eager after 3
+    steps."""
+
+    def step(model, sgd, adam, adamw, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        for opt in (sgd, adam, adamw):
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    compiled = run_parity(
+        step,
+        _every_optimizer_variant,
+        batches(3),
+        config=zgraph.Config(backend="inductor"),
+        bitwise=False,
+        rtol=1e-6,
+    )
+    assert "final (inductor)" in compiled.explain()  # compiled, not fallen back to the eager backend
+
+
 def test_lstm_step_replays_with_the_kernels_backward_state():
     """Regression: mkldnn's LSTM keeps its backward workspace only with grad mode on; the graph must replay
     with the grad mode it was traced with."""
