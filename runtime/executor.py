@@ -3,13 +3,15 @@
 ``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. The graph already holds
 the backward pass as explicit ops and its inputs do not require grad, so nothing is recorded for autograd.
 
-Inductor compiles a copy of the graph that differs from what the eager backend runs, so that it computes what
-eager PyTorch computes:
+Inductor compiles a copy of the graph with two differences from what the eager backend runs, both so that it
+computes what eager PyTorch computes:
 
 - ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication, ``add(x, mul(y, alpha))``
   (``explicit_alpha``). Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``, and
   the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).
   ``addcmul``/``addcdiv`` keep their ``value``: inductor lowers them itself, with symbolic values.
+- random ops are compiled with ``fallback_random``: they call the aten kernels on the global generator, so they
+  draw the numbers eager draws and leave the generator in eager's state.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
 
         return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated))
     if backend == "inductor":
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
         # Compile against the graph's own fake inputs: their fake mode has the ShapeEnv that holds the scalar
@@ -67,7 +70,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
         fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         try:
             graph = explicit_alpha(copy_graph_module(gm))
-            with torch.no_grad():
+            with torch.no_grad(), inductor_config.patch(fallback_random=True):
                 compiled = compile_fx(graph, fake_inputs)
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(

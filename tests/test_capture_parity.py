@@ -339,7 +339,8 @@ def test_inductor_backend_matches_eager():
 
 
 class Stack(nn.Module):
-    """Ten small linear layers (one parameter group each) and an ``add(x, mm, alpha=0.5)`` of the user's own."""
+    """Ten small linear layers (one parameter group each), a dropout on a transposed activation and an
+    ``add(x, mm, alpha=0.5)`` of the user's own."""
 
     def __init__(self):
         super().__init__()
@@ -350,6 +351,8 @@ class Stack(nn.Module):
     def forward(self, x):
         for i, layer in enumerate(self.layers):
             x = torch.tanh(layer(x))
+            if i == 4:
+                x = F.dropout(x.t(), 0.2).t()
             if i == 7:
                 x = x.add(x @ layer.weight, alpha=0.5)
         return self.head(x)
@@ -382,15 +385,18 @@ def _every_optimizer_variant() -> tuple:
     return model, sgd, adam, adamw
 
 
-def test_inductor_optimizer_updates_match_eager():
-    """Regression: inductor fused add(x, mm(..), alpha=a) into addmm and dropped alpha (the optimizers'
+def test_inductor_optimizer_updates_and_random_numbers_match_eager():
+    """Regressions: inductor fused add(x, mm(..), alpha=a) into addmm and dropped alpha (the optimizers'
     param.add_(grad, alpha=-lr): plain SGD moved by +grad, coupled weight decay was lost; and a user's own
-    alpha). One compile: SGD (plain, momentum with dampening, nesterov, weight decay, maximize), Adam (plain,
-    weight decay, amsgrad), AdamW (default, weight decay with amsgrad). Within fp32 rounding of eager after 3
-    steps."""
+    alpha), and drew random numbers with its own generator. One compile: SGD (plain, momentum with dampening,
+    nesterov, weight decay, maximize), Adam (plain, weight decay, amsgrad), AdamW (default, weight decay with
+    amsgrad), noise, a random mask and dropout; the generator is seeded alike before both runs. Within fp32
+    rounding of eager after 3 steps."""
 
     def step(model, sgd, adam, adamw, x, y):
-        loss = F.cross_entropy(model(x), y)
+        x = x + 0.1 * torch.randn_like(x)
+        keep = (torch.rand(x.shape[0]) > 0.2).float()
+        loss = (F.cross_entropy(model(x), y, reduction="none") * keep).mean()
         loss.backward()
         for opt in (sgd, adam, adamw):
             opt.step()
@@ -404,6 +410,7 @@ def test_inductor_optimizer_updates_match_eager():
         config=zgraph.Config(backend="inductor"),
         bitwise=False,
         rtol=1e-6,
+        seed=30,
     )
     assert "final (inductor)" in compiled.explain()  # compiled, not fallen back to the eager backend
 
