@@ -1,9 +1,12 @@
 """Cost model of collectives (latency + bytes / bandwidth) and of compute, for bucket sizes and schedules.
 
-``fit_cost_model`` times each collective kind at two sizes on the real process group and fits
-``seconds = latency + bytes / bandwidth``; it also times a matmul and a copy for compute and memory speed. The
-result is cached per machine, backend and world size (``$XDG_CACHE_HOME/zgraph``), so only the first run on a
-machine pays the second or so it takes. Rank 0's numbers are broadcast, so every rank plans identically.
+``fit_cost_model`` times each collective kind at three sizes on the real process group and fits
+``seconds = latency + bytes / bandwidth`` (least squares) to the *fastest* of several calls at each size: other
+work on the machine only ever adds time, so the minimum is the collective's own cost, and a measurement taken
+while the machine is busy does not leave a model that puts every gradient into one bucket. It also times a
+matmul and a copy for compute and memory speed. The result is cached per machine, backend and world size
+(``$XDG_CACHE_HOME/zgraph``), so only the first run on a machine pays the second or so it takes. Rank 0's
+numbers are broadcast, so every rank plans identically.
 ``analytical_cost_model`` gives fixed defaults where measuring is off or impossible.
 """
 
@@ -78,30 +81,50 @@ def analytical_cost_model(backend: str | None) -> CostModel:
     return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical")
 
 
+_CACHE_VERSION = 2  # bumped when the measurement changes: older files are not read
+
+
 def _cache_path(group: ProcessGroupInfo, device: str) -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    name = f"cost-{group.backend}-{device}-w{group.world_size}-{socket.gethostname()}.json"
+    name = f"cost-v{_CACHE_VERSION}-{group.backend}-{device}-w{group.world_size}-{socket.gethostname()}.json"
     return os.path.join(root, "zgraph", name)
 
 
-def _time(fn: object, repeats: int) -> float:
-    fn()  # warm up
-    dist.barrier()
-    start = time.perf_counter()
+_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)  # bytes of the whole tensor
+_REPEATS = 7
+
+
+def _fastest(fn: object, repeats: int = _REPEATS) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` (after one to warm up), each started together on
+    every rank."""
+    fn()
+    best = float("inf")
     for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
         fn()
-    dist.barrier()
-    return (time.perf_counter() - start) / repeats
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _fit(points: list[tuple[int, float]]) -> CollectiveCost:
+    """Least-squares ``seconds = latency + bytes / bandwidth`` (latency at least a microsecond)."""
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    if slope <= 0:  # noise larger than the transfer: take the largest size's throughput
+        slope = points[-1][1] / points[-1][0]
+    return CollectiveCost(max(mean_t - slope * mean_b, 1e-6), 1 / slope)
 
 
 def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
     world = group.world_size
     c10d = torch.ops._c10d_functional
-    sizes = (64 * 1024, 4 * 1024 * 1024)  # bytes of the whole tensor
     collectives = {}
     for kind in KINDS:
         points = []
-        for nbytes in sizes:
+        for nbytes in _SIZES:
             whole = torch.ones(nbytes // 4, device=device)
             shard = whole[: whole.numel() // world].clone()
             if kind == "all_gather_into_tensor":
@@ -110,14 +133,12 @@ def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
                 run = lambda w=whole: c10d.wait_tensor(c10d.reduce_scatter_tensor(w, "avg", world, group.group_name))
             else:
                 run = lambda w=whole: c10d.wait_tensor(c10d.all_reduce(w, "avg", group.group_name))
-            points.append((nbytes, _time(run, 5)))
-        (b0, t0), (b1, t1) = points
-        bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
-        collectives[kind] = CollectiveCost(max(t0 - b0 / bandwidth, 1e-6), bandwidth)
+            points.append((nbytes, _fastest(run)))
+        collectives[kind] = _fit(points)
     a = torch.randn(512, 512, device=device)
-    flops = 2 * 512**3 / _time(lambda: a @ a, 5)
+    flops = 2 * 512**3 / _fastest(lambda: a @ a)
     big = torch.empty(8 * 1024 * 1024 // 4, device=device)
-    bytes_per_s = 2 * big.numel() * 4 / _time(lambda: big.clone(), 5)
+    bytes_per_s = 2 * big.numel() * 4 / _fastest(lambda: big.clone())
     return CostModel(collectives, flops, bytes_per_s, "measured")
 
 

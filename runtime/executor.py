@@ -27,7 +27,7 @@ from torch import Tensor
 
 from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import copy_graph_module
-from zgraph.runtime.reinplace import reinplace_state_updates
+from zgraph.runtime.reinplace import reinplace_all_reduces, reinplace_state_updates
 
 aten = torch.ops.aten
 
@@ -53,6 +53,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
     if backend == "eager":
         runnable = copy_graph_module(gm)
         updated = reinplace_state_updates(runnable)
+        reinplace_all_reduces(runnable)
 
         def run_eager(inputs: Sequence[Tensor]) -> Sequence:
             # grad mode as when the step was traced: a few kernels (mkldnn's LSTM) keep what their explicit

@@ -56,6 +56,10 @@ class Config:
             rank) are skipped and the scale backs off; after ``growth_interval`` good steps it grows.
         max_grad_norm: clip gradients to this global norm (over every rank's shards) before the optimizer
             step, as ``torch.nn.utils.clip_grad_norm_`` would. None (default): no clipping.
+        keep_host_memory: keep freed host memory for the next step instead of returning it to the operating
+            system and faulting it back in, as PyTorch's CUDA caching allocator keeps device memory (on glibc:
+            malloc serves every block from its heap and never trims it, for the whole process; see
+            ``zgraph.runtime.host_memory``). The resident size stays at its peak between steps. Default True.
     """
 
     stage: int = 0
@@ -73,6 +77,7 @@ class Config:
     optimizer_state_dtype: torch.dtype | None = None
     loss_scale: float | str | DynamicLossScale | None = None
     max_grad_norm: float | None = None
+    keep_host_memory: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, _STAGES, int)
@@ -94,11 +99,10 @@ class Config:
         ):
             raise ValueError(f"Config.max_grad_norm must be None or a positive number; got {self.max_grad_norm!r}")
         _check_precision(self)
-        if not isinstance(self.measure_collectives, bool):
-            raise ValueError(
-                f"Config.measure_collectives must be True or False; got {self.measure_collectives!r} "
-                f"({_type_name(self.measure_collectives)})"
-            )
+        for name in ("measure_collectives", "keep_host_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"Config.{name} must be True or False; got {value!r} ({_type_name(value)})")
         object.__setattr__(self, "disable_passes", _as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", _as_pass_tuple(self.extra_passes))
 

@@ -34,6 +34,7 @@ from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.executor import Executable, compile_graph
+from zgraph.runtime.host_memory import keep_freed_host_memory
 from zgraph.runtime.process_group import ensure_process_group
 from zgraph.runtime.sharded_state import (
     StateIO,
@@ -336,6 +337,8 @@ class DistributedStep:
             )
             apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
             device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
+            if self.config.keep_host_memory and device.type == "cpu":
+                keep_freed_host_memory()
             # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
             binding.cost_model = fit_cost_model(binding.plan.group, device, self.config.measure_collectives)
             self._bindings[_binding_key(modules, optimizers)] = binding

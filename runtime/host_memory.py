@@ -1,0 +1,42 @@
+"""Keep freed host memory for the next step, as the CUDA caching allocator keeps device memory.
+
+PyTorch allocates CPU tensors with the C library's ``malloc``. glibc returns memory to the operating system when
+more than a threshold is free at the top of its heap, and serves large blocks with ``mmap`` (unmapped on free);
+its thresholds adapt to the largest block freed so far. A training step frees most of its activations at the
+end of backward, so from one step to the next the same memory is given back and taken again: every page
+comes back through a page fault and is zeroed by the kernel — on the bench GPT tens of thousands of faults per
+step, a tenth of the step on a VM. Whether a given step crosses the threshold depends on the order tensors are
+freed in, not on the amount of work.
+
+``keep_freed_host_memory`` sets, once for the process (``mallopt``): every block comes from the heap (no
+``mmap``, whose blocks are unmapped on free: a large model's logits or embedding gradient, hundreds of MiB, would
+fault in again every step), and the heap is never trimmed. The resident size then stays at its peak between
+steps, as GPU memory does under PyTorch's caching allocator; the peak itself does not change.
+``zgraph.Config(keep_host_memory=False)`` leaves the allocator alone. Other C libraries: nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_NEVER_TRIM = -1
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """Serve every block from the heap and never trim it (once per process); True if glibc took both."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))

@@ -1,0 +1,78 @@
+"""Runtime choices that save host memory traffic: in-place all-reduce of temporaries, keeping freed memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.fx as fx
+
+from zgraph.runtime.reinplace import reinplace_all_reduces
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def _graph(pack: bool, extra_reader: bool) -> fx.GraphModule:
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    for node, shape in ((a, (4, 2)), (b, (3,))):
+        node.meta["val"] = torch.empty(shape)
+    if pack:
+        packed = graph.call_function(aten._chunk_cat.default, ([a, b], 0, 1))
+        packed.meta["val"] = torch.empty(1, 11)
+        x = graph.call_function(aten.view.default, (packed, [-1]))
+        x.meta["val"] = torch.empty(11)
+    else:
+        x = a
+    reduced = graph.call_function(c10d.all_reduce.default, (x, "avg", "0"))
+    done = graph.call_function(c10d.wait_tensor.default, (reduced,))
+    graph.output((done, x) if extra_reader else (done,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    ("pack", "extra_reader", "in_place"),
+    [(True, False, True), (True, True, False), (False, False, False)],
+    ids=["packed_bucket", "input_read_again", "graph_input"],
+)
+def test_all_reduce_of_a_temporary_runs_in_place(pack, extra_reader, in_place):
+    """A bucket packed by ``_chunk_cat`` is reduced in place (no copy); an input something else reads, or a
+    graph input, keeps the copying functional form."""
+    gm = _graph(pack, extra_reader)
+    assert reinplace_all_reduces(gm) == int(in_place)
+    targets = {n.target for n in gm.graph.nodes}
+    assert (c10d.all_reduce_.default in targets) == in_place
+    assert (c10d.all_reduce.default in targets) != in_place
+
+
+def test_keeping_freed_host_memory_stops_page_faults():
+    """Freeing and allocating the same 64 MiB again faults every page back in under glibc's defaults, and not
+    once the thresholds are fixed (run in a fresh process: the setting is process-wide)."""
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from zgraph.runtime.host_memory import keep_freed_host_memory
+
+        def faults_per_round():
+            torch.ones(16 * 2**20)  # 64 MiB, freed at once
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(5):
+                torch.ones(16 * 2**20)
+            return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+
+        default = faults_per_round()
+        assert keep_freed_host_memory()
+        kept = faults_per_round()
+        print(default, kept)
+        """
+    )
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    default, kept = map(float, out.split())
+    assert default > 10_000, f"64 MiB allocations should fault their pages in by default ({default})"
+    assert kept < 100, f"with freed memory kept, allocating again should not fault ({kept} faults)"
