@@ -29,6 +29,8 @@ RANDOM_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "bernoulli(probs)": lambda h: h * torch.bernoulli(torch.full_like(h, 0.6)),
     "bernoulli(probs, p)": lambda h: h * torch.bernoulli(torch.full_like(h, 0.6), 0.4),
     "dropout of a permuted view": lambda h: F.dropout(h.permute(2, 0, 1), 0.2).permute(1, 2, 0),
+    # aten.random_.from: FX cannot print its name (`from` is a keyword); traced as random_(to - from) + from
+    "random_(from, to)": lambda h: h * torch.empty_like(h).random_(-2, 5),
 }
 
 

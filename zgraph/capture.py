@@ -50,6 +50,7 @@ from zgraph import optimizers as zopt
 from zgraph.errors import CaptureError
 from zgraph.ops import grad_contribution
 from zgraph.precision import StepMode, TracePrecision, keep_if_overflow
+from zgraph.random_layout import match_random_layout
 from zgraph.runtime.state import Binding
 from zgraph.traced_collectives import functional_c10d, untraceable_collective
 from zgraph.tree import map_leaves
@@ -170,7 +171,18 @@ def _batch_norm_with_honest_schema(
     )
 
 
-_TRACE_DECOMPOSITIONS = {aten.native_batch_norm.default: _batch_norm_with_honest_schema}
+def _random_from_to(self: Tensor, low: int, high: int | None = None, *, generator: Any = None) -> Tensor:
+    # FX cannot print `aten.random_.from` (`from` is a Python keyword). The CPU and CUDA kernels draw
+    # `low + (random % (high - low))`: drawing in [0, high - low) and adding `low` gives the same numbers.
+    if high is None:
+        raise CaptureError("Tensor.random_(from) without `to` is not supported inside a zgraph step")
+    return aten.random_.to(self, high - low, generator=generator).add_(low)
+
+
+_TRACE_DECOMPOSITIONS = {
+    aten.native_batch_norm.default: _batch_norm_with_honest_schema,
+    getattr(aten.random_, "from"): _random_from_to,
+}
 
 
 def _user_frame(tb: traceback.StackSummary | list) -> traceback.FrameSummary | None:
@@ -920,7 +932,7 @@ def _functionalize(
     output.meta["zgraph_outputs"] = kept_roles
     _name_placeholders(graph, placeholders)
     graph.eliminate_dead_code()
-    __import__("zgraph.random_layout").random_layout.match_random_layout(gm, gm1)  # eager's random fill order
+    match_random_layout(gm, gm1)  # eager's random fill order on non-contiguous tensors
     _tag_phases(graph)
     gm.recompile()
     return gm
