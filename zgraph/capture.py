@@ -372,6 +372,34 @@ def real_constants(gm: fx.GraphModule) -> list[Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _autocast_forwards(binding: Binding, dtype: torch.dtype) -> Iterator[None]:
+    """Each bound model's forward runs under ``torch.autocast(dtype)`` (``Config.autocast_dtype``), as DeepSpeed's
+    engine runs its forward with the ``torch_autocast`` section; code outside the forward (the loss) does not."""
+    device = binding.params[0].tensor.device.type if binding.params else "cpu"
+    entered: list[contextlib.AbstractContextManager] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        region = torch.autocast(device, dtype=dtype)
+        region.__enter__()
+        entered.append(region)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    handles = []
+    for _, root in binding.modules:
+        handles.append(root.register_forward_pre_hook(enter))
+        handles.append(root.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        while entered:  # a forward that raised
+            entered.pop().__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+
+
 _INSTANCE_MISSING = object()
 
 
@@ -758,6 +786,8 @@ def capture(
             )
             if config.param_dtype is not None:
                 stack.enter_context(_cast_forward_inputs(binding, config.param_dtype))
+            if config.autocast_dtype is not None:
+                stack.enter_context(_autocast_forwards(binding, config.autocast_dtype))
             stack.enter_context(_swap_optimizers(trace))
             stack.enter_context(_record_scheduler_steps(trace))
             stack.enter_context(functional_c10d())

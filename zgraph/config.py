@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,9 @@ class Config:
             rank) are skipped and the scale backs off; after ``growth_interval`` good steps it grows.
         max_grad_norm: clip gradients to this global norm (over every rank's shards) before the optimizer
             step, as ``torch.nn.utils.clip_grad_norm_`` would. None (default): no clipping.
+        autocast_dtype: run the forward of each model the step uses under ``torch.autocast`` with this dtype
+            (DeepSpeed's ``torch_autocast`` section); the loss and the rest of the step are outside it, and an
+            autocast region written in the step is honoured as it is. None (default): no autocast added.
         keep_host_memory: keep freed host memory for the next step instead of returning it to the operating
             system and faulting it back in, as PyTorch's CUDA caching allocator keeps device memory (on glibc:
             malloc serves every block from its heap and never trims it, for the whole process; see
@@ -77,6 +81,7 @@ class Config:
     optimizer_state_dtype: torch.dtype | None = None
     loss_scale: float | str | DynamicLossScale | None = None
     max_grad_norm: float | None = None
+    autocast_dtype: torch.dtype | None = None
     keep_host_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -85,7 +90,7 @@ class Config:
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             _check_size(name, getattr(self, name), allow_auto=True)
         _check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
-        for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype", "autocast_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:
                 raise ValueError(
@@ -119,6 +124,15 @@ class Config:
         raise ValueError(
             f'Config.loss_scale must be None, "dynamic", a zgraph.DynamicLossScale or a positive float; got {value!r}'
         )
+
+    @classmethod
+    def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:
+        """A Config from a DeepSpeed JSON config (a dict, or the path of a JSON file); keywords override fields.
+        Every key is mapped, accepted or rejected with a ``ValueError`` that says why (see
+        ``zgraph.deepspeed_config`` for the table)."""
+        from zgraph.deepspeed_config import config_fields_from_deepspeed
+
+        return cls(**{**config_fields_from_deepspeed(source), **overrides})
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated like a new Config)."""
@@ -166,7 +180,18 @@ _BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
 
 def _check_precision(config: Config) -> None:
     """Reject the precision combinations DeepSpeed rejects, saying why."""
-    dtypes = {config.param_dtype, config.reduce_dtype, config.master_dtype, config.optimizer_state_dtype}
+    dtypes = {
+        config.param_dtype,
+        config.reduce_dtype,
+        config.master_dtype,
+        config.optimizer_state_dtype,
+        config.autocast_dtype,
+    }
+    if config.autocast_dtype == torch.float32:
+        raise ValueError(
+            "Config.autocast_dtype must be None, torch.bfloat16 or torch.float16 (torch.autocast's lower-precision "
+            "dtypes); got torch.float32"
+        )
     if config.optimizer_state_dtype == torch.float16:
         raise ValueError(
             "Config.optimizer_state_dtype=torch.float16 is rejected (as DeepSpeed rejects fp16 optimizer states): "
