@@ -98,9 +98,13 @@ def reinplace_all_reduces(gm: fx.GraphModule) -> int:
     return count
 
 
+# ops whose result shares its input's memory though their schema declares no alias
+_UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default,)
+
+
 def _aliases(node: fx.Node) -> bool:
     target = node.target
-    if target is operator.getitem:
+    if target is operator.getitem or target in _UNDECLARED_VIEWS:
         return True
     return isinstance(target, torch._ops.OpOverload) and any(r.alias_info for r in target._schema.returns)
 
