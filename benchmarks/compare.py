@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from zgraph.models import BENCH_GPT, GPT_100M, GPTConfig
+from zgraph.runtime.host_memory import GLIBC_TUNABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -524,6 +525,12 @@ def markdown_report(model: str, params: int | None, args: argparse.Namespace, ma
             f"`{SINGLE_PROCESS}`: one process, all {GLOBAL_BATCH}), AdamW lr {args.lr:g}, seed {args.seed}",
             f"- {args.warmup} warm-up steps (untimed), {args.steps} timed steps, {args.repeats} repeat(s) "
             f"alternating systems; zgraph backend `{args.backend}`",
+            "- host memory: "
+            + (
+                f"kept between steps in every system's processes (`GLIBC_TUNABLES={GLIBC_TUNABLES}`)"
+                if args.keep_host_memory
+                else "glibc's defaults (freed memory returned to the OS) in every system"
+            ),
             f"- {machine['date']}; {machine['cpu_count']} CPUs ({machine['cpu']}); torch {machine['torch']}; "
             f"DeepSpeed {machine['deepspeed']}; zgraph {machine['zgraph']}; Python {machine['python']}; "
             f"{machine['threads_per_rank']} thread per process (OMP_NUM_THREADS=1, torch.set_num_threads(1))",
@@ -607,6 +614,7 @@ def benchmark_model(model: str, systems: list[str], args: argparse.Namespace, ma
         "discarded_runs": [asdict(run) for run in discarded],
     }
     stem = f"compare_{model}" + ("" if args.backend == "eager" else f"_{args.backend}")
+    stem += "_kept" if args.keep_host_memory else ""
     md, js = write_outputs(stem, report, payload, args.out_dir)
     print("\n" + report)
     print(f"wrote {md.relative_to(ROOT) if md.is_relative_to(ROOT) else md} and {js.name}", flush=True)
@@ -645,6 +653,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="run a system again, at most this many times, when other processes used the CPUs during its run",
     )
+    parser.add_argument(
+        "--keep-host-memory",
+        action="store_true",
+        help="run every system's processes with glibc keeping freed memory (GLIBC_TUNABLES, what "
+        "zgraph.Config(keep_host_memory=True) sets for its own process); results go to compare_<model>_kept.*",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -661,6 +675,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.keep_host_memory:  # inherited by every system's processes (base_env copies the environment)
+        os.environ["GLIBC_TUNABLES"] = GLIBC_TUNABLES
     skipped: dict[str, str] = {}
     ds_version = "not run"
     if any(s in DEEPSPEED_SYSTEMS for s in args.systems):

@@ -12,7 +12,12 @@ freed in, not on the amount of work.
 ``mmap``, whose blocks are unmapped on free: a large model's logits or embedding gradient, hundreds of MiB, would
 fault in again every step), and the heap is never trimmed. The resident size then stays at its peak between
 steps, as GPU memory does under PyTorch's caching allocator; the peak itself does not change.
-``zgraph.Config(keep_host_memory=False)`` leaves the allocator alone. Other C libraries: nothing is done.
+It is opt-in, ``zgraph.Config(keep_host_memory=True)``: the setting is the whole process's, not only zgraph's.
+The same from outside, for any program (eager PyTorch, DDP, FSDP2, DeepSpeed alike), before Python starts::
+
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615
+
+Other C libraries: nothing is done.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+
+GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615"
+"""The same setting as glibc tunables, for a process's environment (read by glibc when the process starts)."""
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 import torch.fx as fx
 
+from zgraph.runtime.host_memory import GLIBC_TUNABLES
 from zgraph.runtime.reinplace import reinplace_all_reduces
 
 c10d = torch.ops._c10d_functional
@@ -66,35 +67,41 @@ def test_all_reduce_of_an_unsafe_view_of_a_value_read_again_copies():
     assert reinplace_all_reduces(gm) == 0
 
 
-def test_keeping_freed_host_memory_stops_page_faults():
+_FAULTS_PER_ROUND = """
+import resource, sys, torch
+from zgraph.runtime.host_memory import keep_freed_host_memory
+
+def faults_per_round():
+    # 64 MiB, freed at once. Warm up: from the heap, the second block may not fit in the first one freed (an
+    # aligned request is a little larger than the block it frees), so steady state takes a few rounds (up to
+    # six seen here).
+    for _ in range(8):
+        torch.ones(16 * 2**20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        torch.ones(16 * 2**20)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+
+default = faults_per_round()
+if sys.argv[1] == "mallopt":
+    assert keep_freed_host_memory()
+print(default, faults_per_round())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("how", ["mallopt", "tunables"])
+def test_keeping_freed_host_memory_stops_page_faults(how):
     """Freeing and allocating the same 64 MiB again faults every page back in under glibc's defaults, and not
-    once the thresholds are fixed and the heap has grown to the step's size (run in a fresh process: the
-    setting is process-wide)."""
-    script = textwrap.dedent(
-        """
-        import resource, torch
-        from zgraph.runtime.host_memory import keep_freed_host_memory
-
-        def faults_per_round():
-            # 64 MiB, freed at once. Warm up: from the heap, the second block may not fit in the first one freed
-            # (an aligned request is a little larger than the block it frees), so steady state takes a few rounds
-            # (up to four seen here).
-            for _ in range(6):
-                torch.ones(16 * 2**20)
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            for _ in range(5):
-                torch.ones(16 * 2**20)
-            return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
-
-        default = faults_per_round()
-        assert keep_freed_host_memory()
-        kept = faults_per_round()
-        print(default, kept)
-        """
-    )
-    if not sys.platform.startswith("linux"):
-        pytest.skip("glibc's mallopt")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    default, kept = map(float, out.split())
-    assert default > 10_000, f"64 MiB allocations should fault their pages in by default ({default})"
+    once the thresholds are fixed and the heap has grown to the step's size: set by
+    ``keep_freed_host_memory()`` (what ``Config(keep_host_memory=True)`` calls), or by ``GLIBC_TUNABLES`` for a
+    whole program. In a fresh process: the setting is process-wide."""
+    env = dict(os.environ)
+    if how == "tunables":
+        env["GLIBC_TUNABLES"] = GLIBC_TUNABLES
+    run = subprocess.run([sys.executable, "-c", _FAULTS_PER_ROUND, how], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    default, kept = map(float, run.stdout.split())
+    if how == "mallopt":
+        assert default > 10_000, f"64 MiB allocations should fault their pages in by default ({default})"
     assert kept < 100, f"with freed memory kept, allocating again should not fault ({kept} faults)"

@@ -62,8 +62,10 @@ class Config:
             autocast region written in the step is honoured as it is. None (default): no autocast added.
         keep_host_memory: keep freed host memory for the next step instead of returning it to the operating
             system and faulting it back in, as PyTorch's CUDA caching allocator keeps device memory (on glibc:
-            malloc serves every block from its heap and never trims it, for the whole process; see
-            ``zgraph.runtime.host_memory``). The resident size stays at its peak between steps. Default True.
+            malloc serves every block from its heap and never trims it; see ``zgraph.runtime.host_memory``).
+            The resident size then stays at its peak between steps. It changes malloc for the whole process,
+            not only zgraph's tensors, so it is opt-in: default False. Setting ``GLIBC_TUNABLES`` (see
+            ``zgraph.runtime.host_memory``) before Python starts does the same for any program.
     """
 
     stage: int = 0
@@ -82,7 +84,7 @@ class Config:
     loss_scale: float | str | DynamicLossScale | None = None
     max_grad_norm: float | None = None
     autocast_dtype: torch.dtype | None = None
-    keep_host_memory: bool = True
+    keep_host_memory: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, _STAGES, int)
