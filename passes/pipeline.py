@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zgraph.errors import PipelineError
 
@@ -195,7 +196,10 @@ class PassRecord:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied)."""
+    """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied).
+
+    The copy is a ``_LazyGraphModule`` (inductor's own): its Python code is generated when it is first called or
+    printed, not on every ``recompile()`` — a pipeline keeps one graph per pass and most are only inspected."""
     graph = fx.Graph()
     graph._codegen = copy.copy(gm.graph._codegen)
     value_map: dict[fx.Node, fx.Node] = {}
@@ -203,7 +207,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     new_output = graph.output(out)
     new_output.meta = copy.copy(old_output.meta)
-    new = fx.GraphModule(gm, graph)
+    new = _LazyGraphModule(gm, graph)
     new.meta = copy.copy(getattr(gm, "meta", {}))
     return new
 

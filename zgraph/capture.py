@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.optim.lr_scheduler import LRScheduler
@@ -894,7 +895,7 @@ def capture(
 def _trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: Callable) -> fx.GraphModule:
     name = getattr(fn, "__qualname__", repr(fn))
     try:
-        with fx_traceback.preserve_node_meta(), mode:
+        with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True):
             return make_fx(
                 traced_step,
                 tracing_mode="fake",
@@ -933,7 +934,7 @@ def _functionalize(
             return fx.Interpreter(gm1).run(*flat)
 
     plain = [f.detach() for f in fakes]
-    with fx_traceback.preserve_node_meta(), mode:
+    with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True):
         gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*plain)
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
