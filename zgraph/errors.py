@@ -23,6 +23,11 @@ class RankMismatchError(ZGraphError):
     """Ranks captured different graphs or planned different collectives."""
 
 
+class RankFailedError(ZGraphError):
+    """Another rank failed, or did not arrive within ``Config.collective_timeout``; the message names the rank
+    and its error, or the zgraph call each rank was last in."""
+
+
 class ShardedParameterError(ZGraphError):
     """A stage-3 sharded parameter was used outside the compiled step and outside ``zgraph.gather``."""
 
