@@ -41,6 +41,20 @@ def _forward_loss(model, idx, tgt, autocast: bool):
         return lm_loss(model(idx), tgt)
 
 
+def _all_gather_json(value: dict) -> list:
+    """Every rank's JSON-able ``value`` (as UTF-8 bytes in uint8 tensors: object collectives need numpy)."""
+    mine = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+    world = dist.get_world_size()
+    sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()]))
+    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    rows = torch.empty(world * padded.numel(), dtype=torch.uint8)
+    dist.all_gather_into_tensor(rows, padded)
+    rows = rows.view(world, -1)
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world)]
+
+
 def _vm_hwm_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -95,8 +109,7 @@ def memory_rank(rank: int, world: int, port: int, setting: str, out: str) -> Non
         "vm_hwm_mib": _vm_hwm_mib(),
         "loss": loss,
     }
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, result)
+    everyone = _all_gather_json(result)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(everyone, f)

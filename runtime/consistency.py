@@ -1,21 +1,23 @@
 """All ranks must run the same graph: a cheap check on every call, a clear error instead of a hang.
 
 Before a step's graph runs, each rank contributes a 64-bit digest of the graph it is about to run — the
-captured graph, and the sequence of collectives the transformed graph issues — (one tiny all-gather, the first
-collective of the call). If the digests differ — different batch shapes, different
-Python branches, a rank whose capture failed — every rank exchanges a description of its graph and raises
-``RankMismatchError`` naming the difference. No graph collective has run at that point, so nothing hangs.
+captured graph, and the sequence of collectives the transformed graph issues — (one tiny all-gather of int64s,
+the first collective of the call). If the digests differ — different batch shapes, different Python branches, a
+rank whose capture failed — every rank sends a description of its graph (JSON text through the c10d store) and
+raises ``RankMismatchError`` naming the difference. No graph collective has run at that point, so nothing hangs;
+a rank that never arrives makes the others raise ``RankFailedError`` after ``Config.collective_timeout``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from zgraph.errors import RankMismatchError
+from zgraph.runtime.agreement import Channel
 
 
 def describe_graph(gm: fx.GraphModule) -> list[str]:
@@ -53,24 +55,47 @@ def digest(lines: list[str]) -> int:
     return int.from_bytes(raw[:8], "little", signed=True)
 
 
-def check_same_graph(digest_value: int, lines: list[str], error: BaseException | None = None) -> None:
+def check_same_graph(
+    channel: Channel, group_name: str, label: str, digest_value: int, lines: list[str], error: Exception | None = None
+) -> None:
     """Compare this rank's graph digest with every other rank's; raise on every rank if they differ.
 
-    ``error``: this rank failed to build its graph; the other ranks are told so, then it is re-raised here.
+    The digests travel as one int64 pair per rank in an all-gather on ``group_name`` (zgraph's group, whose
+    timeout is ``Config.collective_timeout``); descriptions, only when something differs, as JSON through
+    ``channel``. ``error``: this rank failed to build its graph; the other ranks are told so (they raise
+    ``RankMismatchError`` naming it, read from the failure record it made first), then it is re-raised here.
     """
-    world = dist.get_world_size()
-    mine = torch.tensor([digest_value], dtype=torch.int64)
-    everyone = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_single(everyone, mine)
-    if bool((everyone == everyone[0]).all()) and error is None:
-        return
-    descriptions: list = [None] * world
-    note = None if error is None else f"capture failed: {type(error).__name__}: {error}"
-    dist.all_gather_object(descriptions, (note, lines))
+    world = channel.world_size
+    mine = torch.tensor([digest_value, 0 if error is None else 1], dtype=torch.int64)
+    c10d = torch.ops._c10d_functional
+    try:
+        everyone = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, world, group_name)).view(world, 2)
+    except RuntimeError as failure:
+        raise channel.peer_failure(label, failure) from failure
     if error is not None:
         raise error
-    rank = dist.get_rank()
-    raise RankMismatchError(_explain(descriptions, rank))
+    failed = [r for r in range(world) if bool(everyone[r, 1])]
+    if failed:  # their failure records are in the store already (recorded before this all-gather)
+        records = channel.failures(wait=2.0)
+        notes = [(records.get(r, "no record of the error") if r in failed else None, []) for r in range(world)]
+        raise RankMismatchError(_explain(notes, channel.rank))
+    if bool((everyone[:, 0] == everyone[0, 0]).all()):
+        return
+    payload = json.dumps({"note": "", "lines": lines}).encode()
+    descriptions = [_description(raw) for raw in channel.exchange(f"{label} (comparing graphs)", payload)]
+    raise RankMismatchError(_explain(descriptions, channel.rank))
+
+
+def _description(raw: bytes) -> tuple[str | None, list[str]]:
+    """Another rank's ``(note, lines)``, checked to be what ``check_same_graph`` sends."""
+    try:
+        data = json.loads(raw)
+        note, lines = data["note"], data["lines"]
+        if isinstance(note, str) and isinstance(lines, list) and all(isinstance(line, str) for line in lines):
+            return note or None, lines
+    except (ValueError, KeyError, TypeError):
+        pass
+    return "it sent an unreadable graph description", []
 
 
 def _explain(descriptions: list, rank: int) -> str:

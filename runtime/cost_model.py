@@ -19,8 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
+from zgraph.runtime.agreement import Channel
 from zgraph.runtime.process_group import ProcessGroupInfo
 
 KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
@@ -63,12 +63,25 @@ class CostModel:
 
     @staticmethod
     def from_json(data: dict, source: str) -> CostModel:
-        return CostModel(
-            {k: CollectiveCost(**v) for k, v in data["collectives"].items()},
-            data["flops_per_second"],
-            data["bytes_per_second"],
-            source,
-        )
+        """The model ``to_json`` wrote; ``ValueError`` unless every kind and number is there, positive and finite."""
+        try:
+            collectives = {
+                kind: CollectiveCost(
+                    _positive(data["collectives"][kind]["latency"]), _positive(data["collectives"][kind]["bandwidth"])
+                )
+                for kind in KINDS
+            }
+            return CostModel(
+                collectives, _positive(data["flops_per_second"]), _positive(data["bytes_per_second"]), source
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a zgraph cost model: {error!r}") from None
+
+
+def _positive(value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"not a positive finite number: {value!r}")
+    return float(value)
 
 
 def analytical_cost_model(backend: str | None) -> CostModel:
@@ -94,13 +107,14 @@ _SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)  # bytes of the whole tensor
 _REPEATS = 7
 
 
-def _fastest(fn: object, repeats: int = _REPEATS) -> float:
+def _fastest(fn: object, sync: object = None, repeats: int = _REPEATS) -> float:
     """Seconds of the fastest of ``repeats`` calls of ``fn`` (after one to warm up), each started together on
-    every rank."""
+    every rank (after ``sync``)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        dist.barrier()
+        if sync is not None:
+            sync()
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
@@ -121,6 +135,8 @@ def _fit(points: list[tuple[int, float]]) -> CollectiveCost:
 def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
     world = group.world_size
     c10d = torch.ops._c10d_functional
+    flag = torch.zeros(1, device=device)
+    sync = lambda: c10d.wait_tensor(c10d.all_reduce(flag, "sum", group.group_name))
     collectives = {}
     for kind in KINDS:
         points = []
@@ -133,7 +149,7 @@ def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
                 run = lambda w=whole: c10d.wait_tensor(c10d.reduce_scatter_tensor(w, "avg", world, group.group_name))
             else:
                 run = lambda w=whole: c10d.wait_tensor(c10d.all_reduce(w, "avg", group.group_name))
-            points.append((nbytes, _fastest(run)))
+            points.append((nbytes, _fastest(run, sync)))
         collectives[kind] = _fit(points)
     a = torch.randn(512, 512, device=device)
     flops = 2 * 512**3 / _fastest(lambda: a @ a)
@@ -145,32 +161,33 @@ def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
 _FITTED: dict[tuple, CostModel] = {}
 
 
-def fit_cost_model(group: ProcessGroupInfo, device: torch.device, measure: bool) -> CostModel:
+def fit_cost_model(
+    group: ProcessGroupInfo, device: torch.device, measure: bool, channel: Channel | None = None
+) -> CostModel:
     """The cost model for ``group``: cached file, fresh measurement, or analytical; identical on every rank.
 
-    Collective: every rank of the group must call it at the same point.
+    Collective: every rank of the group must call it at the same point. Rank 0's decision (its cached file, or
+    its measurement) reaches the other ranks as JSON through ``channel``.
     """
     key = (group.group_name, group.world_size, str(device), measure)
     if key in _FITTED:
         return _FITTED[key]
-    if not group.distributed or not measure:
+    if not group.distributed or not measure or channel is None:
         model = analytical_cost_model(group.backend)
     else:
         path = _cache_path(group, device.type)
-        decision: list = [None]
+        cached = None
         if group.rank == 0 and os.path.exists(path):
             try:
                 with open(path) as f:
-                    decision = [json.load(f)]
+                    cached = CostModel.from_json(json.load(f), "cached")
             except (OSError, ValueError):
-                decision = [None]
-        dist.broadcast_object_list(decision, src=0)
-        if decision[0] is not None:
-            model = CostModel.from_json(decision[0], "cached")
-        else:
-            measured = [_measure(group, device).to_json()]
-            dist.broadcast_object_list(measured, src=0)
-            model = CostModel.from_json(measured[0], "measured")
+                cached = None
+        decision = channel.broadcast("the collective cost model (cached?)", _encode(cached))
+        model = _decode(decision, "cached")
+        if model is None:
+            measured = _measure(group, device)
+            model = _decode(channel.broadcast("the collective cost model (measured)", _encode(measured)), "measured")
             if group.rank == 0:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path + ".tmp", "w") as f:
@@ -178,3 +195,11 @@ def fit_cost_model(group: ProcessGroupInfo, device: torch.device, measure: bool)
                 os.replace(path + ".tmp", path)
     _FITTED[key] = model
     return model
+
+
+def _encode(model: CostModel | None) -> bytes:
+    return b"" if model is None else json.dumps(model.to_json()).encode()
+
+
+def _decode(payload: bytes, source: str) -> CostModel | None:
+    return None if not payload else CostModel.from_json(json.loads(payload), source)

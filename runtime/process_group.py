@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,30 @@ def ensure_process_group() -> ProcessGroupInfo:
         group_name=group.group_name,
         backend=dist.get_backend(group),
     )
+
+
+_TIMED_GROUPS: dict[tuple[str, float], ProcessGroupInfo] = {}
+
+
+def timed_group(
+    parent: ProcessGroupInfo, timeout: float, before_creating: Callable[[], object] | None = None
+) -> ProcessGroupInfo:
+    """zgraph's own group over ``parent``'s ranks, whose collectives raise after ``timeout`` seconds instead of
+    waiting for a rank that failed or stopped calling (the default group's timeout is the user's, often 30
+    minutes). One per timeout; every rank must ask for it at the same point (``new_group`` is collective):
+    ``before_creating`` (a bounded agreement between the ranks) runs first, so a rank that never arrives makes
+    the others raise instead of waiting in ``new_group``."""
+    if not parent.distributed:
+        return parent
+    key = (parent.group_name, float(timeout))
+    found = _TIMED_GROUPS.get(key)
+    if found is None:
+        if before_creating is not None:
+            before_creating()
+        group = dist.new_group(backend=parent.backend, timeout=timedelta(seconds=timeout))
+        found = ProcessGroupInfo(parent.rank, parent.world_size, group.group_name, parent.backend)
+        _TIMED_GROUPS[key] = found
+    return found
 
 
 _MESHES: weakref.WeakValueDictionary[tuple, object] = weakref.WeakValueDictionary()

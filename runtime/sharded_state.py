@@ -207,6 +207,19 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
             _guard_outside_use(root)
 
 
+def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo) -> None:
+    """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model, so ranks built with
+    different initial weights train one model. Tensors a step already sharded (``DTensor``) are left alone."""
+    if not group.distributed:
+        return
+    c10d = torch.ops._c10d_functional
+    with torch.no_grad():
+        tensors = [r.tensor for r in binding.params] + [r.get() for r in binding.buffers]
+        for t in tensors:
+            if isinstance(t, Tensor) and not isinstance(t, DTensor) and t.numel():
+                t.copy_(c10d.wait_tensor(c10d.broadcast(t.detach().contiguous(), 0, group.group_name)))
+
+
 _REPLACED_BY = "_zgraph_replaced_by"
 
 

@@ -162,8 +162,9 @@ def world2_worker(rank: int, world: int, out_dir: str) -> None:
     zgraph.load(ck0, resumed[0], resumed[1], scheduler=resumed[2])
     results["resumed_s0_to_s2"] = train(resumed, zgraph_step(2), tail, rank, world)
 
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, results)
+    from dist_harness import all_gather_values
+
+    gathered = all_gather_values(results)
     if rank == 0:
         merged = {k: v for r in gathered for k, v in r.items()}
         torch.save(merged, os.path.join(out_dir, "world2.pt"))

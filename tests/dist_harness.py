@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import socket
+import sys
 import time
 import traceback
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -14,6 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zgraph.runtime.process_group import end_finished_rank
+
+GROUP_TIMEOUT = 300  # seconds: the default group's collectives (the harness's barriers) never wait longer
 
 
 def free_port() -> int:
@@ -33,24 +38,27 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
     )
     torch.set_num_threads(1)
     if init_group:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
     module_name, fn_name = target.rsplit(".", 1)
     fn = getattr(importlib.import_module(module_name), fn_name)
     try:
         fn(rank, world_size, *args)
     except BaseException:
+        # no barrier: the other ranks may be waiting elsewhere; exiting non-zero makes run_ranks end them all
         traceback.print_exc()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     end_finished_rank()
 
 
 def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool = True) -> None:
     """Run ``target(rank, world_size, *args)`` (``"module.function"``, importable from ``tests/``) on
-    ``world_size`` spawned processes; raise if any fails or the whole run exceeds ``timeout`` seconds.
+    ``world_size`` spawned processes; raise if any fails (the others are ended at once) or the whole run exceeds
+    ``timeout`` seconds (a hang becomes a failure naming the test).
 
     ``init_group=False`` leaves the process group to zgraph (it starts one from torchrun's variables).
     """
@@ -68,7 +76,8 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, in
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            raise TimeoutError(f"{target} on {world_size} ranks did not finish in {timeout:.0f} s")
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+            raise TimeoutError(f"{test}: {target} on {world_size} ranks did not finish in {timeout:.0f} s (killed)")
 
 
 def run_named(rank: int, world: int, out_path: str, names: list[str], namespace: dict) -> None:
@@ -83,3 +92,24 @@ def run_named(rank: int, world: int, out_path: str, names: list[str], namespace:
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
+
+
+def all_gather_values(value: Any) -> list[Any]:
+    """Every rank's ``value`` (tensors, numbers, strings and containers of them), by rank. Serialised with
+    ``torch.save`` and moved as uint8 tensors: torch's object collectives need numpy, which zgraph's test
+    environment deliberately lacks."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    world = dist.get_world_size()
+    sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    everyone = torch.empty(world * padded.numel(), dtype=torch.uint8)
+    dist.all_gather_into_tensor(everyone, padded)
+    rows = everyone.view(world, -1)
+    return [
+        torch.load(io.BytesIO(bytes(rows[r, : int(sizes[r])].clone().untyped_storage())), weights_only=True)
+        for r in range(world)
+    ]

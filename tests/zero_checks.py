@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
-from dist_harness import run_named
+from dist_harness import all_gather_values, run_named
 from torch import nn
 
 import zgraph
@@ -249,9 +249,7 @@ def collective_sequences(rank: int, world: int) -> dict:
         step = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(_gpt_step)
         step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
         mine = describe_collectives(step.graphs["final"])
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
-        out[stage] = everyone
+        out[stage] = all_gather_values(mine)
     return out
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
+
 _BACKENDS = ("inductor", "eager")
 _STAGES = (0, 1, 2, 3)
 
@@ -66,6 +68,10 @@ class Config:
             The resident size then stays at its peak between steps. It changes malloc for the whole process,
             not only zgraph's tensors, so it is opt-in: default False. Setting ``GLIBC_TUNABLES`` (see
             ``zgraph.runtime.host_memory``) before Python starts does the same for any program.
+        collective_timeout: seconds a rank waits for the others, at any zgraph synchronisation point and in any
+            collective of the step, before it raises ``zgraph.RankFailedError`` naming the rank that failed (and
+            its error) or the call each rank was last in. Default 300 (five minutes); it must cover the
+            difference between ranks' compile times on the first call.
     """
 
     stage: int = 0
@@ -85,6 +91,7 @@ class Config:
     max_grad_norm: float | None = None
     autocast_dtype: torch.dtype | None = None
     keep_host_memory: bool = False
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, _STAGES, int)
@@ -110,6 +117,9 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"Config.{name} must be True or False; got {value!r} ({_type_name(value)})")
+        timeout = self.collective_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
+            raise ValueError(f"Config.collective_timeout must be a positive number of seconds; got {timeout!r}")
         object.__setattr__(self, "disable_passes", _as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", _as_pass_tuple(self.extra_passes))
 

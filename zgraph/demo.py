@@ -247,9 +247,9 @@ def gather_to_all(value: int) -> list[int]:
     """Every rank's ``value``, by rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    everyone = torch.empty(dist.get_world_size(), dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, torch.tensor([value], dtype=torch.int64))
+    return everyone.tolist()
 
 
 # --------------------------------------------------------------------------------------------- model state

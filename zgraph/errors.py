@@ -23,7 +23,7 @@ class RankMismatchError(ZGraphError):
     """Ranks captured different graphs or planned different collectives."""
 
 
-class RankFailedError(ZGraphError):
+class RankFailedError(RankMismatchError):
     """Another rank failed, or did not arrive within ``Config.collective_timeout``; the message names the rank
     and its error, or the zgraph call each rank was last in."""
 

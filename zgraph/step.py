@@ -31,15 +31,17 @@ from zgraph.explain import dump_graphs, explain_table
 from zgraph.locate import Locator, Slot, locate
 from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
 from zgraph.precision import initial_loss_scale_state
+from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.executor import Executable, compile_graph
 from zgraph.runtime.host_memory import keep_freed_host_memory
-from zgraph.runtime.process_group import ensure_process_group
+from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
 from zgraph.runtime.sharded_state import (
     StateIO,
     adopt_sharded_parameters,
     apply_plan,
+    broadcast_initial_state,
     convert_master_dtype,
     make_plan,
     normalize_state,
@@ -235,6 +237,8 @@ class DistributedStep:
         self._observed: list[tuple[str, Any]] = []  # modules / optimizers the step reached that discovery missed
         self._locators: list[Locator] = []  # where the tensors it reads outside its arguments live
         self._searched: set[int] = set()  # bindings whose requires-grad tensors have been located
+        self._calls = 0  # calls made, for naming the call in errors other ranks see
+        self._failed = False  # the last call raised (its failure record is cleared by the next good call)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
@@ -243,9 +247,60 @@ class DistributedStep:
 
     # -------------------------------------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        group = ensure_process_group()
+        label = f"call {self._calls} of step `{getattr(self._fn, '__qualname__', self._fn)}`"
+        self._calls += 1
+        if not group.distributed:
+            return self._call(args, kwargs, None, group, label)
+        channel = Channel(group, self.config.collective_timeout)
+        try:
+            result = self._call(args, kwargs, channel, group, label)
+        except Exception as error:
+            if not getattr(error, "_zgraph_recorded", False):
+                channel.record_failure(label, error)
+            self._failed = True
+            raise
+        if self._failed:
+            channel.clear_failure()
+            self._failed = False
+        return result
+
+    def _call(self, args: tuple, kwargs: dict, channel: Channel | None, group: ProcessGroupInfo, label: str) -> Any:
+        """One call: bind, look up or capture, agree with the other ranks on the graph, run it."""
+        if channel is not None:
+            channel.enter(label)
+            group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
+        try:
+            compiled, binding, user_tensors = self._prepare(args, kwargs, group, channel)
+        except Exception as error:
+            if channel is None:
+                raise
+            channel.record_failure(label, error)
+            error._zgraph_recorded = True
+            check_same_graph(channel, group.group_name, label, 0, [], error)  # tell the other ranks; re-raises
+            raise
+        if channel is not None:
+            check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description)
+        self._last = compiled
+        try:
+            return self._run(compiled, binding, user_tensors)
+        except Exception as error:
+            if channel is None:
+                raise
+            failures = channel.failures(wait=0.0)
+            if failures or _is_collective_failure(error):
+                raise channel.peer_failure(label, error) from error
+            mark_broken(group, f"rank {channel.rank} failed in {label}: {type(error).__name__}: {error}")
+            raise
+
+    def _prepare(
+        self, args: tuple, kwargs: dict, group: ProcessGroupInfo, channel: Channel | None
+    ) -> tuple[CompiledStep, Binding, list]:
+        """The compiled variant for these arguments (captured now if there is none), its binding and the
+        step's own tensors."""
         schedulers_stepped = False
         for attempt in range(_MAX_REBINDS + 1):
-            binding = self._binding(args, kwargs)
+            binding = self._binding(args, kwargs, group, channel)
             if id(binding) not in self._searched:
                 self._searched.add(id(binding))
                 # tensors that require grad, read outside the arguments: located before the first trace, so
@@ -268,10 +323,6 @@ class DistributedStep:
                 if attempt == _MAX_REBINDS:
                     raise CaptureError(f"zgraph could not bind the state the step uses: {found}") from None
                 continue
-            except Exception as error:
-                if binding.plan.group.distributed:
-                    check_same_graph(0, [], error)  # tell the other ranks, then re-raise
-                raise
             key = guard_key(binding, arguments, [t for _, _, t in located])
             self._warn_if_recaptured_often(key)
             self._cache[key] = compiled
@@ -280,10 +331,7 @@ class DistributedStep:
                 if self._step_schedulers_first(compiled):
                     continue
             break
-        if binding.plan.group.distributed:
-            check_same_graph(compiled.digest, compiled.description)
-        self._last = compiled
-        return self._run(compiled, binding, user_tensors)
+        return compiled, binding, user_tensors
 
     def _warn_if_recaptured_often(self, key: tuple) -> None:
         """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what
@@ -320,7 +368,7 @@ class DistributedStep:
             scheduler.step()
         return any(zopt.kernel_for(scheduler.optimizer) is None for scheduler in first)
 
-    def _binding(self, args: tuple, kwargs: dict) -> Binding:
+    def _binding(self, args: tuple, kwargs: dict, group: ProcessGroupInfo, channel: Channel | None) -> Binding:
         modules, optimizers = discover(self._fn, args, kwargs, self._observed)
         adopt_sharded_parameters([opt for _, opt in optimizers])
         binding = self._bindings.get(_binding_key(modules, optimizers))
@@ -332,15 +380,14 @@ class DistributedStep:
                 loaded = getattr(opt, "_zgraph_loss_scale", None) or {}  # zgraph.load before the first step
                 binding.loss_scale_state.update((k, v) for k, v in loaded.items() if k in binding.loss_scale_state)
                 opt._zgraph_loss_scale = binding.loss_scale_state  # saved and restored by zgraph.save / load
-            binding.plan = make_plan(
-                self.config.stage, ensure_process_group(), binding, self.config.param_persistence_threshold
-            )
+            broadcast_initial_state(binding, group)
+            binding.plan = make_plan(self.config.stage, group, binding, self.config.param_persistence_threshold)
             apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
             device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
             if self.config.keep_host_memory and device.type == "cpu":
                 keep_freed_host_memory()
             # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
-            binding.cost_model = fit_cost_model(binding.plan.group, device, self.config.measure_collectives)
+            binding.cost_model = fit_cost_model(group, device, self.config.measure_collectives, channel)
             self._bindings[_binding_key(modules, optimizers)] = binding
         return binding
 
@@ -577,6 +624,17 @@ def _describe(leaf_key: Any) -> str:
     if len(leaf_key) == 3:
         return f"a {leaf_key[0].__name__} object"
     return repr(leaf_key[1])
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective (a timeout, a closed connection) rather than this rank's own
+    computation."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        mark in text for mark in ("gloo", "Timed out", "Connection closed", "NCCL", "pair closure")
+    )
 
 
 class _Rebind(Exception):  # noqa: N818 - control flow inside DistributedStep.__call__
