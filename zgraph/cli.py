@@ -49,8 +49,8 @@ def _consolidate(checkpoint: str, out: str) -> int:
 
     try:
         state = consolidate(checkpoint, out)
-    except CheckpointError as error:
-        print(f"zgraph consolidate: {error}", file=sys.stderr)
+    except (CheckpointError, OSError) as error:  # every bad input: one line, exit status 1
+        print("zgraph consolidate: " + "; ".join(str(error).split("\n")), file=sys.stderr)
         return 1
     tensors = [v for v in state.values() if hasattr(v, "nbytes")]
     size = sum(t.nbytes for t in tensors)
