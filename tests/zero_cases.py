@@ -309,11 +309,15 @@ def _models_and_optimizers(state: tuple) -> tuple[list[nn.Module], list[torch.op
     )
 
 
-def reference(case: Case, world: int) -> dict:
-    """The case run eagerly on one process with the global batches."""
+def reference(case: Case, world: int, rotate: bool = False) -> dict:
+    """The case run eagerly on one process with the global batches. ``rotate``: each batch's rank slices
+    rotated by one (rank 1's rows first): the same sums in another order, which measures how far float
+    reduction order alone moves the results on this machine."""
     state = case.make(world)
     losses = []
     for batch in case.batches():
+        if rotate:
+            batch = tuple(_rotate_ranks(t, world) for t in batch)
         losses.append(float(case.step(*state, *batch).detach()))
         if case.between:
             case.between(state)
@@ -323,6 +327,13 @@ def reference(case: Case, world: int) -> dict:
         "models": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models],
         "optimizers": [o.state_dict() for o in opts],
     }
+
+
+def _rotate_ranks(t: object, world: int) -> object:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or world == 1 or t.shape[0] % world:
+        return t
+    chunks = t.chunk(world)
+    return torch.cat([*chunks[1:], chunks[0]])
 
 
 def run_case(case: Case, stage: int, rank: int, world: int, backend: str = "eager") -> dict:

@@ -290,7 +290,7 @@ class DistributedStep:
             failures = channel.failures(wait=0.0)
             if failures or _is_collective_failure(error):
                 raise channel.peer_failure(label, error) from error
-            mark_broken(group, f"rank {channel.rank} failed in {label}: {type(error).__name__}: {error}")
+            mark_broken(channel.group, f"rank {channel.rank} failed in {label}: {type(error).__name__}: {error}")
             raise
 
     def _prepare(
