@@ -215,3 +215,67 @@ def killed_child(path: str, signal_file: str, where: str) -> None:
     else:
         zc._commit = lambda *args, **kwargs: hang()
     zgraph.save(path, model, opt)
+
+
+# ------------------------------------------------------------------------------------- integrity and safety
+class NetWithExtra(Net):
+    """``Net`` with a module extra state (``get_extra_state``), saved as data under ``_extra_state``."""
+
+    def __init__(self):
+        super().__init__()
+        self.tag = "new"
+
+    def get_extra_state(self):
+        return {"tag": self.tag, "history": (1, 2.5, float("inf"))}
+
+    def set_extra_state(self, state):
+        self.tag = state["tag"]
+
+
+def save_stage3_worker(rank: int, world: int, path: str) -> None:
+    """Train 1 step at stage 3 and save to ``path`` (a checkpoint with a shard file per rank)."""
+    import zgraph
+
+    state = make_state()
+    train(state, zgraph_step(3), batches()[:1], rank, world)
+    zgraph.save(path, state[0], state[1], scheduler=state[2], extra={"step": 1})
+
+
+def damaged_load_worker(rank: int, world: int, path: str, out_dir: str) -> None:
+    """Load a damaged checkpoint into a model a stage-3 step has sharded: every rank must raise
+    ``CheckpointError`` and keep its state; each rank writes ``ok<rank>`` if so."""
+    import zgraph
+
+    state = make_state()
+    train(state, zgraph_step(3), batches()[:1], rank, world)
+    before = whole(state[0], state[1])
+    try:
+        zgraph.load(path, state[0], state[1], scheduler=state[2])
+    except zgraph.CheckpointError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a damaged checkpoint loaded")
+    after = whole(state[0], state[1])
+    for key, value in before["model"].items():
+        assert torch.equal(after["model"][key], value), key
+    for index, fields in before["optimizer"]["state"].items():
+        for key, value in fields.items():
+            assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+    with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:
+        f.write(message)
+
+
+def concurrent_saver(path: str, value: float, rounds: int, start_file: str) -> None:
+    """Save a model whose parameters all equal ``value`` to ``path`` ``rounds`` times, after ``start_file``
+    exists (so that two savers overlap)."""
+    import zgraph
+
+    model, opt, _ = make_state()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(start_file) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i in range(rounds):
+        zgraph.save(path, model, opt, extra={"value": value, "round": i})
