@@ -67,8 +67,6 @@ def test_fp16_dynamic_loss_scale():
 @pytest.mark.parametrize(
     ("ds", "message"),
     [
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, "torch.optim"),
-        ({"scheduler": {"type": "WarmupLR"}}, "scheduler"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantized weights"),
         ({"zero_optimization": {"stagee": 3}}, r"unknown key\(s\) \['stagee'\]"),

@@ -12,6 +12,7 @@ def train_step(model, opt, batch):
 
 from zgraph.checkpoint import consolidate, load, save
 from zgraph.config import Config, DynamicLossScale
+from zgraph.deepspeed_optim import optimizer_from_deepspeed
 from zgraph.errors import (
     CaptureError,
     CheckpointError,
@@ -42,5 +43,6 @@ __all__ = [
     "full_state_dict",
     "gather",
     "load",
+    "optimizer_from_deepspeed",
     "save",
 ]

@@ -1,31 +1,40 @@
-"""``zgraph.Config.from_deepspeed``: read a DeepSpeed JSON config as a ``zgraph.Config``.
+"""``zgraph.Config.from_deepspeed``: read a DeepSpeed 0.19.8 JSON config as a ``zgraph.Config``.
 
-Every key is accounted for: a key with a zgraph meaning becomes a ``Config`` field, a key whose behaviour zgraph
-has anyway (or that only concerns DeepSpeed's engine, such as logging) is accepted, and a key zgraph cannot honour
-raises ``ValueError`` naming it and saying what to do instead — never silently dropped. Hugging Face's ``"auto"``
-values leave zgraph's default.
+Every key DeepSpeed 0.19.8 reads is accounted for (``zgraph.deepspeed_keys`` lists them with the reasons): a key
+with a zgraph meaning becomes a ``Config`` field, a key whose behaviour zgraph has anyway (or that only concerns
+DeepSpeed's engine, such as logging) is accepted, and a key zgraph cannot honour raises ``ValueError`` naming it
+and saying why — never silently dropped. Values are read strictly (``zgraph.deepspeed_values``): ``"false"`` is
+not false, ``2.9`` is not a stage, ``inf`` is not a loss scale. A missing key means DeepSpeed's default; Hugging
+Face's ``"auto"`` means the same (DeepSpeed drops ``"auto"`` values too), except for bucket sizes, where it is
+zgraph's ``"auto"`` (sized from the cost model).
 
 Mapping (DeepSpeed → zgraph):
 
 - ``zero_optimization.stage`` → ``stage``; ``reduce_bucket_size``, ``allgather_bucket_size``,
-  ``stage3_prefetch_bucket_size`` (DeepSpeed counts elements) → ``reduce_bucket_bytes``,
-  ``allgather_bucket_bytes``, ``prefetch_bytes`` (bytes: elements × the size of the dtype that moves);
-  ``stage3_param_persistence_threshold`` → ``param_persistence_threshold``.
-- ``bf16.enabled`` → ``param_dtype=torch.bfloat16`` (compute in bf16, fp32 master weights), unless
-  ``torch_autocast`` is enabled (then autocast picks compute dtypes and the parameters keep the master dtype);
-  ``bf16.bf16_master_weights_and_grads`` → ``master_dtype``; ``bf16.bf16_optimizer_states`` →
+  ``prefetch_bucket_size`` (DeepSpeed counts elements) → ``reduce_bucket_bytes``, ``allgather_bucket_bytes``,
+  ``prefetch_bytes`` (bytes: elements × the size of the dtype that moves); ``param_persistence_threshold`` →
+  ``param_persistence_threshold`` (same default, 100000). Each ``stage3_``-prefixed name is DeepSpeed's alias of
+  the same field. Bucket sizes left out are zgraph's ``"auto"`` (DeepSpeed's fixed defaults, 5e8 / 5e8 / 5e7
+  elements, are tuned for its own engine; they change speed, not results).
+- ``bf16.enabled`` (or the old ``bfloat16`` section) → ``param_dtype=torch.bfloat16`` (compute in bf16, fp32
+  master weights), unless ``torch_autocast`` is enabled (then autocast picks compute dtypes and the parameters
+  keep the master dtype); ``bf16_master_weights_and_grads`` → ``master_dtype``; ``bf16_optimizer_states`` →
   ``optimizer_state_dtype``.
 - ``fp16.enabled`` → ``param_dtype=torch.float16`` (same rule) with ``loss_scale``: ``fp16.loss_scale`` 0 (the
-  default) is dynamic scaling with ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
-  ``min_loss_scale``; another value a static scale. ``fp16.fp16_master_weights_and_gradients`` →
+  default) is dynamic scaling with ``initial_scale_power`` (16), ``loss_scale_window`` (1000), ``hysteresis`` (2),
+  ``min_loss_scale`` (1); another value a static scale. ``fp16_master_weights_and_grads`` →
   ``master_dtype=torch.float16``.
-- ``torch_autocast.enabled`` / ``dtype`` → ``autocast_dtype``.
-- ``gradient_clipping`` → ``max_grad_norm`` (0: none). ``communication_data_type`` → ``reduce_dtype``.
+- ``torch_autocast.enabled`` / ``dtype`` → ``autocast_dtype`` (bfloat16 when no dtype is given; DeepSpeed then
+  uses the device's autocast default, float16 on CUDA: give the dtype to be explicit).
+- ``gradient_clipping`` → ``max_grad_norm``: left out, DeepSpeed's default 1.0 (``GRADIENT_CLIPPING_DEFAULT``);
+  0: none. ``communication_data_type`` → ``reduce_dtype``.
+- The ``optimizer`` and ``scheduler`` sections are ignored here: ``zgraph.optimizer_from_deepspeed`` builds them.
 
-Rejected: offload (``offload_optimizer`` / ``offload_param`` with a device), the ``optimizer`` and ``scheduler``
-sections (a zgraph step uses the ``torch.optim`` objects it is given), ``gradient_accumulation_steps`` above 1
-(write the micro-batch loop in the step), and features zgraph does not have (quantized weights or gradients,
-ZeRO++ hierarchical partitions, activation checkpointing by config, sparse gradients...).
+Rejected: offload to a device (``offload_optimizer`` / ``offload_param`` other than ``"none"``),
+``gradient_accumulation_steps`` above 1 (write the micro-batch loop in the step), features zgraph does not have
+(quantized weights or gradients, ZeRO++ hierarchical partitions, pipeline or tensor parallelism, DeepSpeed's own
+activation checkpointing...), keys DeepSpeed 0.19.8 removed (``amp``, ``sparse_gradients``..., with DeepSpeed's
+reason) unless they say "off", and keys DeepSpeed does not have.
 """
 
 from __future__ import annotations
@@ -37,61 +46,10 @@ from typing import Any
 
 import torch
 
-# Keys accepted without effect: zgraph always does what they ask, or they only concern DeepSpeed's engine.
-_ACCEPTED_TOP = {
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "zero_allow_untested_optimizer",
-    "dump_state",
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "memory_breakdown",
-    "flops_profiler",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comms_logger",
-    "checkpoint",
-    "data_types",
-}
-_ACCEPTED_ZERO = {
-    "overlap_comm",
-    "contiguous_gradients",
-    "reduce_scatter",
-    "allgather_partitions",
-    "round_robin_gradients",
-    "sub_group_size",
-    "stage3_max_live_parameters",
-    "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save",
-    "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
-    "elastic_checkpoint",
-    "load_from_fp32_weights",
-    "ignore_unused_parameters",
-    "legacy_stage1",
-    "cpu_offload",  # False only (checked below)
-    "log_trace_cache_warnings",
-    "use_all_reduce_for_fetch_params",
-}
-_REJECTED_ZERO = {
-    "zero_quantized_weights": "quantized weights",
-    "zero_quantized_nontrainable_weights": "quantized weights",
-    "zero_quantized_gradients": "quantized gradients",
-    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
-    "mics_shard_size": "MiCS sharding",
-}
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-}
+from zgraph import deepspeed_keys as keys
+from zgraph.deepspeed_values import boolean, choice, dtype, integer, is_auto, number, section, unknown
+
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _load(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -106,147 +64,135 @@ def _load(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
     raise ValueError(f"Config.from_deepspeed expects a dict or a path to a JSON file, got {type(source).__name__}")
 
 
-def _auto(value: Any) -> bool:
-    return isinstance(value, str) and value == "auto"
+def _flag(where: str, data: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """A boolean key; ``"auto"`` or absent is DeepSpeed's default."""
+    value = data.get(key, default)
+    return default if is_auto(value) else boolean(f"{where}.{key}", value)
 
 
-def _enabled(section: Mapping[str, Any]) -> bool:
-    value = section.get("enabled", False)
-    if _auto(value):
-        return False  # Hugging Face fills "auto" from its own arguments; zgraph has none to read
-    return bool(value)
-
-
-def _dtype(name: str, value: Any) -> torch.dtype:
-    dtype = _DTYPES.get(str(value).replace("torch.", "").lower())
-    if dtype is None:
-        raise ValueError(f"DeepSpeed config {name}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return dtype
-
-
-def _unknown(where: str, keys: set[str]) -> None:
-    if keys:
-        raise ValueError(
-            f"DeepSpeed config {where}: unknown key(s) {sorted(keys)}. zgraph accounts for every key it reads; "
-            "remove the key, or map it to a zgraph.Config field yourself"
-        )
+def _int(where: str, data: Mapping[str, Any], key: str, default: int, minimum: int = 0) -> int:
+    value = data.get(key, default)
+    return default if is_auto(value) else integer(f"{where}.{key}", value, minimum=minimum)
 
 
 def config_fields_from_deepspeed(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
     """The ``zgraph.Config`` fields a DeepSpeed config (a dict or a JSON file) stands for (module docstring)."""
     data = _load(source)
+    keys.check_top_level(data)
     fields: dict[str, Any] = {}
-    handled = {"zero_optimization", "bf16", "fp16", "torch_autocast", "gradient_clipping", "communication_data_type"}
-    for key in ("optimizer", "scheduler"):
-        if key in data:
-            raise ValueError(
-                f"DeepSpeed config '{key}' section: a zgraph step uses the torch.optim optimizer and LR scheduler "
-                f"it is given; build them in your script (e.g. torch.optim.AdamW(model.parameters(), lr=...)) and "
-                f"remove the '{key}' section"
-            )
-    accumulation = data.get("gradient_accumulation_steps", 1)
-    if not _auto(accumulation) and int(accumulation) != 1:
+    _read_autocast(data, fields)
+    _read_precision(data, fields)
+    clip = data.get("gradient_clipping", keys.GRADIENT_CLIPPING_DEFAULT)
+    clip = keys.GRADIENT_CLIPPING_DEFAULT if is_auto(clip) else number("gradient_clipping", clip, minimum=0)
+    fields["max_grad_norm"] = clip if clip > 0 else None
+    comm = data.get("communication_data_type")
+    if comm is not None and not is_auto(comm):
+        if not isinstance(comm, str):
+            choice("communication_data_type", comm, tuple(_COMM_DTYPES))
+        fields["reduce_dtype"] = _COMM_DTYPES[choice("communication_data_type", comm.lower(), tuple(_COMM_DTYPES))]
+    _read_zero(data, fields)
+    return fields
+
+
+def _read_autocast(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
+    autocast = section("torch_autocast", data.get("torch_autocast"))
+    unknown("torch_autocast", set(autocast) - {"enabled", "dtype", "lower_precision_safe_modules"})
+    modules = autocast.get("lower_precision_safe_modules")
+    if modules is not None and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
         raise ValueError(
-            f"DeepSpeed config gradient_accumulation_steps={accumulation}: write the micro-batch loop inside the "
-            "step (loss / n, backward per micro-batch, one opt.step()); zgraph compiles it as one graph"
+            f"DeepSpeed config torch_autocast.lower_precision_safe_modules: expected a list of module class "
+            f"names, got {modules!r}"
         )
-    handled.add("gradient_accumulation_steps")
-    for key in ("activation_checkpointing", "sparse_gradients", "compression_training", "pipeline", "moe"):
-        if data.get(key):
-            raise ValueError(f"DeepSpeed config '{key}' is not supported by zgraph; remove it")
-        handled.add(key)
-    _unknown("top level", set(data) - handled - _ACCEPTED_TOP)
+    if _flag("torch_autocast", autocast, "enabled"):
+        value = autocast.get("dtype")
+        fields["autocast_dtype"] = torch.bfloat16 if value is None else dtype("torch_autocast.dtype", value)
 
-    autocast = data.get("torch_autocast") or {}
-    _unknown("torch_autocast", set(autocast) - {"enabled", "dtype", "lower_precision_safe_modules"})
-    if _enabled(autocast):
-        fields["autocast_dtype"] = _dtype("torch_autocast.dtype", autocast.get("dtype", "bfloat16"))
 
-    bf16, fp16 = data.get("bf16") or {}, data.get("fp16") or {}
-    _unknown(
-        "bf16",
-        set(bf16) - {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "immediate_grad_update"},
-    )
-    fp16_keys = {
-        "enabled",
-        "auto_cast",
-        "loss_scale",
-        "initial_scale_power",
-        "loss_scale_window",
-        "hysteresis",
-        "consecutive_hysteresis",
-        "min_loss_scale",
-        "fp16_master_weights_and_gradients",
-    }
-    _unknown("fp16", set(fp16) - fp16_keys)
-    if _enabled(bf16) and _enabled(fp16):
-        raise ValueError("DeepSpeed config enables both bf16 and fp16; enable one")
-    if _enabled(bf16):
+def _read_precision(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
+    bf16_key = "bf16" if data.get("bf16") is not None else "bfloat16"
+    bf16, fp16 = section(bf16_key, data.get(bf16_key)), section("fp16", data.get("fp16"))
+    unknown(bf16_key, set(bf16) - keys.BF16_KEYS)
+    unknown("fp16", set(fp16) - keys.FP16_KEYS - set(keys.FP16_RENAMED))
+    for key, right in keys.FP16_RENAMED.items():
+        if key in fp16:
+            raise ValueError(f"DeepSpeed config fp16.{key}: DeepSpeed 0.19.8 spells it fp16.{right}")
+    for key in ("immediate_grad_update", "check_grad_overflow"):
+        _flag(bf16_key, bf16, key)
+    bf16_on, fp16_on = _flag(bf16_key, bf16, "enabled"), _flag("fp16", fp16, "enabled")
+    if bf16_on and fp16_on:
+        raise ValueError("DeepSpeed config enables both bf16 and fp16; enable one (DeepSpeed rejects it too)")
+    master_bf16 = _flag(bf16_key, bf16, "bf16_master_weights_and_grads")
+    states_bf16 = _flag(bf16_key, bf16, "bf16_optimizer_states")
+    if bf16_on:
         if "autocast_dtype" not in fields:
             fields["param_dtype"] = torch.bfloat16
-        if bf16.get("bf16_master_weights_and_grads"):
+        if master_bf16:
             fields["master_dtype"] = torch.bfloat16
-        if bf16.get("bf16_optimizer_states"):
+        if states_bf16:
             fields["optimizer_state_dtype"] = torch.bfloat16
-    if _enabled(fp16):
+    scale = _read_loss_scale(fp16)
+    if _flag("fp16", fp16, "auto_cast"):
+        raise ValueError(
+            "DeepSpeed config fp16.auto_cast=true (cast every floating input to fp16): zgraph does not cast the "
+            "step's inputs; cast them in the step, or use torch_autocast, and remove the key"
+        )
+    if _flag("fp16", fp16, "consecutive_hysteresis"):
+        raise ValueError(
+            "DeepSpeed config fp16.consecutive_hysteresis=true: zgraph's DynamicLossScale refills hysteresis only "
+            "when the scale grows (DeepSpeed's default, false); remove the key"
+        )
+    master_fp16 = _flag("fp16", fp16, "fp16_master_weights_and_grads")
+    if fp16_on:
         if "autocast_dtype" not in fields:
             fields["param_dtype"] = torch.float16
-        if fp16.get("fp16_master_weights_and_gradients"):
+        if master_fp16:
             fields["master_dtype"] = torch.float16
-        from zgraph.config import DynamicLossScale
+        fields["loss_scale"] = scale
 
-        scale = fp16.get("loss_scale", 0)
-        if _auto(scale) or not scale:
-            fields["loss_scale"] = DynamicLossScale(
-                init_scale=2.0 ** int(fp16.get("initial_scale_power", 16)),
-                growth_interval=int(fp16.get("loss_scale_window", 1000)),
-                hysteresis=int(fp16.get("hysteresis", 2)),
-                min_scale=float(fp16.get("min_loss_scale", 1)),
-            )
-        else:
-            fields["loss_scale"] = float(scale)
 
-    clip = data.get("gradient_clipping", 0)
-    if not _auto(clip) and clip:
-        fields["max_grad_norm"] = float(clip)
-    if data.get("communication_data_type") is not None:
-        fields["reduce_dtype"] = _dtype("communication_data_type", data["communication_data_type"])
+def _read_loss_scale(fp16: Mapping[str, Any]) -> Any:
+    """fp16's loss scale: 0 (the default) is dynamic, with DeepSpeed's defaults for the other keys."""
+    from zgraph.config import DynamicLossScale
 
-    zero = data.get("zero_optimization") or {}
-    sizes = {
-        "stage": None,
-        "reduce_bucket_size": "reduce_bucket_bytes",
-        "allgather_bucket_size": "allgather_bucket_bytes",
-        "stage3_prefetch_bucket_size": "prefetch_bytes",
-        "stage3_param_persistence_threshold": "param_persistence_threshold",
-        "param_persistence_threshold": "param_persistence_threshold",
-        "offload_optimizer": None,
-        "offload_param": None,
-    }
-    for key, reason in _REJECTED_ZERO.items():
-        if zero.get(key):
-            raise ValueError(f"DeepSpeed config zero_optimization.{key}: {reason} are not supported by zgraph")
-    _unknown("zero_optimization", set(zero) - set(sizes) - _ACCEPTED_ZERO - set(_REJECTED_ZERO))
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in (None, "none"):
-            raise ValueError(
-                f"DeepSpeed config zero_optimization.{key} (device {device!r}): zgraph does not offload state yet; "
-                "remove the section"
-            )
-    if zero.get("cpu_offload"):
-        raise ValueError("DeepSpeed config zero_optimization.cpu_offload: zgraph does not offload state yet")
-    if "stage" in zero and not _auto(zero["stage"]):
-        fields["stage"] = int(zero["stage"])
+    scale = fp16.get("loss_scale", 0)
+    scale = 0.0 if is_auto(scale) else number("fp16.loss_scale", scale, minimum=0)
+    power = _int("fp16", fp16, "initial_scale_power", 16)
+    window = _int("fp16", fp16, "loss_scale_window", 1000, minimum=1)
+    hysteresis = _int("fp16", fp16, "hysteresis", 2, minimum=1)
+    floor = fp16.get("min_loss_scale", 1)
+    floor = 1.0 if is_auto(floor) else number("fp16.min_loss_scale", floor, positive=True)
+    if scale > 0:
+        return scale
+    if floor > 2.0**power:
+        raise ValueError(
+            f"DeepSpeed config fp16.min_loss_scale={floor:g} is above the initial scale 2**{power}; lower it"
+        )
+    return DynamicLossScale(init_scale=2.0**power, growth_interval=window, hysteresis=hysteresis, min_scale=floor)
+
+
+def _read_zero(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
+    raw = data.get("zero_optimization")
+    if isinstance(raw, bool):  # DeepSpeed's deprecated form: true is stage 1, with top-level allgather_size
+        zero = {"stage": int(raw)}
+        if raw and "allgather_size" in data:
+            zero["allgather_bucket_size"] = data["allgather_size"]
+    else:
+        zero = keys.check_zero(section("zero_optimization", raw))
+    stage = zero.get("stage", 0)
+    if not is_auto(stage):
+        stage = integer("zero_optimization.stage", stage)
+        if stage > 3:
+            raise ValueError(f"DeepSpeed config zero_optimization.stage: expected 0, 1, 2 or 3, got {stage}")
+        fields["stage"] = stage
     moved = fields.get("reduce_dtype") or fields.get("param_dtype") or torch.float32
     element = torch.empty((), dtype=moved).element_size()
     gathered = torch.empty((), dtype=fields.get("param_dtype") or torch.float32).element_size()
-    for key, field in sizes.items():
-        if field is None or key not in zero or _auto(zero[key]):
-            continue
-        count = int(float(zero[key]))
-        if field == "param_persistence_threshold":
-            fields[field] = count
-        else:
-            fields[field] = count * (gathered if field != "reduce_bucket_bytes" else element)
-    return fields
+    sizes = {
+        "reduce_bucket_size": ("reduce_bucket_bytes", element, 1),
+        "allgather_bucket_size": ("allgather_bucket_bytes", gathered, 0),
+        "prefetch_bucket_size": ("prefetch_bytes", gathered, 0),
+        "param_persistence_threshold": ("param_persistence_threshold", 1, 0),
+    }
+    for key, (field, size, minimum) in sizes.items():
+        if key in zero and not is_auto(zero[key]):
+            fields[field] = integer(f"zero_optimization.{key}", zero[key], minimum=minimum) * size
