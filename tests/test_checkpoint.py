@@ -220,7 +220,7 @@ def test_consolidate_cli_loads_without_zgraph(world2, tmp_path, capsys):
         print("ok")
         """
     )
-    env = dict(os.environ, PYTHONPATH=TESTS_DIR)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
@@ -251,7 +251,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, where):
     directory that no load takes for a checkpoint; the next save cleans it up."""
     path, signal_file = tmp_path / "ck", tmp_path / "signal"
     code = f"import checkpoint_cases; checkpoint_cases.killed_child({str(path)!r}, {str(signal_file)!r}, {where!r})"
-    env = dict(os.environ, PYTHONPATH=TESTS_DIR)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p))
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
