@@ -6,6 +6,10 @@ what it does and what later passes may rely on.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from zgraph.passes.bucket import bucket
 from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
@@ -14,14 +18,12 @@ from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
-    ParamInfo,
+    PROPERTY_CHECKS,
     Pass,
     PassContext,
     PassRecord,
-    ShardSpec,
     build_pipeline,
     check_contracts,
-    copy_graph_module,
     run_pipeline,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
@@ -30,37 +32,54 @@ from zgraph.passes.shard_optimizer import shard_optimizer
 from zgraph.passes.shard_params import shard_params
 
 
-def default_pipeline() -> list[Pass]:
-    """The passes of a distributed step, in order."""
+def default_pipeline(
+    *,
+    stage: int = 0,
+    allgather_bucket_bytes: int | str = "auto",
+    reduce_bucket_bytes: int | str = "auto",
+    prefetch_bytes: int | str = "auto",
+    reduce_dtype: torch.dtype | None = None,
+) -> list[Pass]:
+    """The passes of a distributed step, in order, with their options bound (``functools.partial``).
+
+    The options are ``zgraph.Config``'s (``Config.pipeline_options()``; the defaults are ``Config()``'s), except
+    ``reduce_dtype``: the dtype gradients are reduced in (``Config.reduce_dtype``, else ``param_dtype``)."""
+    bind = functools.partial
     return [
         Pass("cse", eliminate_common_subexpressions),
-        Pass("shard_optimizer", shard_optimizer, requires={"phases"}, provides={"optimizer_sharded"}),
+        Pass("shard_optimizer", bind(shard_optimizer, stage=stage), requires={"phases"}),
         Pass(
             "reduce_scatter_grads",
-            reduce_scatter_grads,
+            bind(reduce_scatter_grads, stage=stage),
             requires={"phases", "grad_markers"},
             provides={"grads_reduced"},
         ),
-        Pass("shard_params", shard_params, requires={"phases"}, provides={"params_sharded"}),
-        Pass("cast", cast, requires={"grads_reduced"}, provides={"casts_placed"}),
-        Pass("clip_grad", clip_grad, requires={"grads_reduced"}, provides={"grad_norms_sharded"}),
-        Pass("loss_scale", loss_scale, requires={"grads_reduced"}, provides={"overflow_global"}),
-        Pass("bucket", bucket, requires={"grads_reduced"}, provides={"bucketed"}),
+        Pass("shard_params", bind(shard_params, stage=stage), requires={"phases"}),
+        Pass("cast", bind(cast, reduce_dtype=reduce_dtype), requires={"grads_reduced"}),
+        Pass("clip_grad", clip_grad, requires={"grads_reduced"}),
+        Pass("loss_scale", loss_scale, requires={"grads_reduced"}),
+        Pass(
+            "bucket",
+            bind(bucket, allgather_bytes=allgather_bucket_bytes, reduce_bytes=reduce_bucket_bytes),
+            requires={"grads_reduced"},
+        ),
         Pass("lower_collectives", lower_collectives, requires={"grads_reduced"}, provides={"collectives_lowered"}),
-        Pass("schedule", schedule, requires={"collectives_lowered"}, provides={"scheduled"}),
+        Pass(
+            "schedule",
+            bind(schedule, prefetch_bytes=prefetch_bytes, allgather_bytes=allgather_bucket_bytes),
+            requires={"collectives_lowered"},
+        ),
     ]
 
 
 __all__ = [
     "CAPTURED_PROPERTIES",
-    "ParamInfo",
+    "PROPERTY_CHECKS",
     "Pass",
     "PassContext",
     "PassRecord",
-    "ShardSpec",
     "build_pipeline",
     "check_contracts",
-    "copy_graph_module",
     "default_pipeline",
     "run_pipeline",
 ]

@@ -17,8 +17,8 @@ cost model, which rank 0 measures and broadcasts), and the planner is determinis
 same buckets in the same order and issues the same collectives. A bucket of one is left as it was.
 
 Rewrite: each bucket becomes one ``zgraph::*_bucket`` node placed right before the first use of any member's
-output; members' users read their element of it. Bucket nodes carry ``meta["zgraph_bucket"]`` (members, bytes)
-for ``explain()``. Provides ``bucketed``.
+output; members' users read their element of it. Bucket nodes carry ``meta[BUCKET]`` (members, bytes)
+for ``explain()``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from zgraph.graph import BUCKET, PHASE, CostModel, fake_mode, insert
 from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, UNSHARD
-from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import PassContext
 
 MIN_AUTO_BYTES = 256 * 1024
@@ -55,14 +55,13 @@ def _collective_kind(target: object) -> str:
     return "all_gather_into_tensor" if target is UNSHARD else "reduce_scatter_tensor"
 
 
-def bucket_limit(ctx: PassContext, target: object) -> int:
-    """The bucket size in bytes for a kind of layout operator (0: no bucketing)."""
-    config = ctx.config
-    value = config.allgather_bucket_bytes if target is UNSHARD else config.reduce_bucket_bytes
+def bucket_limit(value: int | str, target: object, cost_model: CostModel | None) -> int:
+    """The bucket size in bytes for a kind of layout operator (0: no bucketing); ``value`` is the configured size
+    (``Config.allgather_bucket_bytes`` / ``reduce_bucket_bytes``), ``"auto"`` sized from ``cost_model``."""
     if value != "auto":
         return value
     kind = _collective_kind(target) if target is not REDUCE else "all_reduce"
-    auto = ctx.cost_model.bucket_bytes(kind) if ctx.cost_model is not None else 16 * 1024 * 1024
+    auto = cost_model.bucket_bytes(kind) if cost_model is not None else 16 * 1024 * 1024
     return max(MIN_AUTO_BYTES, min(MAX_AUTO_BYTES, auto))
 
 
@@ -112,8 +111,9 @@ def _followers(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def plan_buckets(gm: fx.GraphModule, ctx: PassContext) -> list[Bucket]:
-    """The buckets to build, in the order their collectives will be issued (deterministic)."""
+def plan_buckets(gm: fx.GraphModule, limits: dict[object, int]) -> list[Bucket]:
+    """The buckets to build, in the order their collectives will be issued (deterministic); ``limits``: bytes per
+    bucket for each layout operator (``UNSHARD``, ``REDUCE_SHARD``, ``REDUCE``)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     end = len(order)
 
@@ -126,11 +126,11 @@ def plan_buckets(gm: fx.GraphModule, ctx: PassContext) -> list[Bucket]:
     def key(node: fx.Node) -> tuple:
         val = node.args[0].meta["val"]
         common = tuple(a for i, a in enumerate(node.args) if i > 1 or (i == 1 and node.target is not UNSHARD))
-        return (common, val.dtype, node.meta.get("phase"))
+        return (common, val.dtype, node.meta.get(PHASE))
 
     plans = []
     for target in (UNSHARD, REDUCE_SHARD, REDUCE):
-        limit = bucket_limit(ctx, target)
+        limit = limits[target]
         if limit == 0:
             continue
         members: list[fx.Node] = []
@@ -157,12 +157,21 @@ def plan_buckets(gm: fx.GraphModule, ctx: PassContext) -> list[Bucket]:
     return plans
 
 
-def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Merge same-kind collectives into buckets (bytes capped by config or by the cost model)."""
+def bucket(
+    gm: fx.GraphModule, ctx: PassContext, *, allgather_bytes: int | str = "auto", reduce_bytes: int | str = "auto"
+) -> fx.GraphModule:
+    """Merge same-kind collectives into buckets (bytes capped by config or by the cost model).
+
+    ``allgather_bytes`` / ``reduce_bytes``: ``Config.allgather_bucket_bytes`` / ``reduce_bucket_bytes``."""
     if not ctx.distributed:
         return gm
     mode = fake_mode(gm)
-    for plan in plan_buckets(gm, ctx):
+    limits = {
+        UNSHARD: bucket_limit(allgather_bytes, UNSHARD, ctx.cost_model),
+        REDUCE_SHARD: bucket_limit(reduce_bytes, REDUCE_SHARD, ctx.cost_model),
+        REDUCE: bucket_limit(reduce_bytes, REDUCE, ctx.cost_model),
+    }
+    for plan in plan_buckets(gm, limits):
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
         followers = {f for m in plan.members for f in _followers(m)}
         users = [u for n in (*plan.members, *followers) for u in n.users if u not in followers]
@@ -176,27 +185,17 @@ def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for chain_node in [n for m in plan.members for n in _hoisted_inputs(m)]:
             if order[chain_node] > order[anchor]:
                 anchor.prepend(chain_node)  # a cast of a shard the bucket reads: computed before it
-        merged = insert(gm, BUCKETED[plan.kind], args, before=anchor, phase=first.meta.get("phase"), mode=mode)
-        merged.meta["zgraph_bucket"] = {
+        merged = insert(gm, BUCKETED[plan.kind], args, before=anchor, phase=first.meta.get(PHASE), mode=mode)
+        merged.meta[BUCKET] = {
             "members": [m.args[0].name for m in plan.members],
             "bytes": plan.nbytes,
         }
         for i, member in enumerate(plan.members):
             with gm.graph.inserting_after(merged):
                 item = gm.graph.call_function(operator.getitem, (merged, i))
-            item.meta.update(val=merged.meta["val"][i], phase=member.meta.get("phase"))
+            item.meta.update(val=merged.meta["val"][i], phase=member.meta.get(PHASE))
             member.replace_all_uses_with(item)
             gm.graph.erase_node(member)
         for follower in sorted(followers, key=order.__getitem__):  # they now read the bucket: move after it
             anchor.prepend(follower)
     return gm
-
-
-def bucket_summary(gm: fx.GraphModule) -> dict[str, list[int]]:
-    """``{collective kind: [bucket bytes, ...]}`` of the bucket nodes in a graph."""
-    out: dict[str, list[int]] = {}
-    for node in gm.graph.nodes:
-        info = node.meta.get("zgraph_bucket")
-        if info is not None:
-            out.setdefault(str(node.target).split("::")[-1].split(".")[0], []).append(info["bytes"])
-    return out

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from zgraph.graph import fake_mode, insert
 from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
-from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -54,8 +54,10 @@ def _exact_round_trip(node: fx.Node) -> fx.Node | None:
     return source
 
 
-def cast(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Gather parameters in the compute dtype, reduce gradients in the reduce dtype, drop round-trip casts."""
+def cast(gm: fx.GraphModule, ctx: PassContext, *, reduce_dtype: torch.dtype | None = None) -> fx.GraphModule:
+    """Gather parameters in the compute dtype, reduce gradients in the reduce dtype, drop round-trip casts.
+
+    ``reduce_dtype``: ``Config.reduce_dtype``, else ``Config.param_dtype`` (None: as backward produces them)."""
     if not ctx.distributed:
         return gm
     mode = fake_mode(gm)
@@ -74,7 +76,6 @@ def cast(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             user.replace_all_uses_with(gathered)
             graph.erase_node(user)
         graph.erase_node(node)
-    reduce_dtype = ctx.config.reduce_dtype or ctx.config.param_dtype
     if reduce_dtype is not None:
         for node in list(graph.nodes):
             if node.target not in (REDUCE, REDUCE_SHARD):

@@ -7,7 +7,7 @@ padding adds nothing — and ``combine``s the partial results over ranks: sum of
 finite orders, max of ``|x|`` for the infinity norm — all of one order with a single all-reduce. Norms of
 whole gradients (stage ≤ 1, or one process) stay as they are and are computed exactly as eager does.
 
-Provides ``grad_norms_sharded``: no ``grad_norm`` reads a gathered gradient.
+Afterwards no ``grad_norm`` reads a gathered gradient (tested in ``tests/test_pass_units.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import math
 import torch
 import torch.fx as fx
 
+from zgraph.graph import PHASE, fake_mode, insert
 from zgraph.ops import COMBINE, GRAD_NORM, REDUCE_SHARD, UNSHARD
-from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -61,7 +61,7 @@ def clip_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _partial(gm: fx.GraphModule, node: fx.Node, shard: fx.Node, order: float, mode: object) -> fx.Node:
     """This rank's share of the norm: ``max |x|`` (infinity norm) or ``sum |x|^ord`` in float32."""
-    at = dict(before=node, phase=node.meta.get("phase"), mode=mode)
+    at = dict(before=node, phase=node.meta.get(PHASE), mode=mode)
     magnitude = insert(gm, aten.abs.default, (shard,), **at)
     wide = insert(gm, aten._to_copy.default, (magnitude,), {"dtype": torch.float32}, **at)
     if math.isinf(order):
@@ -81,13 +81,13 @@ def _combine_all(
     last = max(partials, key=position.__getitem__)
     first_reader = min((u for n in norms for u in n.users), key=position.__getitem__)
     if position[last] > position[first_reader]:
-        return [insert(gm, COMBINE, (p, op, *group), after=p, phase=p.meta.get("phase"), mode=mode) for p in partials]
-    at = dict(after=last, phase=last.meta.get("phase"), mode=mode)
+        return [insert(gm, COMBINE, (p, op, *group), after=p, phase=p.meta.get(PHASE), mode=mode) for p in partials]
+    at = dict(after=last, phase=last.meta.get(PHASE), mode=mode)
     stacked = insert(gm, aten.stack.default, (partials,), **at)
-    total = insert(gm, COMBINE, (stacked, op, *group), after=stacked, phase=stacked.meta.get("phase"), mode=mode)
+    total = insert(gm, COMBINE, (stacked, op, *group), after=stacked, phase=stacked.meta.get(PHASE), mode=mode)
     values = []
     anchor = total
     for i in range(len(partials)):
-        anchor = insert(gm, aten.select.int, (total, 0, i), after=anchor, phase=total.meta.get("phase"), mode=mode)
+        anchor = insert(gm, aten.select.int, (total, 0, i), after=anchor, phase=total.meta.get(PHASE), mode=mode)
         values.append(anchor)
     return values

@@ -1,5 +1,5 @@
-"""Helpers the passes share: inserting nodes with fake values, graph inputs/outputs and their roles, and
-pushing ``zgraph::shard`` through element-wise ops.
+"""Helpers the passes share: graph outputs and their roles, shard values, and pushing ``zgraph::shard``
+through element-wise ops (inserting nodes and graph inputs: ``zgraph.graph``).
 """
 
 from __future__ import annotations
@@ -12,89 +12,68 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zgraph.graph import (
+    OUTPUTS,
+    VAL,
+    GraphOutput,
+    ParamInfo,
+    compute_val,
+    fake_mode,
+    insert,
+    output_node,
+    set_input_layout,
+    shard_rows,
+    stamp,
+)
 from zgraph.ops import SHARD, UNSHARD
 
 aten = torch.ops.aten
 
 
-def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
-    """The fake mode of the graph's values (the one capture traced with)."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
-            return val.fake_mode
-    raise RuntimeError("graph has no fake tensor values")
-
-
-def _val(arg: Any) -> Any:
-    if isinstance(arg, fx.Node):
-        return arg.meta["val"]
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_val(a) for a in arg)
-    if isinstance(arg, dict):
-        return {k: _val(v) for k, v in arg.items()}
-    return arg
-
-
-def compute_val(node: fx.Node, mode: FakeTensorMode) -> None:
-    """Set ``node.meta["val"]`` by running its op on its inputs' fake values."""
-    with mode:
-        node.meta["val"] = node.target(*_val(node.args), **_val(node.kwargs))
-
-
-def insert(
-    gm: fx.GraphModule,
-    target: Any,
-    args: tuple,
-    kwargs: dict | None = None,
-    *,
-    before: fx.Node | None = None,
-    after: fx.Node | None = None,
-    phase: str | None = None,
-    mode: FakeTensorMode | None = None,
-) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value and a phase."""
-    graph = gm.graph
-    context = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
-    with context:
-        node = graph.call_function(target, args, kwargs or {})
-    anchor = before if before is not None else after
-    node.meta["phase"] = phase or anchor.meta.get("phase", "forward")
-    compute_val(node, mode or fake_mode(gm))
-    return node
-
-
-def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def output_node(gm: fx.GraphModule) -> fx.Node:
-    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-
-
 def outputs(gm: fx.GraphModule) -> list[tuple[Any, Any]]:
     """``[(value node, GraphOutput)]`` of the graph."""
     out = output_node(gm)
-    return list(zip(out.args[0], out.meta["zgraph_outputs"]))
+    return list(zip(out.args[0], out.meta[OUTPUTS]))
 
 
 def set_outputs(gm: fx.GraphModule, items: Iterable[tuple[Any, Any]]) -> None:
     values, roles = zip(*items) if items else ((), ())
     out = output_node(gm)
     out.args = (tuple(values),)
-    out.meta["zgraph_outputs"] = list(roles)
-
-
-def set_input_layout(node: fx.Node, layout: str, val: torch.Tensor) -> None:
-    """Change what a placeholder receives (e.g. the rank's padded shard instead of the whole tensor)."""
-    node.meta["zgraph_input"] = dataclasses.replace(node.meta["zgraph_input"], layout=layout)
-    node.meta["val"] = val
+    out.meta[OUTPUTS] = list(roles)
 
 
 def shard_val(val: torch.Tensor, world_size: int) -> torch.Tensor:
-    rows = -(-val.shape[0] // world_size)
+    rows = shard_rows(val.shape[0], world_size)
     with val.fake_mode:
         return val.new_empty((rows, *val.shape[1:]))
+
+
+def shard_input(
+    gm: fx.GraphModule, node: fx.Node, info: ParamInfo, world_size: int, group: str, phase: str, mode: FakeTensorMode
+) -> fx.Node:
+    """Placeholder ``node`` now receives this rank's padded shard; what read it reads the whole tensor,
+    all-gathered right after it (later passes move the gather)."""
+    users = list(node.users)
+    set_input_layout(node, "shard", shard_val(node.meta[VAL], world_size))
+    whole = insert(gm, UNSHARD, (node, info.shape[0], world_size, group), after=node, phase=phase, mode=mode)
+    for user in users:
+        user.replace_input_with(node, whole)
+    return whole
+
+
+def shard_output(
+    gm: fx.GraphModule,
+    value: fx.Node,
+    role: GraphOutput,
+    world_size: int,
+    rank: int,
+    phase: str | None,
+    mode: FakeTensorMode,
+) -> tuple[fx.Node, GraphOutput]:
+    """Output ``value`` is written back as this rank's shard: ``(shard(value), role with layout "shard")``."""
+    piece = insert(gm, SHARD, (value, world_size, rank), before=output_node(gm), phase=phase, mode=mode)
+    return piece, dataclasses.replace(role, layout="shard")
 
 
 # Ops that act element by element without being tagged pointwise.
@@ -176,7 +155,8 @@ def push_shards(gm: fx.GraphModule) -> None:
         args = tuple(_shard_arg(gm, a, (world_size, rank), anchor, shards, work, mode) for a in source.args)
         with gm.graph.inserting_before(anchor):
             replacement = gm.graph.call_function(source.target, args, dict(source.kwargs))
-        replacement.meta = {k: v for k, v in source.meta.items() if k != "val"}
+        replacement.meta = {k: v for k, v in source.meta.items() if k != VAL}
+        stamp(replacement)
         compute_val(replacement, mode)
         for user in list(source.users):
             user.replace_all_uses_with(replacement)

@@ -5,8 +5,6 @@ the update when it is set (see ``zgraph.precision``). Once gradients are sharded
 only its shard; this pass makes the check read the shards (zero padding is finite) and ``combine``s the
 flag with a max over ranks, so every rank skips the same steps. Where all checked gradients are whole and
 identical on every rank (stage ≤ 1), the flag already agrees and no collective is added.
-
-Provides ``overflow_global``.
 """
 
 from __future__ import annotations
@@ -14,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from zgraph.graph import PHASE, fake_mode, insert
 from zgraph.ops import COMBINE, NONFINITE
 from zgraph.passes.clip_grad import sharded_gradient
-from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -34,7 +32,7 @@ def loss_scale(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         shards = [sharded_gradient(g) for g in grads]
         if all(s is None for s in shards):
             continue
-        at = dict(before=node, phase=node.meta.get("phase"), mode=mode)
+        at = dict(before=node, phase=node.meta.get(PHASE), mode=mode)
         local = insert(gm, NONFINITE, ([s if s is not None else g for s, g in zip(shards, grads)],), **at)
         as_int = insert(gm, aten._to_copy.default, (local,), {"dtype": torch.int32}, **at)
         anywhere = insert(gm, COMBINE, (as_int, "max", ctx.world_size, ctx.group_name), **at)

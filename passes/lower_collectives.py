@@ -19,7 +19,7 @@ inductor-compilable. Every collective is followed directly by its wait; the ``sc
 ``grad_norm`` and ``nonfinite`` become the aten ops they stand for, and ``combine`` an all-reduce.
 
 Provides ``collectives_lowered``: no zgraph operator is left; collective nodes carry
-``meta["zgraph_collective"]`` (kind and what it moves) for inspection and for bucketing.
+``meta[COLLECTIVE]`` (kind and what it moves) for inspection and for bucketing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from zgraph.graph import COLLECTIVE, PHASE, fake_mode, insert, shard_rows
 from zgraph.ops import (
     COMBINE,
     GRAD_NORM,
@@ -42,15 +43,10 @@ from zgraph.ops import (
     UNSHARD,
     UNSHARD_BUCKET,
 )
-from zgraph.passes.graph_utils import fake_mode, insert
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def _rows(d0: int, world: int) -> int:
-    return -(-d0 // world)
 
 
 def _pad_arg(ndim: int, extra_rows: int) -> list[int]:
@@ -76,13 +72,13 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.target in (UNSHARD_BUCKET, REDUCE_SHARD_BUCKET, REDUCE_BUCKET):
             _lower_bucket(gm, node, mode)
             continue
-        phase = node.meta.get("phase")
+        phase = node.meta.get(PHASE)
         at = dict(before=node, phase=phase, mode=mode)
         x = node.args[0]
         val = x.meta["val"]
         if node.target is SHARD:
             _, world, rank = node.args
-            rows = _rows(val.shape[0], world)
+            rows = shard_rows(val.shape[0], world)
             start = min(rank * rows, val.shape[0])
             stop = min(start + rows, val.shape[0])
             out = insert(gm, aten.slice.Tensor, (x, 0, start, stop), **at)
@@ -95,7 +91,7 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             _, dim0, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
             gathered = insert(gm, c10d.all_gather_into_tensor.default, (source, world, group), **at)
-            gathered.meta["zgraph_collective"] = ("all_gather", x)
+            gathered.meta[COLLECTIVE] = ("all_gather", x)
             out = insert(gm, c10d.wait_tensor.default, (gathered,), **at)
             if out.meta["val"].shape[0] != dim0:
                 out = insert(gm, aten.slice.Tensor, (out, 0, 0, dim0), **at)
@@ -103,25 +99,25 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             _, op, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
             reduced = insert(gm, c10d.all_reduce.default, (source, op, group), **at)
-            reduced.meta["zgraph_collective"] = ("all_reduce", x)
+            reduced.meta[COLLECTIVE] = ("all_reduce", x)
             out = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
         elif node.target is REDUCE:
             _, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
             reduced = insert(gm, c10d.all_reduce.default, (source, "avg", group), **at)
-            reduced.meta["zgraph_collective"] = ("all_reduce", x)
+            reduced.meta[COLLECTIVE] = ("all_reduce", x)
             out = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
         else:
             assert node.target is REDUCE_SHARD
             _, world, rank, group = node.args
-            rows = _rows(val.shape[0], world)
+            rows = shard_rows(val.shape[0], world)
             if rows * world != val.shape[0] or not val.is_contiguous():
                 table = insert(gm, aten._chunk_cat.default, ([x], 0, world), **at)  # pad + pack in one copy
                 source = insert(gm, aten.view.default, (table, [rows * world, *val.shape[1:]]), **at)
             else:
                 source = x
             scattered = insert(gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), **at)
-            scattered.meta["zgraph_collective"] = ("reduce_scatter", x)
+            scattered.meta[COLLECTIVE] = ("reduce_scatter", x)
             out = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
@@ -130,7 +126,7 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _lower_reduction(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
     """``grad_norm`` and ``nonfinite`` as the aten ops they stand for."""
-    at = dict(before=node, phase=node.meta.get("phase"), mode=mode)
+    at = dict(before=node, phase=node.meta.get(PHASE), mode=mode)
     if node.target is GRAD_NORM:
         grad, order = node.args
         out = insert(gm, aten.linalg_vector_norm.default, (grad, order), **at)
@@ -156,7 +152,7 @@ def _numel(val: torch.Tensor) -> int:
 def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
     """One collective for a bucket: a coalesced all-gather (no copies), or a reduction of one flat buffer
     packed by a single ``_chunk_cat`` copy, each member's result a view of it."""
-    phase = node.meta.get("phase")
+    phase = node.meta.get(PHASE)
     at = dict(before=node, phase=phase, mode=mode)
     xs = node.args[0]
     vals = [x.meta["val"] for x in xs]
@@ -167,7 +163,7 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
         _, dim0s, world, group = node.args
         sources = [_contiguous(gm, x, node, mode, phase) for x in xs]
         gathered = insert(gm, c10d.all_gather_into_tensor_coalesced.default, (sources, world, group), **at)
-        gathered.meta["zgraph_collective"] = ("all_gather", xs)
+        gathered.meta[COLLECTIVE] = ("all_gather", xs)
         for i, dim0 in enumerate(dim0s):
             item = insert(gm, operator.getitem, (gathered, i), **at)
             out = insert(gm, c10d.wait_tensor.default, (item,), **at)
@@ -180,9 +176,9 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
         table = insert(gm, aten._chunk_cat.default, (list(xs), 0, world), **at)
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
         scattered = insert(gm, c10d.reduce_scatter_tensor.default, (flat, "avg", world, group), **at)
-        scattered.meta["zgraph_collective"] = ("reduce_scatter", xs)
+        scattered.meta[COLLECTIVE] = ("reduce_scatter", xs)
         done = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
-        shard_shapes = [(_rows(v.shape[0], world), *v.shape[1:]) for v in vals]
+        shard_shapes = [(shard_rows(v.shape[0], world), *v.shape[1:]) for v in vals]
         sizes = [_numel(v) // v.shape[0] * s[0] if v.shape[0] else 0 for v, s in zip(vals, shard_shapes)]
         pieces = insert(gm, aten.split_with_sizes.default, (done, sizes), **at)
         for i, shape in enumerate(shard_shapes):
@@ -195,7 +191,7 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
         table = insert(gm, aten._chunk_cat.default, (list(xs), 0, 1), **at)  # one copy, any strides
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
         reduced = insert(gm, c10d.all_reduce.default, (flat, "avg", group), **at)
-        reduced.meta["zgraph_collective"] = ("all_reduce", xs)
+        reduced.meta[COLLECTIVE] = ("all_reduce", xs)
         done = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
         pieces = insert(gm, aten.split_with_sizes.default, (done, [_numel(v) for v in vals]), **at)
         for i, val in enumerate(vals):

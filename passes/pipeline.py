@@ -5,107 +5,49 @@ returns the graph it produced; the pipeline keeps every pass's output for ``step
 
 Contracts are sets of property names. A pass ``requires`` properties some earlier pass (or capture)
 ``provides``; the pipeline is checked before anything runs, so a disabled pass another one depends on, or a
-user pass placed before what it needs, is an error naming both. Where a property has a checker
-(``PROPERTY_CHECKS``), it is verified on the graph of the pass that claims to provide it.
+user pass placed before what it needs, is an error naming both. Every property has a checker
+(``PROPERTY_CHECKS``): it is verified on the graph of the pass that claims to provide it (the captured graph's
+properties before the first pass).
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zgraph.errors import PipelineError
+from zgraph.graph import MADE_BY, PHASE, PHASES, CostModel, ParamInfo, copy_graph_module, running_pass
+from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 
-# Properties the captured graph has before any pass runs (see zgraph.capture).
+# Properties the captured graph has before any pass runs (see zgraph.capture); checked before the first pass.
 CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
 
 
 @dataclass(frozen=True)
-class ShardSpec:
-    """How a tensor of a parameter's shape is split across ranks: along dim 0, padded to equal shards.
-
-    Rank ``r`` holds rows ``[r * rows, (r + 1) * rows)`` of the tensor padded with zero rows to
-    ``rows * world_size``. Every rank's shard has the same shape, so every rank's graph has the same shapes.
-    """
-
-    shape: tuple[int, ...]
-    world_size: int
-
-    @property
-    def rows(self) -> int:
-        """Rows per shard."""
-        return -(-self.shape[0] // self.world_size)
-
-    @property
-    def padded_rows(self) -> int:
-        return self.rows * self.world_size
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        return (self.rows, *self.shape[1:])
-
-    def local_rows(self, rank: int) -> int:
-        """Rows of the real (unpadded) tensor rank ``rank`` holds."""
-        return max(0, min(self.rows, self.shape[0] - rank * self.rows))
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """What passes know of one parameter (``index`` is its number in graph inputs and markers).
-
-    Attributes:
-        shard: how the parameter's gradient and optimizer state (and the parameter itself in stage 3) are
-            split across ranks; None when they stay whole (0-d parameters, no process group).
-        persistent: the parameter itself stays whole in stage 3 (a tensor only an optimizer holds, or one under
-            ``Config.param_persistence_threshold``).
-    """
-
-    index: int
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    shard: ShardSpec | None = None
-    persistent: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-@dataclass(frozen=True)
 class PassContext:
-    """Everything a pass may read; passes read nothing global.
+    """Everything a pass may read about the step it transforms; passes read nothing global. A pass's own options
+    (bucket sizes, dtypes, the ZeRO stage) are bound to it when the pipeline is built (``functools.partial``), so
+    its signature shows them.
 
     Attributes:
-        config: the step's ``zgraph.Config``.
         world_size: ranks taking part (1 without a process group).
         rank: this rank.
         group_name: name of the process group collectives run on; None when there is none (single process).
         params: per-parameter information, indexed like the graph's parameter inputs.
-        cost_model: ``zgraph.runtime.cost_model.CostModel`` (collective latency and bandwidth, compute speed),
+        cost_model: collective latency and bandwidth, compute speed (``zgraph.runtime.cost_model.CostModel``),
             identical on every rank; None where planning must not depend on one.
     """
 
-    config: object
     world_size: int = 1
     rank: int = 0
     group_name: str | None = None
     params: tuple[ParamInfo, ...] = ()
-    cost_model: object | None = None
+    cost_model: CostModel | None = None
 
     @property
     def distributed(self) -> bool:
@@ -124,7 +66,8 @@ class Pass:
         name: unique name, used in ``step.graphs``, ``explain()`` and ``Config.disable_passes``.
         fn: ``fn(gm, ctx) -> gm``.
         requires: properties that must hold on the graph it receives.
-        provides: properties that hold on the graph it returns.
+        provides: properties that hold on the graph it returns; each has a checker in ``PROPERTY_CHECKS``, run on
+            the graph the pass returns.
         after: for user passes, the pass to run right after (default: at the end of the pipeline).
         doc: one line for ``explain()``; defaults to the first line of ``fn``'s docstring.
     """
@@ -139,8 +82,15 @@ class Pass:
     def __post_init__(self) -> None:
         object.__setattr__(self, "requires", frozenset(self.requires))
         object.__setattr__(self, "provides", frozenset(self.provides))
+        unchecked = sorted(self.provides - PROPERTY_CHECKS.keys())
+        if unchecked:
+            raise PipelineError(
+                f"pass {self.name!r} provides {unchecked}, which have no checker; a property a pass provides is "
+                f"verified on its graph (known: {', '.join(sorted(PROPERTY_CHECKS))})"
+            )
         if not self.doc:
-            first = (self.fn.__doc__ or "").strip().splitlines()
+            fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+            first = (fn.__doc__ or "").strip().splitlines()
             object.__setattr__(self, "doc", first[0] if first else "")
 
 
@@ -195,55 +145,67 @@ class PassRecord:
     doc: str = ""
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied).
-
-    The copy is a ``_LazyGraphModule`` (inductor's own): its Python code is generated when it is first called or
-    printed, not on every ``recompile()`` — a pipeline keeps one graph per pass and most are only inspected."""
-    graph = fx.Graph()
-    graph._codegen = copy.copy(gm.graph._codegen)
-    value_map: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, value_map)
-    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    new_output = graph.output(out)
-    new_output.meta = copy.copy(old_output.meta)
-    new = _LazyGraphModule(gm, graph)
-    new.meta = copy.copy(getattr(gm, "meta", {}))
-    return new
+def check_properties(gm: fx.GraphModule, properties: frozenset[str] | set[str], who: str) -> None:
+    """Raise ``PipelineError`` if ``gm`` lacks one of ``properties`` (each has a checker)."""
+    for prop in sorted(properties):
+        problem = PROPERTY_CHECKS[prop](gm)
+        if problem:
+            raise PipelineError(f"{who} claims {prop!r} but: {problem}")
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> list[PassRecord]:
-    """Run ``passes`` in order; returns one record per pass (its output graph and time)."""
+def run_pipeline(
+    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, check_input: bool = True
+) -> list[PassRecord]:
+    """Run ``passes`` in order; returns one record per pass (its output graph and time).
+
+    ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every op node a pass
+    adds carries ``meta[MADE_BY]``, the pass's name (``insert`` stamps it; nodes made otherwise are stamped here).
+    """
+    if check_input:
+        check_properties(gm, CAPTURED_PROPERTIES, "the captured graph")
     records = []
     for p in passes:
         start = time.perf_counter()
-        out = p.fn(copy_graph_module(gm), ctx)
+        before = copy_graph_module(gm)
+        known = {id(n.meta) for n in before.graph.nodes}
+        with running_pass(p.name):
+            out = p.fn(before, ctx)
         if not isinstance(out, fx.GraphModule):
             raise PipelineError(f"pass {p.name!r} returned {type(out).__name__}, expected a torch.fx.GraphModule")
         out.graph.lint()
         out.recompile()
-        for prop in sorted(p.provides):
-            check = PROPERTY_CHECKS.get(prop)
-            problem = check(out) if check else None
-            if problem:
-                raise PipelineError(f"pass {p.name!r} claims {prop!r} but: {problem}")
+        for node in out.graph.nodes:
+            if node.op == "call_function" and id(node.meta) not in known and MADE_BY not in node.meta:
+                node.meta[MADE_BY] = p.name
+        check_properties(out, p.provides, f"pass {p.name!r}")
         records.append(PassRecord(p.name, out, time.perf_counter() - start, p.doc))
         gm = out
     return records
 
 
-def _check_phases(gm: fx.GraphModule) -> str | None:
-    from zgraph.capture import PHASES
-
+def _check_functional(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.meta.get("phase") not in PHASES:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            return f"node {node.name} ({target}) mutates its input"
+    return None
+
+
+def _check_phases(gm: fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.meta.get(PHASE) not in PHASES:
             return f"node {node.name} ({node.target}) has no phase"
     return None
 
 
-def _check_no_markers(gm: fx.GraphModule) -> str | None:
-    from zgraph.ops import GRAD_CONTRIBUTION
+def _check_markers(gm: fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        if node.target is GRAD_CONTRIBUTION and not (isinstance(node.args[1], int) and node.args[1] >= 0):
+            return f"gradient marker {node.name} names no parameter ({node.args[1]!r})"
+    return None
 
+
+def _check_no_markers(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if node.target is GRAD_CONTRIBUTION:
             return f"gradient marker {node.name} is still in the graph"
@@ -251,8 +213,6 @@ def _check_no_markers(gm: fx.GraphModule) -> str | None:
 
 
 def _check_lowered(gm: fx.GraphModule) -> str | None:
-    from zgraph.ops import GRAD_NORM, LAYOUT_OPS, NONFINITE
-
     for node in gm.graph.nodes:
         if node.target in LAYOUT_OPS or node.target in (GRAD_NORM, NONFINITE):
             return f"layout operator {node.name} ({node.target}) is still in the graph"
@@ -260,7 +220,9 @@ def _check_lowered(gm: fx.GraphModule) -> str | None:
 
 
 PROPERTY_CHECKS: dict[str, Callable[[fx.GraphModule], str | None]] = {
+    "functional": _check_functional,
     "phases": _check_phases,
+    "grad_markers": _check_markers,
     "grads_reduced": _check_no_markers,
     "collectives_lowered": _check_lowered,
 }

@@ -21,28 +21,18 @@ global-batch gradient.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.fx as fx
 
-from zgraph.capture import BACKWARD
+from zgraph.graph import BACKWARD, INPUT, fake_mode, insert, placeholders
 from zgraph.ops import GRAD_CONTRIBUTION, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
-from zgraph.passes.graph_utils import (
-    fake_mode,
-    insert,
-    output_node,
-    outputs,
-    placeholders,
-    push_shards,
-    set_input_layout,
-    set_outputs,
-    shard_val,
-)
+from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_input, shard_output
 from zgraph.passes.pipeline import PassContext
 
 
-def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Average gradients across ranks: reduce-scatter where only shards are read, else all-reduce (stage <= 1)."""
+def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:
+    """Average gradients across ranks: reduce-scatter where only shards are read, else all-reduce (stage <= 1).
+
+    ``stage``: ``Config.stage`` (from 2 on, gradients enter and leave the step as shards)."""
     graph = gm.graph
     markers = [n for n in graph.nodes if n.target is GRAD_CONTRIBUTION]
     if not ctx.distributed:
@@ -52,7 +42,7 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         return gm
     mode = fake_mode(gm)
     world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
-    sharded_grads = ctx.config.stage >= 2
+    sharded_grads = stage >= 2
     if sharded_grads:
         _shard_grad_boundaries(gm, ctx, mode)
     for node in markers:
@@ -79,22 +69,15 @@ def _shard_grad_boundaries(gm: fx.GraphModule, ctx: PassContext, mode: object) -
     """Stage >= 2: the ``.grad`` a parameter has on entry and the one the step leaves are shards."""
     world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
     for node in placeholders(gm):
-        spec = node.meta["zgraph_input"]
+        spec = node.meta[INPUT]
         info = ctx.params[spec.index] if spec.kind == "grad" else None
-        if info is None or info.shard is None:
-            continue
-        users = list(node.users)
-        set_input_layout(node, "shard", shard_val(node.meta["val"], world))
-        whole = insert(gm, UNSHARD, (node, info.shape[0], world, group), after=node, phase=BACKWARD, mode=mode)
-        for user in users:
-            user.replace_input_with(node, whole)
-    out = output_node(gm)
+        if info is not None and info.shard is not None:
+            shard_input(gm, node, info, world, group, BACKWARD, mode)
     items = []
     for value, role in outputs(gm):
         info = ctx.params[role.index] if role.kind == "grad" else None
         if info is not None and info.shard is not None:
-            value = insert(gm, SHARD, (value, world, rank), before=out, phase=BACKWARD, mode=mode)
-            role = dataclasses.replace(role, layout="shard")
+            value, role = shard_output(gm, value, role, world, rank, BACKWARD, mode)
         items.append((value, role))
     set_outputs(gm, items)
     push_shards(gm)

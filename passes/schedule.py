@@ -28,8 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from zgraph.capture import BACKWARD, OPTIMIZER
-from zgraph.explain import tensor_bytes
+from zgraph.graph import BACKWARD, OPTIMIZER, PHASE, tensor_bytes
 from zgraph.ops import UNSHARD
 from zgraph.passes.bucket import bucket_limit
 from zgraph.passes.pipeline import PassContext
@@ -110,14 +109,19 @@ def _completions(start: fx.Node) -> list[list[fx.Node]]:
     return chains
 
 
-def prefetch_limit(ctx: PassContext) -> int:
-    """``Config.prefetch_bytes``; ``"auto"``: two all-gather buckets."""
-    value = ctx.config.prefetch_bytes
-    return value if value != "auto" else 2 * bucket_limit(ctx, UNSHARD)
+def prefetch_limit(ctx: PassContext, prefetch_bytes: int | str, allgather_bytes: int | str) -> int:
+    """``Config.prefetch_bytes``; ``"auto"``: two all-gather buckets (of ``Config.allgather_bucket_bytes``)."""
+    if prefetch_bytes != "auto":
+        return prefetch_bytes
+    return 2 * bucket_limit(allgather_bytes, UNSHARD, ctx.cost_model)
 
 
-def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Issue collectives early (parameter prefetch capped), wait late, run optimizer updates inside backward."""
+def schedule(
+    gm: fx.GraphModule, ctx: PassContext, *, prefetch_bytes: int | str = "auto", allgather_bytes: int | str = "auto"
+) -> fx.GraphModule:
+    """Issue collectives early (parameter prefetch capped), wait late, run optimizer updates inside backward.
+
+    ``prefetch_bytes``: ``Config.prefetch_bytes``; ``allgather_bytes``: ``Config.allgather_bucket_bytes``."""
     if not ctx.distributed:
         return gm
     nodes = list(gm.graph.nodes)
@@ -154,7 +158,7 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _interleave_optimizer(nodes, anchor, starts, waits)
     _monotone(nodes, anchor)
     issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
-    _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx))
+    _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx, prefetch_bytes, allgather_bytes))
     _monotone(nodes, anchor)
     # wait late: each wait and its unpacking right before the first reader of that result
     for start in reversed(starts):
@@ -195,7 +199,7 @@ def _place_prefetch(anchor: dict, gathers: list, first_reader: Callable, limit: 
 
 def _interleave_optimizer(nodes: list, anchor: dict, starts: list, waits: dict) -> None:
     """Optimizer work that needs reduction k (and none later) goes right before reduction k+1 is issued."""
-    reductions = [s for s in starts if s.meta.get("phase") == BACKWARD and s.target in _REDUCTIONS]
+    reductions = [s for s in starts if s.meta.get(PHASE) == BACKWARD and s.target in _REDUCTIONS]
     if len(reductions) < 2:
         return
     reduction_of_wait = {waits[s]: k for k, s in enumerate(reductions)}
@@ -203,7 +207,7 @@ def _interleave_optimizer(nodes: list, anchor: dict, starts: list, waits: dict) 
     for node in nodes:
         k = max([reduction_of_wait.get(node, -1), *(needs.get(a, -1) for a in node.all_input_nodes)])
         needs[node] = k
-        if node.meta.get("phase") == OPTIMIZER and node.op == "call_function" and 0 <= k < len(reductions) - 1:
+        if node.meta.get(PHASE) == OPTIMIZER and node.op == "call_function" and 0 <= k < len(reductions) - 1:
             anchor[node] = min(anchor[node], anchor[reductions[k + 1]] - 0.5)
 
 

@@ -14,42 +14,28 @@ a reduce-scatter in stage ≥ 2).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.fx as fx
 
-from zgraph.capture import OPTIMIZER
+from zgraph.graph import INPUT, OPTIMIZER, VAL, fake_mode, insert, output_node, placeholders
 from zgraph.ops import SHARD, UNSHARD
-from zgraph.passes.graph_utils import (
-    fake_mode,
-    insert,
-    output_node,
-    outputs,
-    placeholders,
-    push_shards,
-    set_input_layout,
-    set_outputs,
-    shard_val,
-)
+from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_input, shard_output
 from zgraph.passes.pipeline import PassContext
 
 
-def shard_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Stage >= 1: optimizer state enters and leaves as shards; the update runs on shards."""
-    if ctx.config.stage < 1 or not ctx.distributed:
+def shard_optimizer(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:
+    """Stage >= 1: optimizer state enters and leaves as shards; the update runs on shards.
+
+    ``stage``: ``Config.stage`` (below 1 the pass does nothing)."""
+    if stage < 1 or not ctx.distributed:
         return gm
     mode = fake_mode(gm)
     world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
     for node in placeholders(gm):
-        spec = node.meta["zgraph_input"]
+        spec = node.meta[INPUT]
         info = ctx.params[spec.index] if spec.kind == "opt_state" else None
-        if info is None or info.shard is None or tuple(node.meta["val"].shape) != info.shape:
+        if info is None or info.shard is None or tuple(node.meta[VAL].shape) != info.shape:
             continue
-        users = list(node.users)
-        set_input_layout(node, "shard", shard_val(node.meta["val"], world))
-        whole = insert(gm, UNSHARD, (node, info.shape[0], world, group), after=node, phase=OPTIMIZER, mode=mode)
-        for user in users:
-            user.replace_input_with(node, whole)
+        shard_input(gm, node, info, world, group, OPTIMIZER, mode)
     out = output_node(gm)
     items = []
     for value, role in outputs(gm):
@@ -62,8 +48,7 @@ def shard_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             and tuple(value.meta["val"].shape) == info.shape
         )
         if sharded and role.kind == "opt_state":
-            value = insert(gm, SHARD, (value, world, rank), before=out, phase=OPTIMIZER, mode=mode)
-            role = dataclasses.replace(role, layout="shard")
+            value, role = shard_output(gm, value, role, world, rank, OPTIMIZER, mode)
         elif sharded and role.kind == "param":
             piece = insert(gm, SHARD, (value, world, rank), before=out, phase=OPTIMIZER, mode=mode)
             value = insert(gm, UNSHARD, (piece, info.shape[0], world, group), before=out, phase=OPTIMIZER, mode=mode)

@@ -18,25 +18,24 @@ of its region and has no users outside that region.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 
 import torch
 import torch.fx as fx
 
-from zgraph.capture import BACKWARD, FORWARD
-from zgraph.ops import SHARD, UNSHARD
-from zgraph.passes.graph_utils import (
+from zgraph.graph import (
+    BACKWARD,
+    FORWARD,
+    INPUT,
+    PHASE,
+    VAL,
     fake_mode,
     insert,
-    output_node,
-    outputs,
     placeholders,
-    push_shards,
     set_input_layout,
-    set_outputs,
-    shard_val,
 )
+from zgraph.ops import SHARD, UNSHARD
+from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_output, shard_val
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -63,23 +62,25 @@ _RECOMPUTABLE = {
 }
 
 
-def shard_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Stage 3: parameters enter sharded, are all-gathered per use region and freed after it."""
-    if ctx.config.stage < 3 or not ctx.distributed:
+def shard_params(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:
+    """Stage 3: parameters enter sharded, are all-gathered per use region and freed after it.
+
+    ``stage``: ``Config.stage`` (below 3 the pass does nothing)."""
+    if stage < 3 or not ctx.distributed:
         return gm
     mode = fake_mode(gm)
     world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     sharded = set()
     for node in placeholders(gm):
-        spec = node.meta["zgraph_input"]
+        spec = node.meta[INPUT]
         if spec.kind != "param":
             continue
         info = ctx.params[spec.index]
         if info.shard is None or info.persistent:
             continue
         sharded.add(spec.index)
-        set_input_layout(node, "shard", shard_val(node.meta["val"], world))
+        set_input_layout(node, "shard", shard_val(node.meta[VAL], world))
         uses = sorted((u for u in node.users if u.op != "output" and u.target is not SHARD), key=order.__getitem__)
         for user in list(node.users):
             if user.target is SHARD:  # the optimizer's read of this rank's shard: the input itself now
@@ -87,25 +88,23 @@ def shard_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 gm.graph.erase_node(user)
         regions: list[list[fx.Node]] = []
         for use in uses:
-            if regions and regions[-1][-1].meta.get("phase") == use.meta.get("phase"):
+            if regions and regions[-1][-1].meta.get(PHASE) == use.meta.get(PHASE):
                 regions[-1].append(use)
             else:
                 regions.append([use])
         gathers = []
         for region in regions:
             whole = insert(
-                gm, UNSHARD, (node, info.shape[0], world, group), before=region[0], phase=region[0].meta.get("phase")
+                gm, UNSHARD, (node, info.shape[0], world, group), before=region[0], phase=region[0].meta.get(PHASE)
             )
             for use in region:
                 use.replace_input_with(node, whole)
             gathers.append((order[region[0]] - 0.5, whole))
         _recompute_views_in_backward(gm, gathers, order, mode)
-    out = output_node(gm)
     items = []
     for value, role in outputs(gm):
         if role.kind == "param" and role.index in sharded:
-            value = insert(gm, SHARD, (value, world, rank), before=out, mode=mode)
-            role = dataclasses.replace(role, layout="shard")
+            value, role = shard_output(gm, value, role, world, rank, None, mode)
         items.append((value, role))
     set_outputs(gm, items)
     push_shards(gm)
@@ -117,9 +116,9 @@ def _recompute_views_in_backward(
 ) -> None:
     """Backward uses of views of a forward gather read, instead, the same views of a backward gather (the
     latest backward gather before the use, or a new one placed right before it)."""
-    backward_gathers = [(pos, g) for pos, g in gathers if g.meta.get("phase") == BACKWARD]
+    backward_gathers = [(pos, g) for pos, g in gathers if g.meta.get(PHASE) == BACKWARD]
     for _, gather in gathers:
-        if gather.meta.get("phase") != FORWARD:
+        if gather.meta.get(PHASE) != FORWARD:
             continue
         closure = [gather]
         for node in closure:
@@ -131,7 +130,7 @@ def _recompute_views_in_backward(
             (node, user)
             for node in closure
             for user in list(node.users)
-            if user not in closure and user.meta.get("phase") == BACKWARD
+            if user not in closure and user.meta.get(PHASE) == BACKWARD
         ]
         copies: dict[fx.Node, dict[fx.Node, fx.Node]] = {}
         for node, user in sorted(late_uses, key=lambda nu: order.get(nu[1], len(order))):

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import RankMismatchError
+from zgraph.graph import PHASE, collective_bytes, collective_kind
 from zgraph.runtime.agreement import Channel
 
 
@@ -37,8 +38,6 @@ def describe_graph(gm: fx.GraphModule) -> list[str]:
 
 def describe_collectives(gm: fx.GraphModule) -> list[str]:
     """The collectives a graph issues, in order, with what they move (no rank-specific detail)."""
-    from zgraph.explain import collective_bytes, collective_kind
-
     lines = []
     for node in gm.graph.nodes:
         kind = collective_kind(node)
@@ -46,7 +45,7 @@ def describe_collectives(gm: fx.GraphModule) -> list[str]:
             val = node.meta.get("val")
             val = val[0] if isinstance(val, (list, tuple)) and val else val
             dtype = val.dtype if isinstance(val, torch.Tensor) else None
-            lines.append(f"collective {kind} {collective_bytes(node)} bytes {dtype} ({node.meta.get('phase')})")
+            lines.append(f"collective {kind} {collective_bytes(node)} bytes {dtype} ({node.meta.get(PHASE)})")
     return lines
 
 

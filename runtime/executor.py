@@ -1,17 +1,19 @@
-"""Backends that turn the transformed step graph into something to call.
+"""Backends that turn the final step graph into something to call, and the rewrites each backend needs first.
 
 ``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. The graph already holds
 the backward pass as explicit ops and its inputs do not require grad, so nothing is recorded for autograd.
 
-Inductor compiles a copy of the graph with two differences from what the eager backend runs, both so that it
-computes what eager PyTorch computes:
+Each backend rewrites the pipeline's last graph before it runs it (``backend_rewrites``); the step runs these
+rewrites as recorded passes, so the graph it shows as ``final`` is exactly the one that runs:
 
-- ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication, ``add(x, mul(y, alpha))``
-  (``explicit_alpha``). Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``, and
-  the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).
+- eager: ``reinplace`` (``zgraph.runtime.reinplace``): state updates and all-reduces in place.
+- inductor: ``explicit_alpha``: ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication,
+  ``add(x, mul(y, alpha))``. Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``,
+  and the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).
   ``addcmul``/``addcdiv`` keep their ``value``: inductor lowers them itself, with symbolic values.
-- random ops are compiled with ``fallback_random``: they call the aten kernels on the global generator, so they
-  draw the numbers eager draws and leave the generator in eager's state.
+
+Random ops are compiled with ``fallback_random``: they call the aten kernels on the global generator, so they draw
+the numbers eager draws and leave the generator in eager's state.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph.passes.graph_utils import fake_mode, insert
-from zgraph.passes.pipeline import copy_graph_module
-from zgraph.runtime.reinplace import reinplace_all_reduces, reinplace_state_updates
+from zgraph.graph import PHASE, UPDATED_INPUTS, copy_graph_module, fake_mode, insert, placeholders
+from zgraph.runtime.reinplace import reinplace
 
 aten = torch.ops.aten
 
@@ -47,19 +48,27 @@ class Executable:
     updated_inputs: frozenset[int] = frozenset()
 
 
-def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
-    """Compile ``gm`` for ``backend`` (``"eager"`` or ``"inductor"``)."""
+def backend_rewrites(backend: str) -> list[tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]]:
+    """``[(name, rewrite)]`` a backend applies to the graph before ``compile_graph`` (each in place, returning it)."""
+    if backend == "eager":
+        return [("reinplace", reinplace)]
+    if backend == "inductor":
+        return [("explicit_alpha", explicit_alpha)]
+    raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
+
+
+def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
+    """Compile ``gm`` (already rewritten by ``backend_rewrites(backend)``) for ``backend`` (``"eager"`` or
+    ``"inductor"``); None, with a warning, when inductor cannot compile it (run it with the eager backend)."""
     start = time.perf_counter()
     if backend == "eager":
-        runnable = copy_graph_module(gm)
-        updated = reinplace_state_updates(runnable)
-        reinplace_all_reduces(runnable)
+        updated = gm.meta.get(UPDATED_INPUTS, frozenset())
 
         def run_eager(inputs: Sequence[Tensor]) -> Sequence:
             # grad mode as when the step was traced: a few kernels (mkldnn's LSTM) keep what their explicit
             # backward needs only with it on; no input requires grad, so nothing is recorded
             with torch.enable_grad():
-                return runnable(*inputs)
+                return gm(*inputs)
 
         return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated))
     if backend == "inductor":
@@ -68,11 +77,10 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
 
         # Compile against the graph's own fake inputs: their fake mode has the ShapeEnv that holds the scalar
         # symbols optimizer kernels create with .item() (hyper-parameters).
-        fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_inputs = [n.meta["val"] for n in placeholders(gm)]
         try:
-            graph = explicit_alpha(copy_graph_module(gm))
             with torch.no_grad(), inductor_config.patch(fallback_random=True):
-                compiled = compile_fx(graph, fake_inputs)
+                compiled = compile_fx(copy_graph_module(gm), fake_inputs)
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(
                 f"zgraph: inductor could not compile the step graph ({type(error).__name__}: "
@@ -80,9 +88,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            fallback = compile_graph(gm, "eager")
-            fallback.compile_seconds = time.perf_counter() - start
-            return fallback
+            return None
 
         def run_inductor(inputs: Sequence[Tensor]) -> Sequence:
             with torch.no_grad():
@@ -111,7 +117,7 @@ def explicit_alpha(gm: fx.GraphModule) -> fx.GraphModule:
         if not isinstance(out, Tensor) or not isinstance(val, Tensor):
             continue
         mode = mode or fake_mode(gm)
-        at = dict(before=node, phase=node.meta.get("phase"), mode=mode)
+        at = dict(before=node, phase=node.meta.get(PHASE), mode=mode)
         if val.dtype != out.dtype:
             other = insert(gm, aten._to_copy.default, (other,), {"dtype": out.dtype}, **at)
         scaled = insert(gm, aten.mul.Tensor, (other, alpha), **at)

@@ -24,6 +24,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from zgraph.graph import INPUT, OUTPUTS, STATE_KINDS, UPDATED_INPUTS, output_node, state_key
+
 
 def _inplace_variant(target: object) -> object | None:
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
@@ -37,23 +39,19 @@ def _inplace_variant(target: object) -> object | None:
     return getattr(packet, target._overloadname, None)
 
 
-def _state_key(spec: object) -> tuple:
-    return (spec.kind, spec.index, spec.field, spec.optimizer)
-
-
 def reinplace_state_updates(gm: fx.GraphModule) -> list[int]:
     """Rewrite ``gm`` in place as described above; returns the output positions that are now updated inputs."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     placeholders = {
-        _state_key(n.meta["zgraph_input"]): n
+        state_key(n.meta[INPUT]): n
         for n in gm.graph.nodes
-        if n.op == "placeholder" and n.meta["zgraph_input"].kind in ("param", "grad", "buffer", "opt_state")
+        if n.op == "placeholder" and n.meta[INPUT].kind in STATE_KINDS
     }
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output = output_node(gm)
     values = list(output.args[0])
     updated = []
-    for position, (value, role) in enumerate(zip(values, output.meta["zgraph_outputs"])):
-        source = placeholders.get(_state_key(role))
+    for position, (value, role) in enumerate(zip(values, output.meta[OUTPUTS])):
+        source = placeholders.get(state_key(role))
         if source is None or not isinstance(value, fx.Node):
             continue
         chain = _chain(source, value, values)
@@ -143,3 +141,12 @@ def _chain(source: fx.Node, value: fx.Node, outputs: list) -> list[fx.Node] | No
             return None
     chain.reverse()
     return chain if chain else None
+
+
+def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
+    """The eager backend's rewrite: state updates and all-reduces in place (``gm.meta[UPDATED_INPUTS]``: the output
+    positions that are now their own input, updated); in place, returns ``gm``."""
+    updated = reinplace_state_updates(gm)
+    reinplace_all_reduces(gm)
+    gm.meta[UPDATED_INPUTS] = frozenset(updated)
+    return gm

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.errors import ShardedParameterError, ZGraphError
-from zgraph.passes.pipeline import ShardSpec
+from zgraph.graph import ShardSpec
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
 

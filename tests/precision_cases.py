@@ -9,7 +9,7 @@ from dist_harness import run_named
 from torch import nn
 
 import zgraph
-from zgraph.explain import collective_kind
+from zgraph.graph import collective_kind
 
 STEPS = 8
 GLOBAL_BATCH = 8

@@ -15,7 +15,7 @@ from dist_harness import all_gather_values, run_named
 from torch import nn
 
 import zgraph
-from zgraph.explain import collective_kind
+from zgraph.graph import collective_kind
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 from zgraph.runtime.process_group import device_mesh
 from zgraph.runtime.sharded_state import ShardSpec

@@ -15,11 +15,11 @@ How:
    output: the new value of a parameter, buffer, optimizer state tensor, mutated tensor argument, and the
    ``.grad`` left on each parameter. State the step did not change is not an output.
 
-What later code may rely on (the captured graph's contract):
+What later code may rely on (the captured graph's contract; meta keys from ``zgraph.graph``):
 
-- placeholders carry ``node.meta["zgraph_input"]`` (a ``GraphInput``) and readable names;
-- the output node carries ``node.meta["zgraph_outputs"]``, one ``GraphOutput`` per returned value;
-- every op node carries ``node.meta["phase"]``: ``"forward"``, ``"backward"`` or ``"optimizer"`` (how it is
+- placeholders carry ``node.meta[INPUT]`` (a ``GraphInput``) and readable names;
+- the output node carries ``node.meta[OUTPUTS]``, one ``GraphOutput`` per returned value;
+- every op node carries ``node.meta[PHASE]``: ``"forward"``, ``"backward"`` or ``"optimizer"`` (how it is
   decided: ``_tag_phases``);
 - the graph is functional: no op mutates its inputs (``copy_`` into inputs has been turned into outputs).
 """
@@ -27,7 +27,6 @@ What later code may rely on (the captured graph's contract):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import traceback
@@ -49,6 +48,19 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph import optimizers as zopt
 from zgraph.errors import CaptureError
+from zgraph.graph import (
+    BACKWARD,
+    CUSTOM,
+    FORWARD,
+    INPUT,
+    OPTIMIZER,
+    OUTPUTS,
+    PHASE,
+    GraphInput,
+    GraphOutput,
+    output_node,
+    state_key,
+)
 from zgraph.ops import grad_contribution
 from zgraph.precision import StepMode, TracePrecision, keep_if_overflow
 from zgraph.random_layout import match_random_layout
@@ -58,52 +70,12 @@ from zgraph.tree import map_leaves
 
 aten = torch.ops.aten
 
-FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
-PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _ZGRAPH_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__))
     for m in (__import__("zgraph"), __import__("zgraph.passes"), __import__("zgraph.runtime"))
 )
-
-
-@dataclass(frozen=True)
-class GraphInput:
-    """What a placeholder of the step graph stands for.
-
-    Attributes:
-        kind: ``param``, ``grad`` (the ``.grad`` a parameter has on entry), ``buffer``, ``opt_state``,
-            ``hparam`` (a numeric optimizer hyper-parameter), ``input`` (a tensor argument of the step) or
-            ``input_grad`` (the ``.grad`` of a leaf tensor argument).
-        name: readable name (parameter FQN, ``fqn:exp_avg``, ``opt.group0:lr``, ``batch.x``).
-        index: parameter index (param, grad, opt_state), buffer index, or argument-leaf index (input*).
-        field: optimizer state key or hyper-parameter name.
-        optimizer: optimizer index (opt_state, hparam), else -1.
-        group: param-group index (hparam), else -1.
-        layout: ``"full"`` or ``"shard"`` (the rank's dim-0 shard, padded; set by sharding passes).
-    """
-
-    kind: str
-    name: str
-    index: int
-    field: str = ""
-    optimizer: int = -1
-    group: int = -1
-    layout: str = "full"
-
-
-@dataclass(frozen=True)
-class GraphOutput:
-    """What an output of the step graph is written to; ``kind`` is ``user`` (a leaf of the step's return
-    value, ``index`` its position) or one of the state kinds of ``GraphInput``."""
-
-    kind: str
-    name: str
-    index: int
-    field: str = ""
-    optimizer: int = -1
-    layout: str = "full"
 
 
 @dataclass
@@ -516,7 +488,7 @@ def _scheduler_order(trace: _Trace) -> list[tuple[LRScheduler, bool]]:
 def _optimizer_phase(trace: _Trace) -> Iterator[None]:
     trace.precision.in_optimizer = True
     try:
-        with fx_traceback.annotate({"phase": OPTIMIZER}), torch.no_grad():
+        with fx_traceback.annotate({PHASE: OPTIMIZER}), torch.no_grad():
             yield
     finally:
         trace.precision.in_optimizer = False
@@ -940,8 +912,8 @@ def _functionalize(
     graph._codegen = fx.graph.CodeGen()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, inputs.specs):
-        node.meta["zgraph_input"] = spec
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        node.meta[INPUT] = spec
+    output = output_node(gm)
     values = list(output.args[0])
     # copy_ into inputs at the end is functionalization's write-back; the new values are already outputs.
     profiler_nodes = []
@@ -953,14 +925,14 @@ def _functionalize(
     for node in reversed(profiler_nodes):
         graph.erase_node(node)
     kept_values, kept_roles = [], []
-    placeholder_of = {_state_key(n.meta["zgraph_input"]): n for n in placeholders}
+    placeholder_of = {state_key(n.meta[INPUT]): n for n in placeholders}
     for value, role in zip(values, roles):
-        if role.kind != "user" and placeholder_of.get(_state_key(role)) is value:
+        if role.kind != "user" and placeholder_of.get(state_key(role)) is value:
             continue  # state the step did not change
         kept_values.append(value)
         kept_roles.append(role)
     output.args = (tuple(kept_values),)
-    output.meta["zgraph_outputs"] = kept_roles
+    output.meta[OUTPUTS] = kept_roles
     _name_placeholders(graph, placeholders)
     graph.eliminate_dead_code()
     match_random_layout(gm, gm1)  # eager's random fill order on non-contiguous tensors
@@ -979,27 +951,23 @@ def _tag_phases(graph: fx.Graph) -> None:
     """
     nodes = list(graph.nodes)
     for node in nodes:
-        tagged = (node.meta.get("custom") or {}).get("phase")
+        tagged = (node.meta.get(CUSTOM) or {}).get(PHASE)
         if tagged is not None:
-            node.meta["phase"] = tagged
+            node.meta[PHASE] = tagged
     reads_grads: set[fx.Node] = set()
     for node in nodes:
-        spec = node.meta.get("zgraph_input")
-        if (spec is not None and spec.kind in ("grad", "input_grad")) or node.meta.get("phase") == BACKWARD:
+        spec = node.meta.get(INPUT)
+        if (spec is not None and spec.kind in ("grad", "input_grad")) or node.meta.get(PHASE) == BACKWARD:
             reads_grads.add(node)
         elif any(arg in reads_grads for arg in node.all_input_nodes):
             reads_grads.add(node)
     feeds_backward: set[fx.Node] = set()
     for node in reversed(nodes):
-        if node.meta.get("phase") == BACKWARD or any(u in feeds_backward for u in node.users):
+        if node.meta.get(PHASE) == BACKWARD or any(u in feeds_backward for u in node.users):
             feeds_backward.add(node)
     for node in nodes:
-        if node.op == "call_function" and "phase" not in node.meta:
-            node.meta["phase"] = OPTIMIZER if node in reads_grads and node not in feeds_backward else FORWARD
-
-
-def _state_key(spec: GraphInput | GraphOutput) -> tuple:
-    return (spec.kind, spec.index, spec.field, spec.optimizer)
+        if node.op == "call_function" and PHASE not in node.meta:
+            node.meta[PHASE] = OPTIMIZER if node in reads_grads and node not in feeds_backward else FORWARD
 
 
 def _readable_name(spec: GraphInput) -> str:
@@ -1015,14 +983,9 @@ def _readable_name(spec: GraphInput) -> str:
 
 def _name_placeholders(graph: fx.Graph, placeholders: list[fx.Node]) -> None:
     for node in placeholders:
-        base = _readable_name(node.meta["zgraph_input"])
+        base = _readable_name(node.meta[INPUT])
         ident = re.sub(r"\W+", "_", base).strip("_") or "input"
         if ident[0].isdigit():
             ident = "_" + ident
         node._rename(ident)
         node.target = node.name
-
-
-def replace_spec(node: fx.Node, **changes: Any) -> None:
-    """Update a placeholder's ``GraphInput`` (e.g. its layout)."""
-    node.meta["zgraph_input"] = dataclasses.replace(node.meta["zgraph_input"], **changes)

@@ -16,7 +16,7 @@ _BACKENDS = ("inductor", "eager")
 _STAGES = (0, 1, 2, 3)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """Options of ``@zgraph.distribute``. Frozen; every field is checked when the object is created.
 
@@ -122,6 +122,16 @@ class Config:
             raise ValueError(f"Config.collective_timeout must be a positive number of seconds; got {timeout!r}")
         object.__setattr__(self, "disable_passes", _as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", _as_pass_tuple(self.extra_passes))
+
+    def pipeline_options(self) -> dict[str, Any]:
+        """The options ``zgraph.passes.default_pipeline`` binds to its passes."""
+        return dict(
+            stage=self.stage,
+            allgather_bucket_bytes=self.allgather_bucket_bytes,
+            reduce_bucket_bytes=self.reduce_bucket_bytes,
+            prefetch_bytes=self.prefetch_bytes,
+            reduce_dtype=self.reduce_dtype or self.param_dtype,
+        )
 
     def _check_loss_scale(self) -> None:
         value = self.loss_scale

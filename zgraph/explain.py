@@ -8,57 +8,15 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 
-from zgraph.ops import REDUCE, REDUCE_BUCKET, REDUCE_SHARD, REDUCE_SHARD_BUCKET, UNSHARD, UNSHARD_BUCKET
+from zgraph.graph import COLLECTIVE, COLLECTIVE_KINDS, MADE_BY, collective_bytes, collective_kind
+from zgraph.runtime.timeline import estimate
 
 if TYPE_CHECKING:
     from zgraph.step import CompiledStep
 
-COLLECTIVE_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-_LAYOUT_KINDS = {
-    UNSHARD: "all_gather_into_tensor",
-    UNSHARD_BUCKET: "all_gather_into_tensor",
-    REDUCE_SHARD: "reduce_scatter_tensor",
-    REDUCE_SHARD_BUCKET: "reduce_scatter_tensor",
-    REDUCE: "all_reduce",
-    REDUCE_BUCKET: "all_reduce",
-}
 _SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` (also their coalesced forms) for
-    a functional-collective node, or for the zgraph layout operator that becomes one (``unshard``,
-    ``reduce_shard``, ``reduce``); else None."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    if node.target in _LAYOUT_KINDS:
-        return _LAYOUT_KINDS[node.target]
-    if node.target.namespace != "_c10d_functional":
-        return None
-    name = node.target._opname
-    for kind in COLLECTIVE_KINDS:
-        if name.startswith(kind):
-            return kind
-    return None
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor, or of the tensors in a list/tuple."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(v) for v in value)
-    return 0
-
-
-def collective_bytes(node: fx.Node) -> int:
-    """Bytes of the full tensor a collective produces or consumes (the larger side)."""
-    out = tensor_bytes(node.meta.get("val"))
-    ins = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
-    return max(out, ins)
 
 
 def collective_summary(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
@@ -92,6 +50,7 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     """The pipeline as a table: one row per graph (captured, each pass, final)."""
     rows = [("captured", compiled.captured.gm, compiled.capture_seconds, "trace + functionalize")]
     rows += [(r.name, r.gm, r.seconds, r.doc) for r in compiled.records]
+    rows += [(f"{r.name} ({compiled.executable.backend})", r.gm, r.seconds, r.doc) for r in compiled.backend_records]
     rows.append(
         (f"final ({compiled.executable.backend})", compiled.final, compiled.executable.compile_seconds, "compile")
     )
@@ -119,7 +78,7 @@ def _bucket_lines(gm: fx.GraphModule) -> list[str]:
     buckets: dict[str, list[int]] = {}
     for node in gm.graph.nodes:
         kind = collective_kind(node)
-        info = node.meta.get("zgraph_collective")
+        info = node.meta.get(COLLECTIVE)
         if kind is not None and info is not None and isinstance(info[1], (list, tuple)):
             buckets.setdefault(_SHORT[kind], []).append(collective_bytes(node))
     return [
@@ -134,8 +93,6 @@ def _timeline_lines(compiled: CompiledStep) -> list[str]:
     graphs = {r.name: r.gm for r in compiled.records}
     if cost_model is None or "lower_collectives" not in graphs:
         return []
-    from zgraph.passes.timeline import estimate
-
     lines = [f"cost model ({cost_model.source}): estimated step time, collective time hidden behind compute"]
     for name in ("lower_collectives", "schedule"):
         if name in graphs:
@@ -148,6 +105,16 @@ def _timeline_lines(compiled: CompiledStep) -> list[str]:
     return lines
 
 
+def made_by(gm: fx.GraphModule) -> str:
+    """Comment lines naming, per pass, the nodes it added to the graph (``meta[MADE_BY]``)."""
+    by_pass: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if MADE_BY in node.meta:
+            by_pass.setdefault(node.meta[MADE_BY], []).append(node.name)
+    lines = [f"#   {name}: {', '.join(nodes)}" for name, nodes in by_pass.items()]
+    return "# nodes added by passes:\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def dump_graphs(graphs: Mapping[str, fx.GraphModule], directory: str | os.PathLike) -> list[str]:
     """Write each graph as ``NN_<name>.py`` (readable code with shapes) into ``directory``."""
     os.makedirs(directory, exist_ok=True)
@@ -157,6 +124,6 @@ def dump_graphs(graphs: Mapping[str, fx.GraphModule], directory: str | os.PathLi
         path = os.path.join(os.fspath(directory), f"{i:02d}_{safe}.py")
         code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
         with open(path, "w") as f:
-            f.write(f"# zgraph graph {name!r}\n{code}\n")
+            f.write(f"# zgraph graph {name!r}\n{code}\n{made_by(gm)}")
         paths.append(path)
     return paths

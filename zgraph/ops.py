@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from zgraph.graph import shard_rows
+
 
 @torch.library.custom_op("zgraph::grad_contribution", mutates_args=())
 def grad_contribution(grad: Tensor, param: int) -> Tensor:
@@ -41,10 +43,6 @@ GRAD_CONTRIBUTION = torch.ops.zgraph.grad_contribution.default
 # every intermediate graph of the pipeline can be executed as it is.
 
 
-def _rows(d0: int, world_size: int) -> int:
-    return -(-d0 // world_size)
-
-
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
     if x.shape[0] == rows:
         return x
@@ -55,13 +53,13 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 @torch.library.custom_op("zgraph::shard", mutates_args=())
 def shard(x: Tensor, world_size: int, rank: int) -> Tensor:
     """This rank's dim-0 shard (zero-padded) of a tensor every rank holds whole."""
-    rows = _rows(x.shape[0], world_size)
+    rows = shard_rows(x.shape[0], world_size)
     return _pad_rows(x[rank * rows : (rank + 1) * rows], rows).clone()
 
 
 @shard.register_fake
 def _shard_fake(x: Tensor, world_size: int, rank: int) -> Tensor:
-    return x.new_empty((_rows(x.shape[0], world_size), *x.shape[1:]))
+    return x.new_empty((shard_rows(x.shape[0], world_size), *x.shape[1:]))
 
 
 @torch.library.custom_op("zgraph::unshard", mutates_args=())
@@ -93,13 +91,13 @@ def _reduce_fake(x: Tensor, world_size: int, group: str) -> Tensor:
 def reduce_shard(x: Tensor, world_size: int, rank: int, group: str) -> Tensor:
     """This rank's shard of the average over ranks of each rank's ``x``: a reduce-scatter."""
     c10d = torch.ops._c10d_functional
-    padded = _pad_rows(x, _rows(x.shape[0], world_size) * world_size).contiguous()
+    padded = _pad_rows(x, shard_rows(x.shape[0], world_size) * world_size).contiguous()
     return c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group))
 
 
 @reduce_shard.register_fake
 def _reduce_shard_fake(x: Tensor, world_size: int, rank: int, group: str) -> Tensor:
-    return x.new_empty((_rows(x.shape[0], world_size), *x.shape[1:]))
+    return x.new_empty((shard_rows(x.shape[0], world_size), *x.shape[1:]))
 
 
 SHARD = torch.ops.zgraph.shard.default
@@ -133,7 +131,7 @@ def reduce_shard_bucket(xs: list[Tensor], world_size: int, rank: int, group: str
 
 @reduce_shard_bucket.register_fake
 def _reduce_shard_bucket_fake(xs: list[Tensor], world_size: int, rank: int, group: str) -> list[Tensor]:
-    return [x.new_empty((_rows(x.shape[0], world_size), *x.shape[1:])) for x in xs]
+    return [x.new_empty((shard_rows(x.shape[0], world_size), *x.shape[1:])) for x in xs]
 
 
 @torch.library.custom_op("zgraph::reduce_bucket", mutates_args=())

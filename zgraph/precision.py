@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from zgraph.config import Config, DynamicLossScale
+from zgraph.graph import BACKWARD, PHASE
 from zgraph.ops import grad_norm, nonfinite
 
 BACKWARD_CALLS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
@@ -190,7 +191,7 @@ class StepMode(TorchFunctionMode):
         kwargs = kwargs or {}
         precision = self.precision
         if func in BACKWARD_CALLS:
-            with fx_traceback.annotate({"phase": "backward"}):
+            with fx_traceback.annotate({PHASE: BACKWARD}):
                 result = self._backward(func, args, kwargs)
             precision.end_round()
             return result

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from zgraph.passes.graph_utils import compute_val, fake_mode
+from zgraph.graph import compute_val, fake_mode
 
 aten = torch.ops.aten
 

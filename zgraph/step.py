@@ -24,17 +24,18 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from zgraph import optimizers as zopt
-from zgraph.capture import CapturedGraph, GraphInput, GraphOutput, UnboundState, _Returned, capture
+from zgraph.capture import CapturedGraph, UnboundState, _Returned, capture
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.explain import dump_graphs, explain_table
+from zgraph.graph import GraphInput, GraphOutput, ParamInfo, input_specs, output_roles
 from zgraph.locate import Locator, Slot, locate
-from zgraph.passes import ParamInfo, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
+from zgraph.passes import Pass, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
 from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
-from zgraph.runtime.executor import Executable, compile_graph
+from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
 from zgraph.runtime.host_memory import keep_freed_host_memory
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
 from zgraph.runtime.sharded_state import (
@@ -206,10 +207,15 @@ class CompiledStep:
     description: list[str] = field(default_factory=list)
     digest: int = 0
     cost_model: Any = None
+    backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
 
     @property
     def final(self) -> fx.GraphModule:
-        return self.records[-1].gm if self.records else self.captured.gm
+        """The graph that runs: the last pass's graph as the backend rewrote it."""
+        for records in (self.backend_records, self.records):
+            if records:
+                return records[-1].gm
+        return self.captured.gm
 
     def graphs(self) -> OrderedDict[str, fx.GraphModule]:
         out: OrderedDict[str, fx.GraphModule] = OrderedDict(captured=self.captured.gm)
@@ -230,7 +236,9 @@ class DistributedStep:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.config = config
-        self._pipeline = build_pipeline(default_pipeline(), config.disable_passes, config.extra_passes)
+        self._pipeline = build_pipeline(
+            default_pipeline(**config.pipeline_options()), config.disable_passes, config.extra_passes
+        )
         self._bindings: dict[tuple, Binding] = {}
         self._cache: dict[tuple, CompiledStep] = {}
         self._last: CompiledStep | None = None
@@ -485,21 +493,21 @@ class DistributedStep:
             )
         ctx = self._context(binding)
         records = run_pipeline(captured.gm, ctx, self._pipeline)
-        final = records[-1].gm if records else captured.gm
-        specs = [n.meta["zgraph_input"] for n in final.graph.nodes if n.op == "placeholder"]
-        output = next(n for n in reversed(final.graph.nodes) if n.op == "output")
-        executable = compile_graph(final, self.config.backend)
-        description = describe_graph(captured.gm) + describe_collectives(final)
+        transformed = records[-1].gm if records else captured.gm
+        backend_records, executable = _lower(transformed, ctx, self.config.backend)
+        final = backend_records[-1].gm
+        description = describe_graph(captured.gm) + describe_collectives(transformed)
         return CompiledStep(
             captured,
             records,
             executable,
             capture_seconds,
-            specs,
-            output.meta["zgraph_outputs"],
+            input_specs(final),
+            output_roles(final),
             description,
             digest(description),
             binding.cost_model,
+            backend_records,
         )
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
@@ -536,7 +544,6 @@ class DistributedStep:
         )
         group = plan.group
         return PassContext(
-            config=self.config,
             world_size=group.world_size,
             rank=group.rank,
             group_name=group.group_name,
@@ -614,6 +621,26 @@ class DistributedStep:
 
 
 _MAX_REBINDS = 4
+
+
+def _lower(gm: fx.GraphModule, ctx: PassContext, backend: str) -> tuple[list[PassRecord], Executable]:
+    """Run ``backend``'s rewrites on ``gm`` as recorded passes and compile the result; where inductor cannot
+    compile it, the eager backend's rewrites and executor instead. Returns the records and the executable."""
+    start = time.perf_counter()
+    for name in (backend, "eager"):
+        rewrites = [
+            Pass(n, lambda g, _ctx, fn=fn: fn(g), doc=fn.__doc__.strip().splitlines()[0])
+            for n, fn in backend_rewrites(name)
+        ]
+        records = run_pipeline(gm, ctx, rewrites, check_input=False)
+        executable = compile_graph(records[-1].gm, name)
+        if executable is not None:
+            if name != backend:  # the time inductor spent failing counts too
+                executable.compile_seconds = time.perf_counter() - start
+            return records, executable
+    raise AssertionError("the eager backend always compiles")
+
+
 _RECAPTURE_WARNING = 8
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from zgraph.explain import collective_bytes, collective_kind, tensor_bytes
+from zgraph.graph import CostModel, collective_bytes, collective_kind, tensor_bytes
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -62,7 +62,7 @@ def _flops(node: fx.Node) -> int:
         return 0
 
 
-def compute_seconds(node: fx.Node, cost_model: object) -> float:
+def compute_seconds(node: fx.Node, cost_model: CostModel) -> float:
     if node.op != "call_function" or _is_view(node):
         return 0.0
     moved = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
@@ -74,7 +74,7 @@ def _collective_of(node: fx.Node) -> fx.Node:
     return node.args[0] if node.target is operator.getitem else node
 
 
-def estimate(gm: fx.GraphModule, cost_model: object) -> Timeline:
+def estimate(gm: fx.GraphModule, cost_model: CostModel) -> Timeline:
     """Simulate the graph's order on one compute and one communication stream."""
     now = comm_free = compute = communication = exposed = 0.0
     finish: dict[fx.Node, float] = {}

@@ -1,0 +1,325 @@
+"""The graph contract: what a zgraph step graph means, for capture, every pass, the runtime and inspection.
+
+A step graph is a ``torch.fx.GraphModule`` of aten ops (and ``zgraph.ops``) whose values carry fake tensors in
+``node.meta[VAL]``. On top of FX it guarantees:
+
+- every placeholder carries ``node.meta[INPUT]``, a ``GraphInput`` (what the runtime feeds it);
+- the output node carries ``node.meta[OUTPUTS]``, one ``GraphOutput`` per returned value (where it is written);
+- every op node carries ``node.meta[PHASE]``, one of ``PHASES``;
+- a node a pass added carries ``node.meta[MADE_BY]``, the pass's name (``insert`` stamps it);
+- collectives are counted and sized by ``collective_kind`` / ``collective_bytes``;
+- a tensor of a parameter's shape is sharded along dim 0 by ``ShardSpec`` (``shard_rows`` rows per rank).
+
+This module depends on torch only: passes, runtime and the user surface all build on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+# ---------------------------------------------------------------------------------------------------- phases
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+
+# ------------------------------------------------------------------------------------------------- meta keys
+VAL = "val"  # node.meta: the node's fake value (FX's own key)
+PHASE = "phase"  # node.meta: FORWARD / BACKWARD / OPTIMIZER
+CUSTOM = "custom"  # node.meta: what ``fx.traceback.annotate`` recorded while tracing (holds a PHASE)
+INPUT = "zgraph_input"  # placeholder meta: its GraphInput
+OUTPUTS = "zgraph_outputs"  # output node meta: a GraphOutput per returned value
+COLLECTIVE = "zgraph_collective"  # lowered collective: (kind, what it moves)
+BUCKET = "zgraph_bucket"  # bucketed layout op: members and bytes
+MADE_BY = "zgraph_pass"  # node.meta: name of the pass that added the node
+UPDATED_INPUTS = "zgraph_updated_inputs"  # gm.meta: output positions that are their own input, updated in place
+
+STATE_KINDS = ("param", "grad", "buffer", "opt_state")
+
+
+# --------------------------------------------------------------------------------------------- inputs/outputs
+@dataclass(frozen=True)
+class GraphInput:
+    """What a placeholder of the step graph stands for.
+
+    Attributes:
+        kind: ``param``, ``grad`` (the ``.grad`` a parameter has on entry), ``buffer``, ``opt_state``,
+            ``hparam`` (a numeric optimizer hyper-parameter), ``input`` (a tensor argument of the step),
+            ``input_grad`` (the ``.grad`` of a leaf tensor argument) or ``loss_scale``.
+        name: readable name (parameter FQN, ``fqn:exp_avg``, ``opt.group0:lr``, ``batch.x``).
+        index: parameter index (param, grad, opt_state), buffer index, or argument-leaf index (input*).
+        field: optimizer state key or hyper-parameter name.
+        optimizer: optimizer index (opt_state, hparam), else -1.
+        group: param-group index (hparam), else -1.
+        layout: ``"full"`` or ``"shard"`` (the rank's dim-0 shard, padded; set by sharding passes).
+    """
+
+    kind: str
+    name: str
+    index: int
+    field: str = ""
+    optimizer: int = -1
+    group: int = -1
+    layout: str = "full"
+
+
+@dataclass(frozen=True)
+class GraphOutput:
+    """What an output of the step graph is written to; ``kind`` is ``user`` (a leaf of the step's return
+    value, ``index`` its position) or one of the state kinds of ``GraphInput``."""
+
+    kind: str
+    name: str
+    index: int
+    field: str = ""
+    optimizer: int = -1
+    layout: str = "full"
+
+
+def state_key(spec: GraphInput | GraphOutput) -> tuple:
+    """What an input and an output share when they are the same piece of state."""
+    return (spec.kind, spec.index, spec.field, spec.optimizer)
+
+
+# ------------------------------------------------------------------------------------------------- sharding
+def shard_rows(d0: int, world_size: int) -> int:
+    """Rows of each rank's dim-0 shard of a tensor with ``d0`` rows: ``ceil(d0 / world_size)``."""
+    return -(-d0 // world_size)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a tensor of a parameter's shape is split across ranks: along dim 0, padded to equal shards.
+
+    Rank ``r`` holds rows ``[r * rows, (r + 1) * rows)`` of the tensor padded with zero rows to
+    ``rows * world_size``. Every rank's shard has the same shape, so every rank's graph has the same shapes.
+    """
+
+    shape: tuple[int, ...]
+    world_size: int
+
+    @property
+    def rows(self) -> int:
+        """Rows per shard."""
+        return shard_rows(self.shape[0], self.world_size)
+
+    @property
+    def padded_rows(self) -> int:
+        return self.rows * self.world_size
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.shape[1:])
+
+    def local_rows(self, rank: int) -> int:
+        """Rows of the real (unpadded) tensor rank ``rank`` holds."""
+        return max(0, min(self.rows, self.shape[0] - rank * self.rows))
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What passes know of one parameter (``index`` is its number in graph inputs and markers).
+
+    Attributes:
+        shard: how the parameter's gradient and optimizer state (and the parameter itself in stage 3) are
+            split across ranks; None when they stay whole (0-d parameters, no process group).
+        persistent: the parameter itself stays whole in stage 3 (a tensor only an optimizer holds, or one under
+            ``Config.param_persistence_threshold``).
+    """
+
+    index: int
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    shard: ShardSpec | None = None
+    persistent: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class CostModel(Protocol):
+    """What planning reads of a cost model (``zgraph.runtime.cost_model.CostModel`` is one)."""
+
+    source: str
+    flops_per_second: float
+    bytes_per_second: float
+
+    def collective_seconds(self, kind: str, nbytes: int) -> float: ...
+
+    def bucket_bytes(self, kind: str, latency_share: float = 0.1) -> int: ...
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+COLLECTIVE_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+# zgraph's layout operators (``zgraph.ops``, by name) and the collective each becomes
+_LAYOUT_KINDS = {
+    "unshard": "all_gather_into_tensor",
+    "unshard_bucket": "all_gather_into_tensor",
+    "reduce_shard": "reduce_scatter_tensor",
+    "reduce_shard_bucket": "reduce_scatter_tensor",
+    "reduce": "all_reduce",
+    "reduce_bucket": "all_reduce",
+}
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` (also their coalesced forms) for
+    a functional-collective node, or for the zgraph layout operator that becomes one (``unshard``,
+    ``reduce_shard``, ``reduce``); else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    namespace, name = node.target.namespace, node.target._opname
+    if namespace == "zgraph":
+        return _LAYOUT_KINDS.get(name)
+    if namespace != "_c10d_functional":
+        return None
+    for kind in COLLECTIVE_KINDS:
+        if name.startswith(kind):
+            return kind
+    return None
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a list/tuple."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Bytes of the full tensor a collective produces or consumes (the larger side)."""
+    out = tensor_bytes(node.meta.get(VAL))
+    ins = sum(tensor_bytes(arg.meta.get(VAL)) for arg in node.all_input_nodes)
+    return max(out, ins)
+
+
+# ------------------------------------------------------------------------------------------ graph mechanics
+def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
+    """The fake mode of the graph's values (the one capture traced with)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get(VAL)
+        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+            return val.fake_mode
+    raise RuntimeError("graph has no fake tensor values")
+
+
+def _val(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        return arg.meta[VAL]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_val(a) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _val(v) for k, v in arg.items()}
+    return arg
+
+
+def compute_val(node: fx.Node, mode: FakeTensorMode) -> None:
+    """Set ``node.meta[VAL]`` by running its op on its inputs' fake values."""
+    with mode:
+        node.meta[VAL] = node.target(*_val(node.args), **_val(node.kwargs))
+
+
+_RUNNING_PASS: ContextVar[str | None] = ContextVar("zgraph_running_pass", default=None)
+
+
+@contextlib.contextmanager
+def running_pass(name: str) -> Iterator[None]:
+    """Nodes ``insert`` adds inside this block are stamped ``meta[MADE_BY] = name``."""
+    token = _RUNNING_PASS.set(name)
+    try:
+        yield
+    finally:
+        _RUNNING_PASS.reset(token)
+
+
+def stamp(node: fx.Node) -> None:
+    """Record the running pass (if any) as the maker of ``node``."""
+    name = _RUNNING_PASS.get()
+    if name is not None:
+        node.meta[MADE_BY] = name
+
+
+def insert(
+    gm: fx.GraphModule,
+    target: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    before: fx.Node | None = None,
+    after: fx.Node | None = None,
+    phase: str | None = None,
+    mode: FakeTensorMode | None = None,
+) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value, a phase and the name of
+    the running pass."""
+    graph = gm.graph
+    context = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
+    with context:
+        node = graph.call_function(target, args, kwargs or {})
+    anchor = before if before is not None else after
+    node.meta[PHASE] = phase or anchor.meta.get(PHASE, FORWARD)
+    stamp(node)
+    compute_val(node, mode or fake_mode(gm))
+    return node
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def input_specs(gm: fx.GraphModule) -> list[GraphInput]:
+    """The ``GraphInput`` of every placeholder, in order."""
+    return [n.meta[INPUT] for n in placeholders(gm)]
+
+
+def output_roles(gm: fx.GraphModule) -> list[GraphOutput]:
+    """The ``GraphOutput`` of every returned value, in order."""
+    return output_node(gm).meta[OUTPUTS]
+
+
+def set_input_layout(node: fx.Node, layout: str, val: torch.Tensor) -> None:
+    """Change what a placeholder receives (e.g. the rank's padded shard instead of the whole tensor)."""
+    node.meta[INPUT] = dataclasses.replace(node.meta[INPUT], layout=layout)
+    node.meta[VAL] = val
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied).
+
+    The copy is a ``_LazyGraphModule`` (inductor's own): its Python code is generated when it is first called or
+    printed, not on every ``recompile()`` — a pipeline keeps one graph per pass and most are only inspected."""
+    graph = fx.Graph()
+    graph._codegen = copy.copy(gm.graph._codegen)
+    value_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, value_map)
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    new_output = graph.output(out)
+    new_output.meta = copy.copy(old_output.meta)
+    new = _LazyGraphModule(gm, graph)
+    new.meta = copy.copy(getattr(gm, "meta", {}))
+    return new
