@@ -7,11 +7,12 @@ transformers' default experts implementation (``F.grouped_mm``), and Llama with 
 Each model runs in one rank group (``hf_cases.run_model``): eagerly on the global batch, DDP, then zgraph at every
 stage, ``hf_cases.STEPS`` AdamW steps each. zgraph's averaged losses and final whole parameters and buffers
 (``zgraph.full_state_dict``) must equal DDP's within a bound relative to each tensor's scale
-(max |a - b| <= bound * max |b|). The bound is measured, as in test_zero_parity.py: DDP differs from one process on
+(max |a - b| <= bound * max |b|). The bounds are measured, as in test_zero_parity.py: DDP differs from one process on
 the global batch only in the order of the float reductions (per-rank sums, then their mean), so the same eager run
-with the ranks' rows in another order gives the model's own reduction-order noise on this machine; the bound is
-``NOISE_FACTOR`` times that, and never below ``REL``. DDP itself is checked against eager within the same bound,
-which is what makes the bound a fair one for zgraph against DDP.
+with the ranks' rows in another order gives the model's own reduction-order noise on this machine; each tensor's
+bound (and the losses') is ``NOISE_FACTOR`` times its own noise, and never below ``REL`` (see ``bounds``). DDP
+itself is checked against eager within the same bounds, which is what makes them fair ones for zgraph against DDP.
+Observed: zgraph equals DDP bitwise at every stage, except Llama with activation checkpointing (6e-8 relative).
 """
 
 from __future__ import annotations
@@ -57,29 +58,32 @@ def _loss_rel(actual: float, expected: float) -> float:
     return abs(actual - expected) / max(abs(expected), 1e-12)
 
 
-def bound(result: dict) -> float:
-    """``NOISE_FACTOR`` times the largest relative change reduction order alone makes (eager vs rotated)."""
+def bounds(result: dict) -> tuple[float, dict[str, float]]:
+    """The bound of the losses and of each state tensor: ``NOISE_FACTOR`` times the relative change reduction
+    order alone makes to it (eager vs rotated), never below ``REL``. Per tensor, because the noise differs by
+    orders of magnitude between tensors: an attention key bias has a gradient that is zero but for round-off, so
+    Adam's normalised update of it flips with reduction order (BERT's moves 0.4 of its scale), while every other
+    tensor moves by about 1e-7. One bound for all, set by the key bias, would let the others be wrong unnoticed."""
     plain, rotated = result["eager"], result["rotated"]
     for run in (plain, rotated):
         assert "error" not in run, run.get("error")
-    noise = max(
-        [_loss_rel(a, b) for a, b in zip(rotated["losses"], plain["losses"])]
-        + [_rel(rotated["state"][k], v) for k, v in plain["state"].items()]
-    )
-    return max(REL, NOISE_FACTOR * noise)
+    loss_noise = max(_loss_rel(a, b) for a, b in zip(rotated["losses"], plain["losses"]))
+    state_noise = {k: _rel(rotated["state"][k], v) for k, v in plain["state"].items()}
+    return max(REL, NOISE_FACTOR * loss_noise), {k: max(REL, NOISE_FACTOR * n) for k, n in state_noise.items()}
 
 
-def assert_close(got: dict, want: dict, limit: float, what: str) -> None:
+def assert_close(got: dict, want: dict, result: dict, what: str) -> None:
     assert "error" not in got, f"{what} failed:\n{got.get('error')}"
+    loss_bound, state_bounds = bounds(result)
     assert len(got["losses"]) == len(want["losses"]) == hf_cases.STEPS
     for i, (a, b) in enumerate(zip(got["losses"], want["losses"])):
-        assert _loss_rel(a, b) <= limit, f"{what}: loss of step {i}: {a} vs {b} (bound {limit:.2e})"
+        assert _loss_rel(a, b) <= loss_bound, f"{what}: loss of step {i}: {a} vs {b} (bound {loss_bound:.2e})"
     assert got["state"].keys() == want["state"].keys(), what
     for key, value in want["state"].items():
-        actual = got["state"][key]
+        actual, limit = got["state"][key], state_bounds[key]
         assert actual.shape == value.shape and actual.dtype == value.dtype, f"{what}: {key}"
         err = _rel(actual, value)
-        assert err <= limit, f"{what}: state_dict[{key!r}]: max |diff| is {err:.2e} of max |DDP| (bound {limit:.2e})"
+        assert err <= limit, f"{what}: state_dict[{key!r}]: max |diff| is {err:.2e} of max |want| (bound {limit:.2e})"
 
 
 MODELS = list(hf_cases.MODELS)
@@ -89,14 +93,14 @@ MODELS = list(hf_cases.MODELS)
 def test_ddp_matches_eager_on_global_batch(results, name):
     """The reference is sound: DDP on 2 ranks equals one process on the global batch within the bound."""
     result = results(name)
-    assert_close(result["ddp"], result["eager"], bound(result), f"{name}: DDP vs eager")
+    assert_close(result["ddp"], result["eager"], result, f"{name}: DDP vs eager")
 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", MODELS)
 def test_zero_matches_ddp(results, name, stage):
     result = results(name)
-    assert_close(result[stage], result["ddp"], bound(result), f"{name}: zgraph stage {stage} vs DDP")
+    assert_close(result[stage], result["ddp"], result, f"{name}: zgraph stage {stage} vs DDP")
 
 
 # ------------------------------------------------------------------------------ MoE experts (issue 16, item 1)
@@ -147,3 +151,17 @@ def test_eager_experts_loop_names_batched_mm():
     step = zgraph.distribute(zgraph.Config(stage=3, backend="eager"))(hf_cases.train_step)
     with pytest.raises(zgraph.CaptureError, match=r'set_experts_implementation\("batched_mm"\)'):
         step(model, hf_cases._optimizer(model), *hf_cases._lm_batches()[0])
+
+
+def test_eager_experts_loop_hint_from_the_capture_failure():
+    """zgraph.model_hints.hint, given the failure behind capture's error, names the call (what capture should
+    append to its message: see the xfail above)."""
+    from zgraph.model_hints import hint
+
+    model = hf_cases.mixtral()
+    model.set_experts_implementation("eager")
+    step = zgraph.distribute(zgraph.Config(stage=3, backend="eager"))(hf_cases.train_step)
+    with pytest.raises(zgraph.CaptureError, match="Python control flow depends on the value of a tensor") as info:
+        step(model, hf_cases._optimizer(model), *hf_cases._lm_batches()[0])
+    text = hint(info.value.__cause__)
+    assert 'set_experts_implementation("batched_mm")' in text and "MixtralExperts" in text
