@@ -22,7 +22,7 @@ __all__ = ["hint"]
 def hint(exc: BaseException) -> str:
     """A sentence (with a leading space) saying what to change when ``exc`` was raised inside a known
     data-dependent model pattern; ``""`` otherwise."""
-    for frame in _frames(exc.__traceback__):
+    for frame in reversed(_frames(exc.__traceback__)):  # innermost first: the experts module, not the model
         owner = frame.f_locals.get("self")
         if not isinstance(owner, nn.Module):
             continue
