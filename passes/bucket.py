@@ -26,11 +26,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from zgraph.graph import BUCKET, PHASE, CostModel, fake_mode, insert
 from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, UNSHARD
+from zgraph.passes.graph_utils import CASTS, SIMPLE_VIEWS
 from zgraph.passes.pipeline import PassContext
 
 MIN_AUTO_BYTES = 256 * 1024
@@ -66,14 +66,7 @@ def bucket_limit(value: int | str, target: object, cost_model: CostModel | None)
 
 
 # Cheap ops that only re-view or re-type one value: they can follow a merged collective wherever it lands.
-_FOLLOWERS = {
-    torch.ops.aten._to_copy.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.t.default,
-    torch.ops.aten.slice.Tensor,
-    operator.getitem,
-}
+_FOLLOWERS = CASTS | SIMPLE_VIEWS | {operator.getitem}
 
 
 def _follows(user: fx.Node, node: fx.Node) -> bool:

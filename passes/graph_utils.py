@@ -76,6 +76,19 @@ def shard_output(
     return piece, dataclasses.replace(role, layout="shard")
 
 
+# Ops that only re-view or re-type one tensor, shared by the passes that move such ops along with what they read.
+CASTS = frozenset({aten._to_copy.default})
+SIMPLE_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten.t.default, aten.slice.Tensor})
+VIEWS = SIMPLE_VIEWS | {
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.split_with_sizes.default,
+}
+
+
 # Ops that act element by element without being tagged pointwise.
 _ELEMENTWISE = {
     aten.clone.default,

@@ -49,6 +49,13 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
+def _collective(gm: fx.GraphModule, target: object, args: tuple, moves: tuple, at: dict) -> fx.Node:
+    """Issue a functional collective (``meta[COLLECTIVE]``: its kind and what it moves) and wait for it."""
+    issued = insert(gm, target, args, **at)
+    issued.meta[COLLECTIVE] = moves
+    return insert(gm, c10d.wait_tensor.default, (issued,), **at)
+
+
 def _pad_arg(ndim: int, extra_rows: int) -> list[int]:
     # constant_pad_nd pads from the last dim backwards: (last_lo, last_hi, ..., dim0_lo, dim0_hi)
     return [0, 0] * (ndim - 1) + [0, extra_rows]
@@ -90,23 +97,17 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         elif node.target is UNSHARD:
             _, dim0, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
-            gathered = insert(gm, c10d.all_gather_into_tensor.default, (source, world, group), **at)
-            gathered.meta[COLLECTIVE] = ("all_gather", x)
-            out = insert(gm, c10d.wait_tensor.default, (gathered,), **at)
+            out = _collective(gm, c10d.all_gather_into_tensor.default, (source, world, group), ("all_gather", x), at)
             if out.meta["val"].shape[0] != dim0:
                 out = insert(gm, aten.slice.Tensor, (out, 0, 0, dim0), **at)
         elif node.target is COMBINE:
             _, op, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
-            reduced = insert(gm, c10d.all_reduce.default, (source, op, group), **at)
-            reduced.meta[COLLECTIVE] = ("all_reduce", x)
-            out = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
+            out = _collective(gm, c10d.all_reduce.default, (source, op, group), ("all_reduce", x), at)
         elif node.target is REDUCE:
             _, world, group = node.args
             source = _contiguous(gm, x, node, mode, phase)
-            reduced = insert(gm, c10d.all_reduce.default, (source, "avg", group), **at)
-            reduced.meta[COLLECTIVE] = ("all_reduce", x)
-            out = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
+            out = _collective(gm, c10d.all_reduce.default, (source, "avg", group), ("all_reduce", x), at)
         else:
             assert node.target is REDUCE_SHARD
             _, world, rank, group = node.args
@@ -116,9 +117,9 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 source = insert(gm, aten.view.default, (table, [rows * world, *val.shape[1:]]), **at)
             else:
                 source = x
-            scattered = insert(gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), **at)
-            scattered.meta[COLLECTIVE] = ("reduce_scatter", x)
-            out = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
+            out = _collective(
+                gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), ("reduce_scatter", x), at
+            )
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
@@ -175,9 +176,9 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
         # one copy: each gradient's rank-r rows (zero-padded to equal rows) land in row r of the table
         table = insert(gm, aten._chunk_cat.default, (list(xs), 0, world), **at)
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
-        scattered = insert(gm, c10d.reduce_scatter_tensor.default, (flat, "avg", world, group), **at)
-        scattered.meta[COLLECTIVE] = ("reduce_scatter", xs)
-        done = insert(gm, c10d.wait_tensor.default, (scattered,), **at)
+        done = _collective(
+            gm, c10d.reduce_scatter_tensor.default, (flat, "avg", world, group), ("reduce_scatter", xs), at
+        )
         shard_shapes = [(shard_rows(v.shape[0], world), *v.shape[1:]) for v in vals]
         sizes = [_numel(v) // v.shape[0] * s[0] if v.shape[0] else 0 for v, s in zip(vals, shard_shapes)]
         pieces = insert(gm, aten.split_with_sizes.default, (done, sizes), **at)
@@ -190,9 +191,7 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
         xs = [insert(gm, aten.view.default, (x, [1]), **at) if v.dim() == 0 else x for x, v in zip(xs, vals)]
         table = insert(gm, aten._chunk_cat.default, (list(xs), 0, 1), **at)  # one copy, any strides
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
-        reduced = insert(gm, c10d.all_reduce.default, (flat, "avg", group), **at)
-        reduced.meta[COLLECTIVE] = ("all_reduce", xs)
-        done = insert(gm, c10d.wait_tensor.default, (reduced,), **at)
+        done = _collective(gm, c10d.all_reduce.default, (flat, "avg", group), ("all_reduce", xs), at)
         pieces = insert(gm, aten.split_with_sizes.default, (done, [_numel(v) for v in vals]), **at)
         for i, val in enumerate(vals):
             piece = insert(gm, operator.getitem, (pieces, i), **at)

@@ -31,30 +31,24 @@ import torch.fx as fx
 from zgraph.graph import BACKWARD, OPTIMIZER, PHASE, tensor_bytes
 from zgraph.ops import UNSHARD
 from zgraph.passes.bucket import bucket_limit
+from zgraph.passes.graph_utils import CASTS, VIEWS
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Data movement that only packs a collective's input or unpacks its output: copies, and views and casts that
 # re-type or re-lay one tensor (a gathered weight's transpose moves with its wait, not ahead of it).
-_PACKING = {
-    aten.view.default,
-    aten.reshape.default,
-    aten.t.default,
-    aten.transpose.int,
-    aten.permute.default,
-    aten.expand.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten._to_copy.default,
-    aten.cat.default,
-    aten._chunk_cat.default,
-    aten.constant_pad_nd.default,
-    aten.clone.default,
-    aten.slice.Tensor,
-    aten.split_with_sizes.default,
-    operator.getitem,
-}
+_PACKING = (
+    VIEWS
+    | CASTS
+    | {
+        aten.cat.default,
+        aten._chunk_cat.default,
+        aten.constant_pad_nd.default,
+        aten.clone.default,
+        operator.getitem,
+    }
+)
 _EPS = 1e-3
 _REDUCTIONS = (
     torch.ops._c10d_functional.reduce_scatter_tensor.default,

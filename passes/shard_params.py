@@ -35,31 +35,24 @@ from zgraph.graph import (
     set_input_layout,
 )
 from zgraph.ops import SHARD, UNSHARD
-from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_output, shard_val
+from zgraph.passes.graph_utils import CASTS, VIEWS, outputs, push_shards, set_outputs, shard_output, shard_val
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
 
 # Single-input ops that only re-view or re-type a tensor: cheap to recompute from a fresh gather.
-_RECOMPUTABLE = {
-    aten.t.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.permute.default,
-    aten.transpose.int,
-    aten.expand.default,
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.default,
-    aten.detach.default,
-    aten.alias.default,
-    aten._to_copy.default,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-}
+_RECOMPUTABLE = (
+    VIEWS
+    | CASTS
+    | {
+        aten._unsafe_view.default,
+        aten.select.int,
+        aten.squeeze.default,
+        aten.detach.default,
+        aten.alias.default,
+        aten.split.Tensor,
+    }
+)
 
 
 def shard_params(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:

@@ -11,6 +11,7 @@ from pass_graphs import GROUP, Builder, aten, context, count, param, targets
 from zgraph.graph import BACKWARD, BUCKET, FORWARD, INPUT, MADE_BY, OPTIMIZER, PHASE, VAL, GraphOutput, ShardSpec
 from zgraph.ops import (
     COMBINE,
+    GRAD_CONTRIBUTION,
     GRAD_NORM,
     NONFINITE,
     REDUCE,
@@ -21,13 +22,16 @@ from zgraph.ops import (
     UNSHARD,
     UNSHARD_BUCKET,
 )
-from zgraph.passes import Pass, run_pipeline
+from zgraph.passes import Pass, PassContext, run_pipeline
 from zgraph.passes.bucket import bucket
 from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
+from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives
+from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
 from zgraph.passes.schedule import WAIT, schedule
+from zgraph.passes.shard_optimizer import shard_optimizer
 from zgraph.passes.shard_params import shard_params
 
 c10d = torch.ops._c10d_functional
@@ -356,3 +360,58 @@ def test_pipeline_stamps_the_pass_that_made_each_node():
     assert all(made[n.name] == "bucket" for n in record.gm.graph.nodes if n.target is operator.getitem)
     assert made["mul_tensor"] is None  # untouched nodes name no pass
     assert record.doc.startswith("Merge same-kind collectives")  # the doc of the bound function
+
+
+# ------------------------------------------------------------------------------ cse, reduce_scatter, shard_optimizer
+def test_cse_merges_pure_repeats_and_drops_identities():
+    b = Builder()
+    x = b.input("x", (4, 4))
+    t1, t2 = b.op(aten.t.default, x), b.op(aten.t.default, x)
+    d = b.op(aten.detach.default, t2)
+    r1, r2 = b.op(aten.rand_like.default, x), b.op(aten.rand_like.default, x)  # random: never merged
+    s = b.op(aten.add.Tensor, b.op(aten.add.Tensor, t1, d), b.op(aten.add.Tensor, r1, r2))
+    gm = eliminate_common_subexpressions(b.finish([(s, _user(s))]), context())
+    assert count(gm, aten.t.default) == 1 and count(gm, aten.detach.default) == 0
+    assert count(gm, aten.rand_like.default) == 2
+
+
+def _grad_step():
+    b = Builder()
+    g = b.input("g", (8, 4), "grad", 0)
+    local = b.op(aten.mul.Tensor, b.input("x", (8, 4)), 2.0, phase=BACKWARD)
+    marked = b.op(GRAD_CONTRIBUTION, local, 0, phase=BACKWARD)
+    new_grad = b.op(aten.add.Tensor, g, marked, phase=BACKWARD)
+    return b.finish([(new_grad, GraphOutput("grad", "p0", 0))])
+
+
+def test_reduce_scatter_grads_averages_every_marker():
+    ctx = context((param(0, (8, 4)),))
+    whole = reduce_scatter_grads(_grad_step(), ctx, stage=1)
+    assert count(whole, GRAD_CONTRIBUTION) == 0 and count(whole, REDUCE) == 1 and count(whole, REDUCE_SHARD) == 0
+    sharded = reduce_scatter_grads(_grad_step(), ctx, stage=2)
+    assert count(sharded, GRAD_CONTRIBUTION) == 0 and count(sharded, REDUCE_SHARD) == 1 and count(sharded, REDUCE) == 0
+    g = next(n for n in sharded.graph.nodes if n.op == "placeholder" and n.name == "g")
+    assert g.meta[INPUT].layout == "shard" and tuple(g.meta[VAL].shape) == (4, 4)
+    out = [n for n in sharded.graph.nodes if n.op == "output"][0]
+    assert out.meta["zgraph_outputs"][0].layout == "shard"
+    assert tuple(out.args[0][0].meta[VAL].shape) == (4, 4)  # the update runs on the shard
+    alone = reduce_scatter_grads(_grad_step(), PassContext(), stage=2)  # no process group: markers dropped
+    assert count(alone, GRAD_CONTRIBUTION) == 0 and count(alone, REDUCE) == 0
+
+
+def test_shard_optimizer_keeps_state_sharded():
+    b = Builder()
+    w = b.input("w", (8, 4), "param", 0)
+    m = b.input("m", (8, 4), "opt_state", 0, field="exp_avg", optimizer=0)
+    new_m = b.op(aten.mul.Tensor, m, 0.9, phase=OPTIMIZER)
+    new_w = b.op(aten.sub.Tensor, w, new_m, phase=OPTIMIZER)
+    roles = [GraphOutput("param", "w", 0), GraphOutput("opt_state", "m", 0, field="exp_avg", optimizer=0)]
+    gm = shard_optimizer(b.finish(list(zip([new_w, new_m], roles))), context((param(0, (8, 4)),)), stage=1)
+    gm.graph.lint()
+    m_node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "m")
+    assert m_node.meta[INPUT].layout == "shard"
+    out = [n for n in gm.graph.nodes if n.op == "output"][0]
+    assert [r.layout for r in out.meta["zgraph_outputs"]] == ["full", "shard"]
+    assert tuple(out.args[0][1].meta[VAL].shape) == (4, 4)  # the state update runs on the shard
+    assert out.args[0][0].target is UNSHARD  # the updated parameter is gathered whole
+    assert count(shard_optimizer(_grad_step(), context((param(0, (8, 4)),)), stage=0), UNSHARD) == 0

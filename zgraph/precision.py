@@ -37,15 +37,6 @@ from zgraph.ops import grad_norm, nonfinite
 BACKWARD_CALLS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
 
-def loss_scale_fields(config: Config) -> tuple[str, ...]:
-    """The loss-scale state a step carries between calls (graph inputs and outputs)."""
-    if config.loss_scale is None:
-        return ()
-    if isinstance(config.loss_scale, DynamicLossScale):
-        return ("scale", "good_steps", "hysteresis")
-    return ("scale",)
-
-
 def initial_loss_scale_state(config: Config) -> dict[str, Tensor]:
     policy = config.loss_scale
     if policy is None:

@@ -3,43 +3,44 @@
 On a call it finds the modules and optimizers the step uses, looks up a compiled graph by a guard key (shapes,
 dtypes, structure, requires_grad, grad mode, training flags, optimizer structure), captures, transforms and
 compiles on a miss, then runs the graph and writes the new state back into the modules and optimizers.
+
+Discovery and guard keys live in ``zgraph.guards``; a compiled variant, its lowering for the backend and running
+it against the live state in ``zgraph.compiled``. This module binds state and decides: when a trace finds state
+to bind first (``zgraph.capture.Traced``), the call binds it and captures again, up to ``_MAX_REBINDS`` times.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import os
 import time
 import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import Tensor
 
 from zgraph import optimizers as zopt
-from zgraph.capture import CapturedGraph, UnboundState, _Returned, capture
+from zgraph.capture import CapturedGraph, UnboundState, finish, trace_step
+from zgraph.compiled import CompiledStep, lower, run
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.explain import dump_graphs, explain_table
-from zgraph.graph import GraphInput, GraphOutput, ParamInfo, input_specs, output_roles
+from zgraph.graph import ParamInfo, input_specs, output_roles
+from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
 from zgraph.locate import Locator, Slot, locate
-from zgraph.passes import Pass, PassContext, PassRecord, build_pipeline, default_pipeline, run_pipeline
+from zgraph.passes import PassContext, build_pipeline, default_pipeline, run_pipeline
 from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
-from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
 from zgraph.runtime.host_memory import keep_freed_host_memory
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
 from zgraph.runtime.sharded_state import (
-    StateIO,
     adopt_sharded_parameters,
     apply_plan,
     broadcast_initial_state,
@@ -48,181 +49,7 @@ from zgraph.runtime.sharded_state import (
     normalize_state,
 )
 from zgraph.runtime.state import Binding
-from zgraph.tree import children, iter_leaves, map_leaves, structure_key
-
-_STATE_TYPES = (nn.Module, torch.optim.Optimizer)
-
-
-# ------------------------------------------------------------------------------------------------ discovery
-def _bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """``[(name, value)]`` of the call's arguments, named after the step's signature where possible."""
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
-    return list(bound.arguments.items())
-
-
-def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int], depth: int = 0) -> None:
-    if isinstance(obj, _STATE_TYPES):
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            out.append((path, obj))
-        return
-    kids = children(obj)
-    if kids is not None:
-        for suffix, child in kids:
-            _find_state(child, path + suffix, out, seen, depth)
-    elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, Tensor)):
-        # A plain object (a trainer, ``self`` of a method): look at its attributes, one level deep.
-        for name, value in list(vars(obj).items()):
-            _find_state(value, f"{path}.{name}", out, seen, depth + 1)
-
-
-def discover(
-    fn: Callable, args: tuple, kwargs: dict, observed: Sequence[tuple[str, Any]] = ()
-) -> tuple[list[tuple[str, nn.Module]], list]:
-    """Modules and optimizers a step uses: in its arguments (any nesting), the arguments a ``functools.partial``
-    binds, its closure, the globals it names, and ``observed`` (found while tracing an earlier call)."""
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-    for name, value in _bound_arguments(fn, args, kwargs):
-        _find_state(value, name, found, seen)
-    inner = fn
-    while isinstance(inner, (functools.partial, types.MethodType)):
-        if isinstance(inner, functools.partial):
-            _find_state(list(inner.args), "partial.args", found, seen)
-            _find_state(dict(inner.keywords), "partial.keywords", found, seen)
-            inner = inner.func
-        else:
-            _find_state(inner.__self__, "self", found, seen)
-            inner = inner.__func__
-    code = getattr(inner, "__code__", None)
-    if code is not None:
-        for name, cell in zip(code.co_freevars, getattr(inner, "__closure__", None) or ()):
-            try:
-                _find_state(cell.cell_contents, name, found, seen, depth=1)
-            except ValueError:  # empty cell
-                continue
-        fn_globals = getattr(inner, "__globals__", {})
-        for name in code.co_names:
-            if name in fn_globals:
-                _find_state(fn_globals[name], name, found, seen, depth=1)
-    for name, value in observed:
-        _find_state(value, name, found, seen)
-    modules = [(label, m) for label, m in found if isinstance(m, nn.Module)]
-    optimizers = [(label, o) for label, o in found if isinstance(o, torch.optim.Optimizer)]
-    return modules, optimizers
-
-
-# ------------------------------------------------------------------------------------------------ guard key
-def _tensor_key(t: Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
-
-
-def _value_key(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return _tensor_key(value)
-    if isinstance(value, _STATE_TYPES):
-        return (type(value), "object", id(value))
-    try:
-        hash(value)
-    except TypeError:
-        return (type(value), "object", id(value))
-    return (type(value), value)
-
-
-_KEY_PARTS = (
-    "the modules and optimizers",
-    "grad mode",
-    "autocast",
-    "parameters (shape, dtype, requires_grad, .grad)",
-    "buffers",
-    "optimizer hyper-parameters or state",
-    "train()/eval() flags",
-    "the structure of the arguments",
-    "an argument",
-    "a tensor read outside the arguments",
-)
-
-
-def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: Sequence[Tensor] = ()) -> tuple:
-    """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
-    arguments, ``located`` the tensors read from places ``zgraph.locate`` found. A different key retraces. Its
-    parts are named by ``_KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
-    params = tuple(
-        (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad, _grad_key(r.tensor)) for r in binding.params
-    )
-    buffers = tuple(_maybe_tensor_key(r.get()) for r in binding.buffers)
-    opts = []
-    for o in binding.optimizers:
-        kernel = zopt.kernel_for(o.optimizer)
-        groups = tuple(
-            kernel.structure(g) if kernel else tuple(sorted((k, _value_key(v)) for k, v in g.items() if k != "params"))
-            for g in o.optimizer.param_groups
-        )
-        states = tuple(
-            tuple(sorted((k, _value_key(v)) for k, v in binding.optimizer_state(o.index, i).items()))
-            for indices in o.group_params
-            for i in indices
-        )
-        opts.append((groups, states))
-    training = tuple(m.training for _, root in binding.modules for m in root.modules())
-    leaves = tuple((path, _value_key(leaf)) for name, value in arguments for path, leaf in iter_leaves(value, name))
-    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-    return (
-        id(binding),
-        torch.is_grad_enabled(),
-        autocast,
-        params,
-        buffers,
-        tuple(opts),
-        training,
-        tuple((name, structure_key(value)) for name, value in arguments),
-        leaves,
-        tuple(_tensor_key(t) for t in located),
-    )
-
-
-def _grad_key(t: Tensor) -> tuple | None:
-    g = t.grad
-    return None if g is None else (tuple(g.shape), g.dtype)
-
-
-def _maybe_tensor_key(t: Tensor | None) -> tuple | None:
-    return None if t is None else (tuple(t.shape), t.dtype, t.is_contiguous())
-
-
-# ---------------------------------------------------------------------------------------------- compiled step
-@dataclass
-class CompiledStep:
-    """One captured, transformed and compiled variant of the step (one guard key)."""
-
-    captured: CapturedGraph
-    records: list[PassRecord]
-    executable: Executable
-    capture_seconds: float
-    input_specs: list[GraphInput] = field(default_factory=list)
-    output_roles: list[GraphOutput] = field(default_factory=list)
-    description: list[str] = field(default_factory=list)
-    digest: int = 0
-    cost_model: Any = None
-    backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
-
-    @property
-    def final(self) -> fx.GraphModule:
-        """The graph that runs: the last pass's graph as the backend rewrote it."""
-        for records in (self.backend_records, self.records):
-            if records:
-                return records[-1].gm
-        return self.captured.gm
-
-    def graphs(self) -> OrderedDict[str, fx.GraphModule]:
-        out: OrderedDict[str, fx.GraphModule] = OrderedDict(captured=self.captured.gm)
-        for record in self.records:
-            out[record.name] = record.gm
-        out["final"] = self.final
-        return out
+from zgraph.tree import iter_leaves
 
 
 class DistributedStep:
@@ -291,7 +118,7 @@ class DistributedStep:
             check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description)
         self._last = compiled
         try:
-            return self._run(compiled, binding, user_tensors)
+            return run(compiled, binding, user_tensors)
         except Exception as error:
             if channel is None:
                 raise
@@ -316,7 +143,7 @@ class DistributedStep:
                 self._add_locators(binding, args, kwargs, lambda t: t.requires_grad)
             located = self._located(binding, args, kwargs)
             user_tensors = self._user_tensors(binding, args, kwargs, located)
-            arguments = _bound_arguments(self._fn, args, kwargs)
+            arguments = bound_arguments(self._fn, args, kwargs)
             key = guard_key(binding, arguments, [t for _, _, t in located])
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -325,11 +152,10 @@ class DistributedStep:
                     if self._step_schedulers_first(compiled):
                         continue
                 break
-            try:
-                compiled = self._compile(binding, args, kwargs, user_tensors, located)
-            except _Rebind as found:
+            compiled = self._compile(binding, args, kwargs, user_tensors, located)
+            if isinstance(compiled, str):  # the trace found state to bind first: bind it, capture again
                 if attempt == _MAX_REBINDS:
-                    raise CaptureError(f"zgraph could not bind the state the step uses: {found}") from None
+                    raise CaptureError(f"zgraph could not bind the state the step uses: {compiled}")
                 continue
             key = guard_key(binding, arguments, [t for _, _, t in located])
             self._warn_if_recaptured_often(key)
@@ -349,12 +175,12 @@ class DistributedStep:
             return
         previous = same_state[-1]
         part = next(i for i, (a, b) in enumerate(zip(previous, key)) if a != b)
-        why = _KEY_PARTS[part]
-        if part == _KEY_PARTS.index("an argument"):
+        why = KEY_PARTS[part]
+        if part == KEY_PARTS.index("an argument"):
             changed = [(p, a, b) for (p, a), (_, b) in zip(previous[part], key[part]) if a != b]
             if changed:
                 path, before, after = changed[0]
-                why = f"argument `{path}` changed from {_describe(before)} to {_describe(after)}"
+                why = f"argument `{path}` changed from {describe_leaf(before)} to {describe_leaf(after)}"
         warnings.warn(
             f"zgraph: `{getattr(self._fn, '__qualname__', self._fn)}` has been captured {_RECAPTURE_WARNING} times; "
             f"the last time because {why}. Every capture traces and compiles the whole step again. Python numbers "
@@ -379,7 +205,7 @@ class DistributedStep:
     def _binding(self, args: tuple, kwargs: dict, group: ProcessGroupInfo, channel: Channel | None) -> Binding:
         modules, optimizers = discover(self._fn, args, kwargs, self._observed)
         adopt_sharded_parameters([opt for _, opt in optimizers])
-        binding = self._bindings.get(_binding_key(modules, optimizers))
+        binding = self._bindings.get(binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
             convert_master_dtype(binding, self.config.master_dtype, self.config.optimizer_state_dtype)
@@ -396,12 +222,12 @@ class DistributedStep:
                 keep_freed_host_memory()
             # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
             binding.cost_model = fit_cost_model(group, device, self.config.measure_collectives, channel)
-            self._bindings[_binding_key(modules, optimizers)] = binding
+            self._bindings[binding_key(modules, optimizers)] = binding
         return binding
 
     def _located(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Slot, Tensor]]:
         """``(path, slot, tensor)`` of the located tensors (see ``zgraph.locate``) as they are in this call."""
-        arguments = dict(_bound_arguments(self._fn, args, kwargs))
+        arguments = dict(bound_arguments(self._fn, args, kwargs))
         out = []
         for locator in self._locators:
             slot = locator.resolve(self._fn, arguments)
@@ -417,7 +243,7 @@ class DistributedStep:
         tensors."""
         out = []
         seen: set[int] = set()
-        leaves = [leaf for name, value in _bound_arguments(self._fn, args, kwargs) for leaf in iter_leaves(value, name)]
+        leaves = [leaf for name, value in bound_arguments(self._fn, args, kwargs) for leaf in iter_leaves(value, name)]
         for path, leaf in [*leaves, *((path, t) for path, _, t in located)]:
             if not isinstance(leaf, Tensor) or id(leaf) in seen:
                 continue
@@ -428,21 +254,21 @@ class DistributedStep:
 
     def _add_locators(self, binding: Binding, args: tuple, kwargs: dict, wanted: Callable) -> list[Locator]:
         """Locate the tensors ``wanted`` accepts (``zgraph.locate``) and remember the new places."""
-        arguments = dict(_bound_arguments(self._fn, args, kwargs))
+        arguments = dict(bound_arguments(self._fn, args, kwargs))
         known = {loc.path for loc in self._locators}
         new = [loc for loc in locate(wanted, self._fn, arguments, binding.modules).values() if loc.path not in known]
         self._locators.extend(new)
         return new
 
-    def _check_constants(self, binding: Binding, args: tuple, kwargs: dict, constants: list[Tensor]) -> None:
+    def _check_constants(self, binding: Binding, args: tuple, kwargs: dict, constants: list[Tensor]) -> str | None:
         """Capture froze ``constants`` into the graph. Those zgraph can locate become inputs read on every call
-        (raise ``_Rebind`` to capture again); a parameter, buffer or tensor that requires grad it cannot locate
-        is an error: its gradient or updates would be lost."""
+        (returns what was found: capture again); a parameter, buffer or tensor that requires grad it cannot
+        locate is an error: its gradient or updates would be lost."""
         already = {id(t) for _, _, t in self._located(binding, args, kwargs)}
         frozen = {id(t) for t in constants} - already
         found = self._add_locators(binding, args, kwargs, lambda t: id(t) in frozen)
         if found:
-            raise _Rebind(f"tensors read outside the arguments: {', '.join(loc.path for loc in found)}")
+            return f"tensors read outside the arguments: {', '.join(loc.path for loc in found)}"
         for t in constants:
             if id(t) in already:
                 continue
@@ -456,30 +282,38 @@ class DistributedStep:
                     "graph and its gradient or updates lost. Pass it to the step as an argument, or make it an "
                     "nn.Parameter or buffer of a module the step uses."
                 )
+        return None
 
-    def _substitute(self, label: str, obj: Any, traced: dict[int, Tensor]) -> Any:
-        return map_leaves(obj, lambda _path, leaf: traced.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf)
+    def _capture(
+        self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list, located: Sequence
+    ) -> CapturedGraph | str:
+        """Trace the step and finish its graph; or, when the trace found state zgraph must bind first (modules,
+        optimizers, tensors read outside the arguments), bind it and return what it found. A first optimizer
+        step's state is created for real and the step traced once more with it as graph inputs."""
+        materialized = False
+        swaps = [(slot, t) for _, slot, t in located]
+        while True:
+            traced = trace_step(self._fn, args, kwargs, binding, user_tensors, self.config, swaps)
+            if traced.unbound is not None:
+                self._observe(traced.unbound, args, kwargs)
+                return f"modules / optimizers reached while tracing: {self._observed}"
+            found = self._check_constants(binding, args, kwargs, traced.constants)
+            if found is not None:
+                return found
+            if not materialized and traced.captured.created_state:
+                materialized = True
+                if self._materialize_created_state(binding, traced.captured):
+                    continue
+            return finish(traced)
 
     def _compile(
         self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list, located: Sequence = ()
-    ) -> CompiledStep:
+    ) -> CompiledStep | str:
+        """Capture, transform and compile the step; or what the trace found to bind first (see ``_capture``)."""
         start = time.perf_counter()
-        try:
-            captured = capture(
-                self._fn,
-                args,
-                kwargs,
-                binding,
-                user_tensors,
-                self._substitute,
-                self.config,
-                materialize_state=functools.partial(self._materialize_created_state, binding),
-                swaps=[(slot, t) for _, slot, t in located],
-                check_constants=functools.partial(self._check_constants, binding, args, kwargs),
-            )
-        except UnboundState as found:
-            self._observe(found, args, kwargs)
-            raise _Rebind(f"modules / optimizers reached while tracing: {self._observed}") from None
+        captured = self._capture(binding, args, kwargs, user_tensors, located)
+        if isinstance(captured, str):
+            return captured
         capture_seconds = time.perf_counter() - start
         if captured.python_results:
             shown = ", ".join(f"{path} = {value!r}" for path, value in captured.python_results[:3])
@@ -494,7 +328,7 @@ class DistributedStep:
         ctx = self._context(binding)
         records = run_pipeline(captured.gm, ctx, self._pipeline)
         transformed = records[-1].gm if records else captured.gm
-        backend_records, executable = _lower(transformed, ctx, self.config.backend)
+        backend_records, executable = lower(transformed, ctx, self.config.backend)
         final = backend_records[-1].gm
         description = describe_graph(captured.gm) + describe_collectives(transformed)
         return CompiledStep(
@@ -551,43 +385,6 @@ class DistributedStep:
             cost_model=binding.cost_model,
         )
 
-    def _run(self, compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
-        io = StateIO(binding, binding.plan)
-        captured = compiled.captured
-        hyper: dict[tuple[int, int], dict[str, float]] = {}
-        for spec in compiled.input_specs:
-            if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
-                opt = binding.optimizers[spec.optimizer].optimizer
-                kernel = zopt.kernel_for(opt)
-                hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
-        inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
-        outputs = list(compiled.executable.run(inputs))
-        _unalias(outputs, inputs, compiled.executable.updated_inputs)
-        user_values = []
-        for value, role in zip(outputs, compiled.output_roles):
-            if role.kind == "user":
-                user_values.append(value)
-            else:
-                io.write(role, value, user_tensors)
-        for i in captured.none_grads:
-            binding.params[i].tensor.grad = None
-        for i in captured.none_input_grads:
-            user_tensors[i][1].grad = None
-        for o_index, p_index, key, value in captured.constant_state:
-            opt = binding.optimizers[o_index].optimizer
-            opt.state[binding.params[p_index].tensor][key] = value
-        for module, training in captured.training_flags:
-            module.training = training
-        for o_index in captured.optimizers_stepped:
-            binding.optimizers[o_index].optimizer._opt_called = True  # what LR schedulers check
-        for scheduler, before_update in captured.scheduler_steps:
-            if not before_update:
-                scheduler.step()
-        return map_leaves(
-            captured.result_template,
-            lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,
-        )
-
     # ------------------------------------------------------------------------------------------ inspection
     def _compiled(self) -> CompiledStep:
         if self._last is None:
@@ -612,7 +409,7 @@ class DistributedStep:
         """Remember the modules and optimizers the trace reached (bound from the next capture on), each named
         after where the step's code holds it, else after its class."""
         known = {id(obj) for _, obj in self._observed}
-        roots = _named_objects(self._fn, args, kwargs)
+        roots = named_objects(self._fn, args, kwargs)
         for obj in [*found.modules, *found.optimizers]:
             if id(obj) in known:
                 continue
@@ -623,34 +420,7 @@ class DistributedStep:
 _MAX_REBINDS = 4
 
 
-def _lower(gm: fx.GraphModule, ctx: PassContext, backend: str) -> tuple[list[PassRecord], Executable]:
-    """Run ``backend``'s rewrites on ``gm`` as recorded passes and compile the result; where inductor cannot
-    compile it, the eager backend's rewrites and executor instead. Returns the records and the executable."""
-    start = time.perf_counter()
-    for name in (backend, "eager"):
-        rewrites = [
-            Pass(n, lambda g, _ctx, fn=fn: fn(g), doc=fn.__doc__.strip().splitlines()[0])
-            for n, fn in backend_rewrites(name)
-        ]
-        records = run_pipeline(gm, ctx, rewrites, check_input=False)
-        executable = compile_graph(records[-1].gm, name)
-        if executable is not None:
-            if name != backend:  # the time inductor spent failing counts too
-                executable.compile_seconds = time.perf_counter() - start
-            return records, executable
-    raise AssertionError("the eager backend always compiles")
-
-
 _RECAPTURE_WARNING = 8
-
-
-def _describe(leaf_key: Any) -> str:
-    """A guard-key leaf (``_value_key``) as the user would recognise it."""
-    if len(leaf_key) == 6 and isinstance(leaf_key[1], torch.dtype):
-        return f"a tensor of shape {leaf_key[0]} ({leaf_key[1]})"
-    if len(leaf_key) == 3:
-        return f"a {leaf_key[0].__name__} object"
-    return repr(leaf_key[1])
 
 
 def _is_collective_failure(error: BaseException) -> bool:
@@ -662,69 +432,6 @@ def _is_collective_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or any(
         mark in text for mark in ("gloo", "Timed out", "Connection closed", "NCCL", "pair closure")
     )
-
-
-class _Rebind(Exception):  # noqa: N818 - control flow inside DistributedStep.__call__
-    """The trace found state to bind (modules, optimizers, located tensors): capture again."""
-
-
-def _named_objects(fn: Callable, args: tuple, kwargs: dict) -> dict[int, str]:
-    """``id -> name`` of the objects a step's arguments, globals and closure name directly."""
-    names: dict[int, str] = {}
-    for name, value in _bound_arguments(fn, args, kwargs):
-        names.setdefault(id(value), name)
-    inner = fn
-    while isinstance(inner, (functools.partial, types.MethodType)):
-        inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
-    code = getattr(inner, "__code__", None)
-    if code is not None:
-        for name in code.co_names:
-            if name in getattr(inner, "__globals__", {}):
-                names.setdefault(id(inner.__globals__[name]), name)
-        for name, cell in zip(code.co_freevars, getattr(inner, "__closure__", None) or ()):
-            with contextlib.suppress(ValueError):
-                names.setdefault(id(cell.cell_contents), name)
-    return names
-
-
-def _binding_key(modules: list, optimizers: list) -> tuple:
-    return (
-        tuple(id(m) for _, m in modules),
-        tuple((id(o), tuple(tuple(id(p) for p in g["params"]) for g in o.param_groups)) for _, o in optimizers),
-    )
-
-
-def _memory(t: Tensor) -> tuple[int, int, int]:
-    """``(storage, first byte, end byte)`` a tensor's elements occupy."""
-    size = t.element_size()
-    extent = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()) if n > 0) + 1
-    start = t.storage_offset() * size
-    return t.untyped_storage().data_ptr(), start, start + extent * size
-
-
-def _unalias(outputs: list, inputs: list, updated_inputs: frozenset[int] = frozenset()) -> None:
-    """Outputs whose memory overlaps an input's or another output's are cloned, so no two pieces of state ever
-    share elements (except ``updated_inputs``: a state's own input, updated in place). Disjoint views of one
-    buffer (a bucket's results) keep sharing it."""
-    taken: dict[int, list[tuple[int, int]]] = {}
-
-    def overlaps(t: Tensor) -> bool:
-        storage, start, end = _memory(t)
-        return any(start < e and s < end for s, e in taken.get(storage, ()))
-
-    def take(t: Tensor) -> None:
-        storage, start, end = _memory(t)
-        taken.setdefault(storage, []).append((start, end))
-
-    for t in inputs:
-        if isinstance(t, Tensor) and t.numel():
-            take(t)
-    for i, value in enumerate(outputs):
-        if i in updated_inputs or not isinstance(value, Tensor) or not value.numel():
-            continue
-        if overlaps(value):
-            outputs[i] = value = value.clone()
-        take(value)
 
 
 def distribute(config: Config | None = None, **overrides: Any) -> Callable[[Callable], DistributedStep]:

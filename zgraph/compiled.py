@@ -1,0 +1,143 @@
+"""A compiled variant of the step: its graphs, lowering for the backend, and running it against the live state."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+from torch import Tensor
+
+from zgraph import optimizers as zopt
+from zgraph.capture import CapturedGraph, _Returned
+from zgraph.graph import GraphInput, GraphOutput
+from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
+from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
+from zgraph.runtime.sharded_state import StateIO
+from zgraph.runtime.state import Binding
+from zgraph.tree import map_leaves
+
+
+@dataclass
+class CompiledStep:
+    """One captured, transformed and compiled variant of the step (one guard key)."""
+
+    captured: CapturedGraph
+    records: list[PassRecord]
+    executable: Executable
+    capture_seconds: float
+    input_specs: list[GraphInput] = field(default_factory=list)
+    output_roles: list[GraphOutput] = field(default_factory=list)
+    description: list[str] = field(default_factory=list)
+    digest: int = 0
+    cost_model: Any = None
+    backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
+
+    @property
+    def final(self) -> fx.GraphModule:
+        """The graph that runs: the last pass's graph as the backend rewrote it."""
+        for records in (self.backend_records, self.records):
+            if records:
+                return records[-1].gm
+        return self.captured.gm
+
+    def graphs(self) -> OrderedDict[str, fx.GraphModule]:
+        out: OrderedDict[str, fx.GraphModule] = OrderedDict(captured=self.captured.gm)
+        for record in self.records:
+            out[record.name] = record.gm
+        out["final"] = self.final
+        return out
+
+
+def lower(gm: fx.GraphModule, ctx: PassContext, backend: str) -> tuple[list[PassRecord], Executable]:
+    """Run ``backend``'s rewrites on ``gm`` as recorded passes and compile the result; where inductor cannot
+    compile it, the eager backend's rewrites and executor instead. Returns the records and the executable."""
+    start = time.perf_counter()
+    for name in (backend, "eager"):
+        rewrites = [
+            Pass(n, lambda g, _ctx, fn=fn: fn(g), doc=fn.__doc__.strip().splitlines()[0])
+            for n, fn in backend_rewrites(name)
+        ]
+        records = run_pipeline(gm, ctx, rewrites, check_input=False)
+        executable = compile_graph(records[-1].gm, name)
+        if executable is not None:
+            if name != backend:  # the time inductor spent failing counts too
+                executable.compile_seconds = time.perf_counter() - start
+            return records, executable
+    raise AssertionError("the eager backend always compiles")
+
+
+def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
+    """Run ``compiled`` on the live state: read its inputs, run the graph, write the new state back, restore what
+    the graph does not hold (None grads, Python state, LR schedulers stepped after the update); returns the
+    step's result."""
+    io = StateIO(binding, binding.plan)
+    captured = compiled.captured
+    hyper: dict[tuple[int, int], dict[str, float]] = {}
+    for spec in compiled.input_specs:
+        if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
+            opt = binding.optimizers[spec.optimizer].optimizer
+            kernel = zopt.kernel_for(opt)
+            hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
+    inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
+    outputs = list(compiled.executable.run(inputs))
+    _unalias(outputs, inputs, compiled.executable.updated_inputs)
+    user_values = []
+    for value, role in zip(outputs, compiled.output_roles):
+        if role.kind == "user":
+            user_values.append(value)
+        else:
+            io.write(role, value, user_tensors)
+    for i in captured.none_grads:
+        binding.params[i].tensor.grad = None
+    for i in captured.none_input_grads:
+        user_tensors[i][1].grad = None
+    for o_index, p_index, key, value in captured.constant_state:
+        opt = binding.optimizers[o_index].optimizer
+        opt.state[binding.params[p_index].tensor][key] = value
+    for module, training in captured.training_flags:
+        module.training = training
+    for o_index in captured.optimizers_stepped:
+        binding.optimizers[o_index].optimizer._opt_called = True  # what LR schedulers check
+    for scheduler, before_update in captured.scheduler_steps:
+        if not before_update:
+            scheduler.step()
+    return map_leaves(
+        captured.result_template,
+        lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,
+    )
+
+
+def _memory(t: Tensor) -> tuple[int, int, int]:
+    """``(storage, first byte, end byte)`` a tensor's elements occupy."""
+    size = t.element_size()
+    extent = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()) if n > 0) + 1
+    start = t.storage_offset() * size
+    return t.untyped_storage().data_ptr(), start, start + extent * size
+
+
+def _unalias(outputs: list, inputs: list, updated_inputs: frozenset[int] = frozenset()) -> None:
+    """Outputs whose memory overlaps an input's or another output's are cloned, so no two pieces of state ever
+    share elements (except ``updated_inputs``: a state's own input, updated in place). Disjoint views of one
+    buffer (a bucket's results) keep sharing it."""
+    taken: dict[int, list[tuple[int, int]]] = {}
+
+    def overlaps(t: Tensor) -> bool:
+        storage, start, end = _memory(t)
+        return any(start < e and s < end for s, e in taken.get(storage, ()))
+
+    def take(t: Tensor) -> None:
+        storage, start, end = _memory(t)
+        taken.setdefault(storage, []).append((start, end))
+
+    for t in inputs:
+        if isinstance(t, Tensor) and t.numel():
+            take(t)
+    for i, value in enumerate(outputs):
+        if i in updated_inputs or not isinstance(value, Tensor) or not value.numel():
+            continue
+        if overlaps(value):
+            outputs[i] = value = value.clone()
+        take(value)

@@ -1,0 +1,200 @@
+"""What a step call depends on besides tensor values: the modules and optimizers it uses (discovery), and the
+guard key a compiled variant is cached under (shapes, dtypes, structure, requires_grad, grad mode, training
+flags, optimizer structure)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zgraph import optimizers as zopt
+from zgraph.runtime.state import Binding
+from zgraph.tree import children, iter_leaves, structure_key
+
+_STATE_TYPES = (nn.Module, torch.optim.Optimizer)
+
+
+def bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """``[(name, value)]`` of the call's arguments, named after the step's signature where possible."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return list(bound.arguments.items())
+
+
+def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int], depth: int = 0) -> None:
+    if isinstance(obj, _STATE_TYPES):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            out.append((path, obj))
+        return
+    kids = children(obj)
+    if kids is not None:
+        for suffix, child in kids:
+            _find_state(child, path + suffix, out, seen, depth)
+    elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, Tensor)):
+        # A plain object (a trainer, ``self`` of a method): look at its attributes, one level deep.
+        for name, value in list(vars(obj).items()):
+            _find_state(value, f"{path}.{name}", out, seen, depth + 1)
+
+
+def discover(
+    fn: Callable, args: tuple, kwargs: dict, observed: Sequence[tuple[str, Any]] = ()
+) -> tuple[list[tuple[str, nn.Module]], list]:
+    """Modules and optimizers a step uses: in its arguments (any nesting), the arguments a ``functools.partial``
+    binds, its closure, the globals it names, and ``observed`` (found while tracing an earlier call)."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, value in bound_arguments(fn, args, kwargs):
+        _find_state(value, name, found, seen)
+    inner = fn
+    while isinstance(inner, (functools.partial, types.MethodType)):
+        if isinstance(inner, functools.partial):
+            _find_state(list(inner.args), "partial.args", found, seen)
+            _find_state(dict(inner.keywords), "partial.keywords", found, seen)
+            inner = inner.func
+        else:
+            _find_state(inner.__self__, "self", found, seen)
+            inner = inner.__func__
+    code = getattr(inner, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(inner, "__closure__", None) or ()):
+            try:
+                _find_state(cell.cell_contents, name, found, seen, depth=1)
+            except ValueError:  # empty cell
+                continue
+        fn_globals = getattr(inner, "__globals__", {})
+        for name in code.co_names:
+            if name in fn_globals:
+                _find_state(fn_globals[name], name, found, seen, depth=1)
+    for name, value in observed:
+        _find_state(value, name, found, seen)
+    modules = [(label, m) for label, m in found if isinstance(m, nn.Module)]
+    optimizers = [(label, o) for label, o in found if isinstance(o, torch.optim.Optimizer)]
+    return modules, optimizers
+
+
+# ------------------------------------------------------------------------------------------------ guard key
+
+
+def named_objects(fn: Callable, args: tuple, kwargs: dict) -> dict[int, str]:
+    """``id -> name`` of the objects a step's arguments, globals and closure name directly."""
+    names: dict[int, str] = {}
+    for name, value in bound_arguments(fn, args, kwargs):
+        names.setdefault(id(value), name)
+    inner = fn
+    while isinstance(inner, (functools.partial, types.MethodType)):
+        inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
+    code = getattr(inner, "__code__", None)
+    if code is not None:
+        for name in code.co_names:
+            if name in getattr(inner, "__globals__", {}):
+                names.setdefault(id(inner.__globals__[name]), name)
+        for name, cell in zip(code.co_freevars, getattr(inner, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):
+                names.setdefault(id(cell.cell_contents), name)
+    return names
+
+
+def binding_key(modules: list, optimizers: list) -> tuple:
+    return (
+        tuple(id(m) for _, m in modules),
+        tuple((id(o), tuple(tuple(id(p) for p in g["params"]) for g in o.param_groups)) for _, o in optimizers),
+    )
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _tensor_key(value)
+    if isinstance(value, _STATE_TYPES):
+        return (type(value), "object", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value), "object", id(value))
+    return (type(value), value)
+
+
+KEY_PARTS = (
+    "the modules and optimizers",
+    "grad mode",
+    "autocast",
+    "parameters (shape, dtype, requires_grad, .grad)",
+    "buffers",
+    "optimizer hyper-parameters or state",
+    "train()/eval() flags",
+    "the structure of the arguments",
+    "an argument",
+    "a tensor read outside the arguments",
+)
+
+
+def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: Sequence[Tensor] = ()) -> tuple:
+    """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
+    arguments, ``located`` the tensors read from places ``zgraph.locate`` found. A different key retraces. Its
+    parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
+    params = tuple(
+        (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad, _grad_key(r.tensor)) for r in binding.params
+    )
+    buffers = tuple(_maybe_tensor_key(r.get()) for r in binding.buffers)
+    opts = []
+    for o in binding.optimizers:
+        kernel = zopt.kernel_for(o.optimizer)
+        groups = tuple(
+            kernel.structure(g) if kernel else tuple(sorted((k, _value_key(v)) for k, v in g.items() if k != "params"))
+            for g in o.optimizer.param_groups
+        )
+        states = tuple(
+            tuple(sorted((k, _value_key(v)) for k, v in binding.optimizer_state(o.index, i).items()))
+            for indices in o.group_params
+            for i in indices
+        )
+        opts.append((groups, states))
+    training = tuple(m.training for _, root in binding.modules for m in root.modules())
+    leaves = tuple((path, _value_key(leaf)) for name, value in arguments for path, leaf in iter_leaves(value, name))
+    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    return (
+        id(binding),
+        torch.is_grad_enabled(),
+        autocast,
+        params,
+        buffers,
+        tuple(opts),
+        training,
+        tuple((name, structure_key(value)) for name, value in arguments),
+        leaves,
+        tuple(_tensor_key(t) for t in located),
+    )
+
+
+def _grad_key(t: Tensor) -> tuple | None:
+    g = t.grad
+    return None if g is None else (tuple(g.shape), g.dtype)
+
+
+def _maybe_tensor_key(t: Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.dtype, t.is_contiguous())
+
+
+# ---------------------------------------------------------------------------------------------- compiled step
+
+
+def describe_leaf(leaf_key: Any) -> str:
+    """A guard-key leaf (``_value_key``) as the user would recognise it."""
+    if len(leaf_key) == 6 and isinstance(leaf_key[1], torch.dtype):
+        return f"a tensor of shape {leaf_key[0]} ({leaf_key[1]})"
+    if len(leaf_key) == 3:
+        return f"a {leaf_key[0].__name__} object"
+    return repr(leaf_key[1])
