@@ -46,7 +46,6 @@ class Model:
 
     make: Callable[[], nn.Module]
     batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
-    setup: Callable[[], None] | None = None  # run in each rank's process before anything else (see mixtral)
 
 
 def _lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,15 +134,11 @@ def mixtral() -> nn.Module:
     return model
 
 
-def _load_fake_kernels() -> None:
-    import zgraph.fake_kernels  # noqa: F401  (until capture imports it itself: see test_models_hf.py)
-
-
 MODELS = {
     "gpt2": Model(gpt2, _lm_batches),
     "llama": Model(llama, _lm_batches),
     "bert": Model(bert, _classification_batches),
-    "mixtral": Model(mixtral, _lm_batches, setup=_load_fake_kernels),
+    "mixtral": Model(mixtral, _lm_batches),
     "llama_checkpointing": Model(llama_checkpointing, _lm_batches),
 }
 
@@ -239,9 +234,6 @@ def run_model(rank: int, world: int, out_path: str, name: str, stages: list[int]
     """Worker: one model on every rank: the eager references (rank 0 the global batch in order, rank 1 with the
     rank slices rotated, at the same time), DDP, then zgraph at each stage. Rank 0 saves
     ``{"eager": ..., "rotated": ..., "ddp": ..., stage: ...}`` (a failure as ``{"error": traceback}``)."""
-    spec = MODELS[name]
-    if spec.setup is not None:
-        spec.setup()
     references = all_gather_values(_guarded(eager, name, rank % 2 == 1, world))
     results: dict = {"eager": references[0], "rotated": references[1 % world]}
     results["ddp"] = _guarded(ddp, name, rank, world)

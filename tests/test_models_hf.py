@@ -104,12 +104,6 @@ def test_zero_matches_ddp(results, name, stage):
 
 
 # ------------------------------------------------------------------------------ MoE experts (issue 16, item 1)
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 16: zgraph/capture.py does not import zgraph.fake_kernels, so torch's bf16-only fake kernel of "
-    "aten::_grouped_mm refuses transformers' default fp32 experts (`Expected inputs of BF16 type`)",
-)
 def test_default_experts_capture_without_manual_import(tmp_path):
     """A fresh process that never imports zgraph.fake_kernels itself captures Mixtral's default experts."""
     path = tmp_path / "error.pt"
@@ -121,10 +115,8 @@ def test_default_experts_capture_without_manual_import(tmp_path):
 
 
 def test_default_experts_capture_at_one_process():
-    """With zgraph.fake_kernels loaded, Mixtral's default (grouped_mm) experts capture in fp32 and the step
-    equals eager PyTorch bitwise at one process (the same kernels run in the same order)."""
-    import zgraph.fake_kernels  # noqa: F401
-
+    """Mixtral's default (grouped_mm) experts capture in fp32 (zgraph's fake kernel) and the step equals eager
+    PyTorch bitwise at one process (the same kernels run in the same order)."""
     model, reference = hf_cases.mixtral(), hf_cases.mixtral()
     opt, reference_opt = hf_cases._optimizer(model), hf_cases._optimizer(reference)
     step = zgraph.distribute(zgraph.Config(stage=3, backend="eager"))(hf_cases.train_step)
@@ -139,12 +131,6 @@ def test_default_experts_capture_at_one_process():
         assert torch.equal(state[key], value), key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 16: capture's data-dependent-control-flow error does not recognise transformers' eager experts "
-    'loop, so it does not name set_experts_implementation("batched_mm")',
-)
 def test_eager_experts_loop_names_batched_mm():
     model = hf_cases.mixtral()
     model.set_experts_implementation("eager")
@@ -155,7 +141,7 @@ def test_eager_experts_loop_names_batched_mm():
 
 def test_eager_experts_loop_hint_from_the_capture_failure():
     """zgraph.model_hints.hint, given the failure behind capture's error, names the call (what capture should
-    append to its message: see the xfail above)."""
+    append to its message)."""
     from zgraph.model_hints import hint
 
     model = hf_cases.mixtral()

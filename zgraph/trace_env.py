@@ -26,7 +26,9 @@ from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import zgraph.fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
 from zgraph.errors import CaptureError
+from zgraph.model_hints import hint
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
 
@@ -344,5 +346,5 @@ def trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: 
         raise CaptureError(
             f"zgraph cannot capture `{name}`: {detail}{where(exc)}. zgraph traces the step once and replays "
             "the graph on later calls, so Python cannot branch on tensor values inside it. Move the check "
-            "outside the step, or express it with tensor ops (torch.where, masking)."
+            f"outside the step, or express it with tensor ops (torch.where, masking).{hint(exc)}"
         ) from exc
