@@ -15,6 +15,7 @@ parameters). 0-d parameters, and tensors an optimizer holds that no module owns,
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,17 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence
         plan.specs.append(spec)
         already_sharded = getattr(t, _PADDED, None) is not None  # by another step's plan (e.g. fwd/bwd only)
         plan.persistent.append(not already_sharded and (not record.slots or t.numel() <= persistence_threshold))
+    if stage >= 3 and group.distributed and binding.params:
+        if not any(plan.params_sharded(i) for i in range(len(binding.params))):
+            largest = max(r.tensor.numel() for r in binding.params)
+            warnings.warn(
+                f"zgraph: stage 3 shards no parameter of this model: every one has at most "
+                f"param_persistence_threshold={persistence_threshold} elements (the largest has {largest}), so each "
+                "stays whole on every rank (DeepSpeed's stage3_param_persistence_threshold does the same). Lower "
+                "Config.param_persistence_threshold to shard them.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return plan
 
 

@@ -133,6 +133,14 @@ def test_small_parameters_persist_in_stage3(checks):
     small = [n for n, numel in result["numels"].items() if numel <= 100_000]
     assert result["sharded"] == big == ["head.weight", "tok.weight"] and small
     assert result["forward_gathers"] >= 1
+    # explain() says how many parameters were sharded and how many stayed whole
+    whole = len(result["numels"]) - 2
+    assert "parameters: 2 sharded (" in result["explain"], result["explain"]
+    assert f"{whole} whole on every rank (" in result["explain"]
+    assert "param_persistence_threshold=100000 elements" in result["explain"]
+    # a model with no parameter above the threshold: stage 3 warns (once for the model) and explain shows 0
+    assert len(result["small_warnings"]) == 1 and "param_persistence_threshold" in result["small_warnings"][0]
+    assert "parameters: 0 sharded (0 B), 4 whole on every rank" in result["small_explain"], result["small_explain"]
 
 
 def test_a_sharded_model_is_freed_when_the_user_drops_it(checks):

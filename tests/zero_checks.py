@@ -306,10 +306,20 @@ def persistence(rank: int, world: int) -> dict:
         and n.meta["zgraph_collective"][0] == "all_gather"
         and n.meta["phase"] == "forward"
     ]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # a model too small for stage 3 to shard anything
+        warnings.simplefilter("always")
+        small = zgraph.distribute(stage=3, backend="eager")(_step)
+        small_model = _mlp()
+        small(small_model, torch.optim.AdamW(small_model.parameters()), torch.randn(4, 8), torch.randint(0, 4, (4,)))
     return {
         "sharded": sharded,
         "forward_gathers": len(gathered),
         "numels": {n: p.numel() for n, p in model.named_parameters()},
+        "explain": step.explain(),
+        "small_warnings": [str(w.message) for w in caught if "shards no parameter" in str(w.message)],
+        "small_explain": small.explain(),
     }
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, _Returned
-from zgraph.graph import GraphInput, GraphOutput
+from zgraph.graph import GraphInput, GraphOutput, ParamInfo
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
 from zgraph.runtime.sharded_state import StateIO
@@ -34,6 +34,7 @@ class CompiledStep:
     digest: int = 0
     cost_model: Any = None
     backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
+    params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
 
     @property
     def final(self) -> fx.GraphModule:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import Counter
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from zgraph.graph import COLLECTIVE, COLLECTIVE_KINDS, MADE_BY, collective_bytes, collective_kind
+from zgraph.graph import COLLECTIVE, COLLECTIVE_KINDS, MADE_BY, ParamInfo, collective_bytes, collective_kind
 from zgraph.runtime.timeline import estimate
 
 if TYPE_CHECKING:
@@ -69,8 +70,22 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt(row).rstrip() for row in table]
     lines += _bucket_lines(compiled.final)
+    lines += _sharding_lines(compiled.params, config)
     lines += _timeline_lines(compiled)
     return "\n".join(lines)
+
+
+def _sharding_lines(params: tuple[ParamInfo, ...], config: Any) -> list[str]:
+    """Stage 3: how many parameters (and bytes) are sharded, and how many stay whole under the threshold."""
+    if config.stage < 3 or not params:
+        return []
+    sharded = [p for p in params if p.shard is not None and not p.persistent]
+    whole = [p for p in params if p.shard is None or p.persistent]
+    size = lambda group: human_bytes(sum(math.prod(p.shape) * p.dtype.itemsize for p in group))
+    return [
+        f"parameters: {len(sharded)} sharded ({size(sharded)}), {len(whole)} whole on every rank ({size(whole)}; "
+        f"param_persistence_threshold={config.param_persistence_threshold} elements)"
+    ]
 
 
 def _bucket_lines(gm: fx.GraphModule) -> list[str]:

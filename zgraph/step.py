@@ -342,6 +342,7 @@ class DistributedStep:
             digest(description),
             binding.cost_model,
             backend_records,
+            ctx.params,
         )
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
