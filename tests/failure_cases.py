@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
+from parity import train_step
 from torch import nn
 
 import zgraph
@@ -22,12 +23,7 @@ def _mlp(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+_step = train_step
 
 
 def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

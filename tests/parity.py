@@ -12,6 +12,15 @@ from torch import Tensor, nn
 import zgraph
 
 
+def train_step(model, opt, x, y):
+    """The plain classification step many tests compile: forward, backward, optimizer step, zero_grad."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def assert_close(actual: Any, expected: Any, *, bitwise: bool, what: str, rtol: float = 1e-6) -> None:
     """Compare tensors (or nested containers of them, or None). ``bitwise``: exact equality."""
     if isinstance(expected, Tensor):

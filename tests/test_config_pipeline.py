@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
+from parity import train_step
 from torch import nn
 
 import zgraph
@@ -71,12 +71,7 @@ def _train_setup():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+_step = train_step
 
 
 def test_unknown_disabled_pass_is_rejected_before_anything_runs():

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 from dist_harness import all_gather_values, run_named
+from parity import train_step
 from torch import nn
 
 import zgraph
@@ -26,12 +27,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+_step = train_step
 
 
 def collective_counts(rank: int, world: int) -> dict:
