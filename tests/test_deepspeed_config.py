@@ -67,7 +67,7 @@ def test_fp16_dynamic_loss_scale():
 @pytest.mark.parametrize(
     ("ds", "message"),
     [
-        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "ZeRO >= 1"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantized weights"),
         ({"zero_optimization": {"stagee": 3}}, r"unknown key\(s\) \['stagee'\]"),
         ({"gradient_accumulation_steps": 4}, "micro-batch loop"),

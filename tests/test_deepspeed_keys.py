@@ -175,8 +175,11 @@ def test_strict_types_name_the_key(ds, message):
 @pytest.mark.parametrize(
     ("ds", "message"),
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "does not offload state yet"),
-        ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}}, "does not offload"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "requires ZeRO >= 1"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, "stage 3"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}, "needs offload_dir"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}}, r"\[0, 1\]"),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "bogus": 1}}}, "bogus"),
         ({"zero_optimization": {"cpu_offload": True}}, "offload"),
         ({"zero_optimization": {"mics_shard_size": 2}}, "MiCS sharding was removed"),
         ({"sparse_gradients": True}, "removed in DeepSpeed 0.19.8"),

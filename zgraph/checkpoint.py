@@ -66,6 +66,7 @@ from zgraph.checkpoint_state import (
 )
 from zgraph.errors import CheckpointError, RankFailedError
 from zgraph.runtime.agreement import Channel, world_channel
+from zgraph.runtime.offload import materialize
 from zgraph.runtime.sharded_state import normalize_state, sharding_of
 
 MARKER = cio.MARKER
@@ -106,6 +107,8 @@ def save(
     rng: Any = None
     error = None
     try:
+        for opt in as_list(optimizer):
+            materialize(opt)  # offloaded optimizer states, readable again
         tensors, manifest, rng = saved_state(model, as_list(optimizer), scheduler, extra, rank, world)
         json.dumps(manifest, allow_nan=False)  # storable as JSON: checked before anything is written
     except Exception as caught:  # raised on every rank below, before anything is written
@@ -230,6 +233,8 @@ def load(
     commit: Callable[[], dict[str, Any]] | None = None
     error = None
     try:
+        for opt in as_list(optimizer):
+            materialize(opt)  # offloaded optimizer states, resident before they are compared and replaced
         commit = _stage(path, model, as_list(optimizer), scheduler, verify)
     except Exception as caught:
         error = caught

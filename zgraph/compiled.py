@@ -15,6 +15,7 @@ from zgraph.capture import CapturedGraph, _Returned
 from zgraph.graph import GraphInput, GraphOutput, ParamInfo
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
+from zgraph.runtime.offload import binding_tensors
 from zgraph.runtime.sharded_state import StateIO
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
@@ -35,6 +36,7 @@ class CompiledStep:
     cost_model: Any = None
     backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
+    offload: Any = None  # the binding's offload store (zgraph.runtime.offload), for explain()
 
     @property
     def final(self) -> fx.GraphModule:
@@ -76,6 +78,9 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     step's result."""
     io = StateIO(binding, binding.plan)
     captured = compiled.captured
+    store = compiled.offload = getattr(binding, "offload", None)
+    if store is not None and any(spec.kind == "opt_state" for spec in compiled.input_specs):
+        store.reload()  # the states the graph reads, back from the offload tier
     hyper: dict[tuple[int, int], dict[str, float]] = {}
     for spec in compiled.input_specs:
         if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
@@ -105,6 +110,8 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     for scheduler, before_update in captured.scheduler_steps:
         if not before_update:
             scheduler.step()
+    if store is not None:
+        store.offload(*binding_tensors(binding))  # the updated states, out to the offload tier
     return map_leaves(
         captured.result_template,
         lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,

@@ -72,6 +72,20 @@ class Config:
             collective of the step, before it raises ``zgraph.RankFailedError`` naming the rank that failed (and
             its error) or the call each rank was last in. Default 300 (five minutes); it must cover the
             difference between ranks' compile times on the first call.
+        offload_optimizer: where optimizer states (Adam's moments...) live between steps. None (default): in
+            memory on the compute device. ``"cpu"``: host memory (on a CPU machine the identity: they are there
+            already). ``"nvme"``: files under ``offload_dir``, written after each update and read back before the
+            next one, in blocks of one state buffer each (see ``zgraph.runtime.offload``). Needs stage >= 1
+            (DeepSpeed's ZeRO-Offload does too). DeepSpeed's ``zero_optimization.offload_optimizer``.
+        offload_params: where sharded parameters live between uses (stage 3 only): None (default) or ``"cpu"``
+            (the identity on a CPU machine); ``"nvme"`` is accepted here and refused at the first call (not yet
+            implemented). DeepSpeed's ``zero_optimization.offload_param``.
+        offload_dir: directory the ``"nvme"`` tier writes its files in (each process in its own new
+            subdirectory, removed at exit and when the step is dropped). Required with ``"nvme"``; checked at
+            the first call (it must exist and be writable). DeepSpeed's ``nvme_path``.
+        offload_fraction: share of the optimizer states, by bytes, that ``offload_optimizer`` moves, in whole
+            state buffers (a bucket's buffer, or a parameter's state tensor), first parameters first; 1.0
+            (default) moves all, 0.0 none. DeepSpeed's ``offload_optimizer.ratio`` (ZeRO-Offload++).
     """
 
     stage: int = 0
@@ -92,6 +106,10 @@ class Config:
     autocast_dtype: torch.dtype | None = None
     keep_host_memory: bool = False
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    offload_optimizer: str | None = None
+    offload_params: str | None = None
+    offload_dir: str | os.PathLike | None = None
+    offload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         _check_choice("stage", self.stage, _STAGES, int)
@@ -120,6 +138,7 @@ class Config:
         timeout = self.collective_timeout
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
             raise ValueError(f"Config.collective_timeout must be a positive number of seconds; got {timeout!r}")
+        _check_offload(self)
         object.__setattr__(self, "disable_passes", _as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", _as_pass_tuple(self.extra_passes))
 
@@ -240,6 +259,37 @@ def _check_precision(config: Config) -> None:
         raise ValueError(
             f"Config.master_dtype={master} is less precise than param_dtype={compute}: the master weights would lose "
             "what the updates add; use a master dtype at least as wide as the compute dtype"
+        )
+
+
+_OFFLOAD_TIERS = (None, "cpu", "nvme")
+
+
+def _check_offload(config: Config) -> None:
+    """Offload options: known tiers, a fraction in [0, 1], a directory for "nvme", the ZeRO stage they need."""
+    for name in ("offload_optimizer", "offload_params"):
+        value = getattr(config, name)
+        if value not in _OFFLOAD_TIERS or isinstance(value, bool):
+            raise ValueError(f'Config.{name} must be None, "cpu" or "nvme"; got {value!r}')
+    fraction = config.offload_fraction
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"Config.offload_fraction must be a number in [0, 1] (a share of the bytes); got {fraction!r}")
+    directory = config.offload_dir
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"Config.offload_dir must be None or a directory path; got {directory!r}")
+    tiers = {config.offload_optimizer, config.offload_params}
+    if "nvme" in tiers and directory is None:
+        raise ValueError('Config offload to "nvme" needs offload_dir: the directory its files are written in')
+    if tiers != {None} and config.stage == 0:
+        raise ValueError(
+            "Config offload_optimizer / offload_params at stage 0: offload needs ZeRO stage >= 1 (DeepSpeed "
+            "requires ZeRO >= 1 for offload too); set stage=1, 2 or 3"
+        )
+    if config.offload_params is not None and config.stage < 3:
+        raise ValueError(
+            f"Config.offload_params={config.offload_params!r} at stage {config.stage}: parameters are offloaded "
+            "only when they are sharded, at stage 3 (as DeepSpeed's offload_param); set stage=3 or use "
+            "offload_optimizer"
         )
 
 

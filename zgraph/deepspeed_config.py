@@ -30,9 +30,14 @@ Mapping (DeepSpeed → zgraph):
   0: none. ``communication_data_type`` → ``reduce_dtype``.
 - The ``optimizer`` and ``scheduler`` sections are ignored here: ``zgraph.optimizer_from_deepspeed`` builds them.
 
-Rejected: offload to a device (``offload_optimizer`` / ``offload_param`` other than ``"none"``),
-``gradient_accumulation_steps`` above 1 (write the micro-batch loop in the step), features zgraph does not have
-(quantized weights or gradients, ZeRO++ hierarchical partitions, pipeline or tensor parallelism, DeepSpeed's own
+- ``zero_optimization.offload_optimizer`` / ``offload_param``: ``device`` (``"none"``, ``"cpu"``, ``"nvme"``) →
+  ``offload_optimizer`` / ``offload_params``; ``nvme_path`` → ``offload_dir``; ``offload_optimizer.ratio`` →
+  ``offload_fraction``; ``pin_memory``, ``buffer_count``, ``buffer_size``, ``max_in_cpu``, ``pipeline_read`` /
+  ``pipeline_write``, ``fast_init`` are accepted with no effect (``zgraph.deepspeed_keys.OFFLOAD_ACCEPTED`` says
+  why). ``Config`` then checks them as for any Config (stage >= 1, a directory for ``"nvme"``...).
+
+Rejected: ``gradient_accumulation_steps`` above 1 (write the micro-batch loop in the step), features zgraph does not
+have (quantized weights or gradients, ZeRO++ hierarchical partitions, pipeline or tensor parallelism, DeepSpeed's own
 activation checkpointing...), keys DeepSpeed 0.19.8 removed (``amp``, ``sparse_gradients``..., with DeepSpeed's
 reason) unless they say "off", and keys DeepSpeed does not have.
 """
@@ -196,3 +201,4 @@ def _read_zero(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
     for key, (field, size, minimum) in sizes.items():
         if key in zero and not is_auto(zero[key]):
             fields[field] = integer(f"zero_optimization.{key}", zero[key], minimum=minimum) * size
+    fields.update(keys.offload_fields(zero))

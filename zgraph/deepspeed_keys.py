@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from zgraph.deepspeed_values import boolean, choice, integer, is_auto, section, unknown
+from zgraph.deepspeed_values import boolean, choice, integer, is_auto, number, section, unknown
 
 GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed/runtime/constants.py, 0.19.8
 
@@ -144,8 +144,8 @@ ZERO_FALSE_ONLY = {
     "zero_quantized_weights": "quantized weights",
     "zero_quantized_nontrainable_weights": "quantized weights",
     "zero_quantized_gradients": "quantized gradients",
-    "cpu_offload": "offload (zgraph does not offload state yet)",
-    "cpu_offload_param": "offload (zgraph does not offload state yet)",
+    "cpu_offload": 'the deprecated offload flag (write offload_optimizer: {"device": "cpu"} instead)',
+    "cpu_offload_param": 'the deprecated offload flag (write offload_param: {"device": "cpu"} instead)',
 }
 ZERO_REMOVED = {
     "mics_shard_size": "MiCS sharding was removed from DeepSpeed",
@@ -236,18 +236,65 @@ def _check_zero_features(zero: Mapping[str, Any]) -> None:
             f"DeepSpeed config zero_optimization.zero_hpz_partition_size={hpz}: ZeRO++ hierarchical partitioning "
             "(a secondary parameter partition per node) is not supported by zgraph; remove it (1 is off)"
         )
-    for key in ("offload_optimizer", "offload_param"):
-        offload = section(f"zero_optimization.{key}", zero.get(key))
-        device = offload.get("device", "none")
-        if device is None or is_auto(device):
-            device = "none"
-        choice(f"zero_optimization.{key}.device", device, ("none", "cpu", "nvme"))
-        if device != "none":
-            raise ValueError(
-                f"DeepSpeed config zero_optimization.{key} (device {device!r}): zgraph does not offload state yet; "
-                "remove the section"
-            )
+    offload_fields(zero)
     if zero.get("zenflow") is not None:
         raise ValueError("DeepSpeed config zero_optimization.zenflow: ZenFlow offloading is not supported by zgraph")
     if "leaf_module" in zero:
         section("zero_optimization.leaf_module", zero["leaf_module"])
+
+
+# DeepSpeed 0.19.8's offload sections (DeepSpeedZeroOffloadOptimizerConfig / ...ParamConfig): the keys that map,
+# and those accepted with no effect, with the reason.
+OFFLOAD_MAPPED = {"device": "offload_optimizer / offload_params", "nvme_path": "offload_dir",
+                  "ratio": "offload_fraction (offload_optimizer only)"}  # fmt: skip
+OFFLOAD_ACCEPTED = {
+    "pin_memory": "pinned host buffers are how the cpu tier copies on CUDA; on the CPU there is nothing to pin",
+    "buffer_count": "zgraph reads and writes one block per state buffer, no staging buffer pool",
+    "buffer_size": "zgraph reads and writes one block per state buffer, no staging buffer pool",
+    "max_in_cpu": "zgraph keeps no host cache of NVMe parameters",
+    "pipeline_read": "I/O overlap changes speed, not results",
+    "pipeline_write": "I/O overlap changes speed, not results",
+    "fast_init": "optimizer initialisation speed only",
+}
+_OFFLOAD_SECTIONS = {"offload_optimizer": ("offload_optimizer", True), "offload_param": ("offload_params", False)}
+
+
+def offload_fields(zero: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``Config`` offload fields of ``zero_optimization.offload_optimizer`` / ``offload_param``."""
+    fields: dict[str, Any] = {}
+    for key, (field, has_ratio) in _OFFLOAD_SECTIONS.items():
+        where = f"zero_optimization.{key}"
+        offload = section(where, zero.get(key))
+        allowed = set(OFFLOAD_MAPPED) | set(OFFLOAD_ACCEPTED)
+        unknown(
+            where,
+            set(offload)
+            - (allowed if has_ratio else allowed - {"ratio", "pipeline_read", "pipeline_write", "fast_init"}),
+        )
+        device = offload.get("device", "none")
+        device = (
+            "none" if device is None or is_auto(device) else choice(f"{where}.device", device, ("none", "cpu", "nvme"))
+        )
+        for name in ("pin_memory", "pipeline_read", "pipeline_write", "fast_init"):
+            if offload.get(name) is not None and not is_auto(offload[name]):
+                boolean(f"{where}.{name}", offload[name])
+        for name in ("buffer_count", "buffer_size", "max_in_cpu"):
+            if offload.get(name) is not None and not is_auto(offload[name]):
+                integer(f"{where}.{name}", offload[name])
+        if device == "none":
+            continue
+        fields[field] = device
+        path = offload.get("nvme_path")
+        if path is not None and device == "nvme":
+            if not isinstance(path, str):
+                raise ValueError(f"DeepSpeed config {where}.nvme_path: expected a directory path, got {path!r}")
+            if fields.get("offload_dir", path) != path:
+                raise ValueError(
+                    f"DeepSpeed config: offload_optimizer.nvme_path and offload_param.nvme_path differ "
+                    f"({fields['offload_dir']!r}, {path!r}); zgraph writes both in one offload_dir: give one path"
+                )
+            fields["offload_dir"] = path
+        ratio = offload.get("ratio")
+        if has_ratio and ratio is not None and not is_auto(ratio):
+            fields["offload_fraction"] = float(number(f"{where}.ratio", ratio, minimum=0.0))
+    return fields

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 
 from zgraph.graph import COLLECTIVE, COLLECTIVE_KINDS, MADE_BY, ParamInfo, collective_bytes, collective_kind
+from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import estimate
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     lines += _bucket_lines(compiled.final)
     lines += _sharding_lines(compiled.params, config)
     lines += _timeline_lines(compiled)
+    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.host_memory import keep_freed_host_memory
+from zgraph.runtime.offload import open_store
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
 from zgraph.runtime.sharded_state import (
     adopt_sharded_parameters,
@@ -218,6 +219,9 @@ class DistributedStep:
             binding.plan = make_plan(self.config.stage, group, binding, self.config.param_persistence_threshold)
             apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
             device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
+            binding.offload = open_store(self.config, device.type)
+            if binding.offload is not None:
+                binding.offload.watch([o.optimizer for o in binding.optimizers])
             if self.config.keep_host_memory and device.type == "cpu":
                 keep_freed_host_memory()
             # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it

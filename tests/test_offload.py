@@ -1,0 +1,163 @@
+"""Offload (issue 14, first slice): Config vocabulary and bad input, the NVMe tier for optimizer states (files
+under offload_dir between steps, bitwise the same training), the CPU identity, checkpoints and a full disk."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from offload_cases import batches, make, make_step, same, train
+
+import zgraph
+from zgraph.runtime import offload as runtime_offload
+
+BASE = zgraph.Config(stage=1, backend="eager", measure_collectives=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(stage=1, offload_fraction=1.5), r"offload_fraction must be a number in \[0, 1\]"),
+        (dict(stage=1, offload_fraction=-0.1), r"offload_fraction must be a number in \[0, 1\]"),
+        (dict(stage=1, offload_optimizer="nvme"), "needs offload_dir"),
+        (dict(stage=0, offload_optimizer="cpu"), "DeepSpeed requires ZeRO >= 1"),
+        (dict(stage=2, offload_params="cpu"), "only when they are sharded, at stage 3"),
+        (dict(stage=1, offload_optimizer="disk"), 'must be None, "cpu" or "nvme"'),
+        (dict(stage=1, offload_optimizer="cpu", offload_dir=3), "offload_dir must be None or a directory"),
+    ],
+)
+def test_bad_config_is_a_clear_value_error(fields, message):
+    with pytest.raises(ValueError, match=message):
+        zgraph.Config(**fields)
+
+
+def test_from_deepspeed_maps_offload_sections():
+    config = zgraph.Config.from_deepspeed(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "ratio": 0.3, "pin_memory": True,
+                                      "buffer_count": 4, "pipeline_read": False, "fast_init": False},
+                "offload_param": {"device": "cpu", "pin_memory": True, "max_in_cpu": 10, "buffer_size": 8},
+            }
+        }
+    )  # fmt: skip
+    assert (config.offload_optimizer, config.offload_params) == ("nvme", "cpu")
+    assert (config.offload_dir, config.offload_fraction) == ("/nvme", 0.3)
+    off = zgraph.Config.from_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}})
+    assert off.offload_optimizer is None
+
+
+def test_missing_or_unwritable_dir_fails_at_first_call(tmp_path):
+    model, opt = make()
+    step = make_step(BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path / "absent")))
+    with pytest.raises(runtime_offload.OffloadError, match="does not exist"):
+        step(model, opt, *batches()[0])
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):
+        pytest.skip("running as root: every directory is writable")
+    step = make_step(BASE.replace(offload_optimizer="nvme", offload_dir=str(locked)))
+    with pytest.raises(runtime_offload.OffloadError, match="not writable"):
+        step(model, opt, *batches()[0])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_nvme_training_is_bitwise_the_same(tmp_path, stage, state_dtype):
+    base = BASE.replace(stage=stage, optimizer_state_dtype=state_dtype)
+    assert same(train(base), train(base.replace(offload_optimizer="nvme", offload_dir=str(tmp_path))))
+    gc.collect()
+    assert os.listdir(tmp_path) == []  # the step was dropped: its files too
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    storages = {}
+    for state in opt.state.values():
+        for t in state.values():
+            storage = getattr(t, "_local_tensor", t).untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+def test_states_leave_memory_and_files_hold_them(tmp_path, fraction):
+    model, opt = make()
+    step = make_step(BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path), offload_fraction=fraction))
+    for x, y in batches():
+        step(model, opt, x, y)
+    total = sum(2 * p.numel() * 4 for p in model.parameters())  # exp_avg, exp_avg_sq
+    scalars = 4 * len(opt.state)  # each "step" count stays
+    store = step._last.offload
+    assert store.bytes_total == total + (0 if fraction < 1 else 0)
+    assert _state_bytes(opt) == total - store.bytes_offloaded + scalars
+    assert store.bytes_offloaded >= fraction * total and (fraction > 0 or store.bytes_offloaded == 0)
+    files = os.listdir(store.path)
+    assert sum(os.path.getsize(os.path.join(store.path, f)) for f in files) == store.bytes_offloaded
+    assert os.path.basename(store.path).startswith(f"zgraph-offload-{os.getpid()}-")
+    text = step.explain()
+    assert f'offload_optimizer="nvme": the runtime writes {store.bytes_offloaded} of {total}' in text
+    _, optim_state = zgraph.full_state_dict(model, opt)  # materialises them
+    assert _state_bytes(opt) == total + scalars
+    assert all(torch.isfinite(s["exp_avg"]).all() for s in optim_state["state"].values())
+
+
+def test_cpu_tier_on_cpu_is_the_identity():
+    config = BASE.replace(offload_optimizer="cpu")
+    model, opt = make()
+    step = make_step(config)
+    step(model, opt, *batches()[0])
+    assert step._last.offload is None
+    assert 'offload_optimizer="cpu": the identity here' in step.explain()
+    assert same(train(BASE), train(config))
+
+
+def test_full_disk_raises_and_keeps_the_state(tmp_path, monkeypatch):
+    expected = train(BASE)
+    model, opt = make()
+    step = make_step(BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path)))
+    data = batches()
+    losses = [step(model, opt, *data[0]).item()]
+    writes = []
+
+    def full(fd, data, offset):
+        writes.append(1)
+        if len(writes) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)
+
+    monkeypatch.setattr(runtime_offload.os, "pwrite", full)
+    with pytest.raises(runtime_offload.OffloadError, match="disk under offload_dir full.*training state is intact"):
+        step(model, opt, *data[1])
+    monkeypatch.undo()
+    assert not [f for f in os.listdir(step._last.offload.path) if f.endswith(".tmp")]
+    losses.append(None)
+    losses += [step(model, opt, x, y).item() for x, y in data[2:]]
+    assert losses[2:] == expected[0][2:]
+    assert same(zgraph.full_state_dict(model, opt), expected[1:])
+
+
+def test_checkpoint_with_offloaded_states_resumes_without_offload(tmp_path):
+    data = batches()
+    offload = BASE.replace(stage=2, offload_optimizer="nvme", offload_dir=str(tmp_path))
+    model, opt = make()
+    step = make_step(offload)
+    for x, y in data[:2]:
+        step(model, opt, x, y)
+    zgraph.save(tmp_path / "ckpt", model, opt)
+    continued = [step(model, opt, x, y).item() for x, y in data[2:]]
+    model2, opt2 = make(seed=1)
+    zgraph.load(tmp_path / "ckpt", model2, opt2)
+    step2 = make_step(BASE.replace(stage=2))
+    resumed = [step2(model2, opt2, x, y).item() for x, y in data[2:]]
+    assert resumed == continued
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_bitwise(stage):
+    run_ranks(2, "offload_cases.compare_ranks", stage, None, timeout=300)
+    run_ranks(2, "offload_cases.compare_ranks", stage, "bfloat16", timeout=300)
