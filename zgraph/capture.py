@@ -89,6 +89,8 @@ class CapturedGraph:
             before the graph, so its optimizer update reads the new values, as in eager; else after it).
         python_results: ``(path, value)`` of the Python numbers in the step's return value: computed once, while
             capturing, and returned unchanged by every call.
+        grad_outputs: ``(position, shape, dtype, device)`` of the returned tensors that require grad.
+        split: set on a split step (``zgraph.split``): what partitions its joint graph and runs its backward.
     """
 
     gm: fx.GraphModule
@@ -101,6 +103,8 @@ class CapturedGraph:
     optimizers_stepped: list[int] = field(default_factory=list)
     scheduler_steps: list[tuple[LRScheduler, bool]] = field(default_factory=list)
     python_results: list[tuple[str, Any]] = field(default_factory=list)
+    grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
+    split: Any = None
 
 
 class _Returned:
@@ -400,6 +404,8 @@ def _outputs(
 
     def returned(path: str, leaf: Any) -> Any:
         if isinstance(leaf, (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                captured.grad_outputs.append((len(outs), tuple(leaf.shape), leaf.dtype, leaf.device))
             outs.append(leaf)
             roles.append(GraphOutput("user", path, len(roles)))
             return _Returned(len(outs) - 1)

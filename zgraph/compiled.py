@@ -36,6 +36,7 @@ class CompiledStep:
     cost_model: Any = None
     backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
+    split: Any = None  # a split step's forward and backward (``zgraph.split_run.SplitCompiled``)
     offload: Any = None  # the binding's offload store (zgraph.runtime.offload), for explain()
 
     @property
@@ -51,6 +52,9 @@ class CompiledStep:
         for record in self.records:
             out[record.name] = record.gm
         out["final"] = self.final
+        if self.split is not None:
+            for part, records in (("forward", self.split.forward_records), ("backward", self.split.backward_records)):
+                out[part] = records[-1].gm
         return out
 
 
@@ -77,7 +81,6 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     the graph does not hold (None grads, Python state, LR schedulers stepped after the update); returns the
     step's result."""
     io = StateIO(binding, binding.plan)
-    captured = compiled.captured
     store = compiled.offload = getattr(binding, "offload", None)
     if store is not None and any(spec.kind == "opt_state" for spec in compiled.input_specs):
         store.reload()  # the states the graph reads, back from the offload tier
@@ -96,9 +99,21 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
             user_values.append(value)
         else:
             io.write(role, value, user_tensors)
-    for i in captured.none_grads:
+    result = finish_call(compiled, binding, user_tensors, user_values)
+    if store is not None:
+        store.offload(*binding_tensors(binding))  # the updated states, out to the offload tier
+    return result
+
+
+def finish_call(
+    compiled: CompiledStep, binding: Binding, user_tensors: list, user_values: list, grads: bool = True
+) -> Any:
+    """After the graph ran: restore what it does not hold (None grads unless not ``grads``, Python state, LR
+    schedulers stepped after the update); returns the step's result."""
+    captured = compiled.captured
+    for i in captured.none_grads if grads else ():
         binding.params[i].tensor.grad = None
-    for i in captured.none_input_grads:
+    for i in captured.none_input_grads if grads else ():
         user_tensors[i][1].grad = None
     for o_index, p_index, key, value in captured.constant_state:
         opt = binding.optimizers[o_index].optimizer
@@ -110,8 +125,6 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     for scheduler, before_update in captured.scheduler_steps:
         if not before_update:
             scheduler.step()
-    if store is not None:
-        store.offload(*binding_tensors(binding))  # the updated states, out to the offload tier
     return map_leaves(
         captured.result_template,
         lambda _p, leaf: user_values[leaf.position] if isinstance(leaf, _Returned) else leaf,

@@ -52,10 +52,19 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     """The pipeline as a table: one row per graph (captured, each pass, final)."""
     rows = [("captured", compiled.captured.gm, compiled.capture_seconds, "trace + functionalize")]
     rows += [(r.name, r.gm, r.seconds, r.doc) for r in compiled.records]
-    rows += [(f"{r.name} ({compiled.executable.backend})", r.gm, r.seconds, r.doc) for r in compiled.backend_records]
-    rows.append(
-        (f"final ({compiled.executable.backend})", compiled.final, compiled.executable.compile_seconds, "compile")
-    )
+    if compiled.split is not None:  # a split step runs two graphs cut from the joint one (zgraph.split)
+        for part, exe, records in (
+            ("forward", compiled.split.forward, compiled.split.forward_records),
+            ("backward", compiled.split.backward, compiled.split.backward_records),
+        ):
+            rows.append((f"{part} ({exe.backend})", records[-1].gm, exe.compile_seconds, f"split step: the {part}"))
+    else:
+        rows += [
+            (f"{r.name} ({compiled.executable.backend})", r.gm, r.seconds, r.doc) for r in compiled.backend_records
+        ]
+        rows.append(
+            (f"final ({compiled.executable.backend})", compiled.final, compiled.executable.compile_seconds, "compile")
+        )
     header = ("graph", "nodes", *(_SHORT[k] for k in COLLECTIVE_KINDS), "ms", "what it did")
     table = []
     for name, gm, seconds, doc in rows:

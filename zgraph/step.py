@@ -50,6 +50,8 @@ from zgraph.runtime.sharded_state import (
     normalize_state,
 )
 from zgraph.runtime.state import Binding
+from zgraph.split import needs_split, trace_joint
+from zgraph.split_run import lower_split, run_split
 from zgraph.tree import iter_leaves
 
 
@@ -119,6 +121,8 @@ class DistributedStep:
             check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description)
         self._last = compiled
         try:
+            if compiled.split is not None:
+                return run_split(compiled, binding, user_tensors, getattr(self._fn, "__qualname__", str(self._fn)))
             return run(compiled, binding, user_tensors)
         except Exception as error:
             if channel is None:
@@ -308,6 +312,8 @@ class DistributedStep:
                 materialized = True
                 if self._materialize_created_state(binding, traced.captured):
                     continue
+            if needs_split(traced):  # outputs with a grad_fn: trace forward + backward from tangents
+                traced = trace_joint(self._fn, args, kwargs, binding, user_tensors, self.config, swaps, traced)
             return finish(traced)
 
     def _compile(
@@ -332,7 +338,12 @@ class DistributedStep:
         ctx = self._context(binding)
         records = run_pipeline(captured.gm, ctx, self._pipeline)
         transformed = records[-1].gm if records else captured.gm
-        backend_records, executable = lower(transformed, ctx, self.config.backend)
+        split = None
+        if captured.split is not None:
+            split = lower_split(transformed, ctx, self.config.backend, captured.split)
+            backend_records, executable = split.forward_records, split.forward
+        else:
+            backend_records, executable = lower(transformed, ctx, self.config.backend)
         final = backend_records[-1].gm
         description = describe_graph(captured.gm) + describe_collectives(transformed)
         return CompiledStep(
@@ -347,6 +358,7 @@ class DistributedStep:
             binding.cost_model,
             backend_records,
             ctx.params,
+            split,
         )
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:

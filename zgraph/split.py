@@ -1,0 +1,102 @@
+"""Split mode, capture side: a step that returns tensors requiring grad it did not backpropagate through itself.
+
+``needs_split`` decides from a finished trace; ``trace_joint`` traces the step again as a joint graph: the step,
+then ``torch.autograd.backward(outputs, tangents)`` with one tangent graph input per such output. The joint graph
+goes through the whole pass pipeline like any step; ``zgraph.passes.partition`` then cuts the transformed graph
+into a forward and a backward graph, and ``zgraph.split_run`` runs them (the backward from the outputs'
+``grad_fn``). The joint graph computes fresh gradients (``.grad`` present on entry is left out of the trace):
+the runtime adds them to whatever ``.grad`` holds when the backward runs, as eager accumulates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zgraph.capture import Traced, trace_step
+from zgraph.graph import BACKWARD, CUSTOM, PHASE
+from zgraph.runtime.state import Binding
+from zgraph.tree import iter_leaves
+
+TANGENT_PREFIX = "tangent"
+
+
+@dataclass
+class SplitInfo:
+    """What partitions a split step's joint graph and runs it.
+
+    Attributes:
+        positions: positions (among the step's returned tensors) of the outputs that carry a ``grad_fn``.
+        tangents: argument-leaf indices of the tangent inputs, one per position.
+        n_user: the step's own user tensors (the tangents follow them).
+        grad_inputs: argument-leaf indices of the step's tensors that require grad (their gradients are
+            returned by the backward, to flow upstream or land in ``.grad``).
+    """
+
+    positions: list[int]
+    tangents: list[int]
+    n_user: int
+    grad_inputs: list[int]
+
+
+def needs_split(traced: Traced) -> bool:
+    """Whether the traced step returns tensors that require grad and ran no backward itself."""
+    if traced.captured is None or not traced.captured.grad_outputs:
+        return False
+    backward = lambda n: (n.meta.get(CUSTOM) or {}).get(PHASE) == BACKWARD
+    return not any(backward(n) for n in traced.gm.graph.nodes)
+
+
+@contextlib.contextmanager
+def _without_grads(tensors: list[Tensor]) -> Iterator[None]:
+    """``.grad`` of ``tensors`` set to None for the duration (restored after)."""
+    saved = [(t, t.grad) for t in tensors if t.grad is not None]
+    for t, _ in saved:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, grad in saved:
+            t.grad = grad
+
+
+def trace_joint(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    binding: Binding,
+    user_tensors: list[tuple[str, Tensor]],
+    config: Any,
+    swaps: list,
+    first: Traced,
+) -> Traced:
+    """Trace ``fn`` with the backward of its grad-requiring outputs (found by the ``first`` trace) against
+    tangent inputs; the returned trace's ``captured.split`` is its ``SplitInfo``."""
+    specs = first.captured.grad_outputs
+    positions = [position for position, *_ in specs]
+    tangents = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype, device in specs]
+
+    def joint(step_args: tuple, step_kwargs: dict, traced_tangents: list[Tensor]) -> Any:
+        result = fn(*step_args, **step_kwargs)
+        kinds = (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+        returned = [leaf for _, leaf in iter_leaves(result, "") if isinstance(leaf, kinds)]
+        outs = [returned[p] for p in positions]
+        torch.autograd.backward(outs, list(traced_tangents))
+        return result
+
+    joint.__name__, joint.__qualname__ = getattr(fn, "__name__", "step"), getattr(fn, "__qualname__", "step")
+    n_user = len(user_tensors)
+    all_user = [*user_tensors, *((f"{TANGENT_PREFIX}[{i}]", t) for i, t in enumerate(tangents))]
+    grads_of = [r.tensor for r in binding.params] + [t for _, t in user_tensors]
+    with _without_grads(grads_of):
+        traced = trace_step(joint, (args, kwargs, tangents), {}, binding, all_user, config, swaps)
+    if traced.captured is not None:
+        grad_inputs = [i for i, (_, t) in enumerate(user_tensors) if t.requires_grad]
+        traced.captured.split = SplitInfo(positions, list(range(n_user, n_user + len(tangents))), n_user, grad_inputs)
+        traced.captured.grad_outputs = list(specs)
+    return traced
