@@ -60,7 +60,7 @@ def run_case(name: str, stage: int, rank: int, world: int) -> dict:
         d = {k: _slice(v, rank, world) for k, v in d.items()}
     else:
         world, scale = 1, None  # eager: gradients of the global batch, scaled per case below
-    config = zgraph.Config(stage=stage)
+    config = zgraph.Config(stage=stage, param_persistence_threshold=0)  # stage 3 shards every parameter
     opt = torch.optim.SGD(enc.parameters(), lr=0.1)
     head_opt = torch.optim.SGD(head.parameters(), lr=0.1)
 

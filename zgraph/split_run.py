@@ -59,9 +59,10 @@ class _Call:
     def check(self) -> None:
         """Raise if the parameters changed shape, were replaced or resharded since the forward ran."""
         current = {id(p) for _, root in self.binding.modules for p in root.parameters()}
-        owners = {id(o[0]) for _, root in self.binding.modules if (o := sharding_of(root)) is not None}
+        plans = [o[0] for _, root in self.binding.modules if (o := sharding_of(root)) is not None]
+        resharded = any(p.stage != self.plan.stage or p.group != self.plan.group for p in plans)
         changed = [t for t, shape in self.params if id(t) not in current or tuple(t.shape) != shape]
-        if changed or (owners and owners != {id(self.plan)}):
+        if changed or resharded:
             raise ZGraphError(
                 f"backward of an output of step `{self.name}`: its parameters changed shape or ZeRO stage since "
                 "the step ran, so its compiled backward no longer applies. Run the step again and backpropagate "
