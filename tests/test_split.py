@@ -1,5 +1,5 @@
 """Split mode (backward outside the step): every backward form against eager PyTorch on the global batch at ZeRO
-stages 0-3 and worlds 1, 2 (see ``split_cases``), bad input, and inspection."""
+stages 0-3 and worlds 1, 2, 4 (see ``split_cases``), bad input, and inspection."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dist_harness import run_ranks
 from split_cases import CASES, reference
 
 STAGES = [0, 1, 2, 3]
-WORLDS = [1, 2]
+WORLDS = [1, 2, 4]
 REL = 1e-5  # fp32, a handful of reductions in another order (the ranks' average vs one batch)
 
 
@@ -158,5 +158,25 @@ def test_gradient_flows_upstream_through_a_step_input():
     eager_leaf = leaf.detach().clone().requires_grad_()
     eager_model(eager_leaf * 2).backward(g)
     torch.testing.assert_close(leaf.grad, eager_leaf.grad)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_another_step_on_the_same_model_between_forward_and_backward():
+    import zgraph
+
+    model, encode = _encoder()
+    eager_model = __import__("copy").deepcopy(model)
+    x, g = torch.randn(5, 4), torch.randn(5, 3)
+
+    @zgraph.distribute(backend="eager")
+    def train(m, x):
+        m(x).sum().backward()
+
+    out = encode(model, x)
+    train(model, x)  # binds the same model again: the split backward still applies
+    out.backward(g)
+    eager_model(x).sum().backward()
+    eager_model(x).backward(g)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
