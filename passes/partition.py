@@ -16,6 +16,7 @@ whole parameters alive between the two calls.
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -101,6 +102,10 @@ def partition(gm: fx.GraphModule, tangents: set[int]) -> Partition:
             if arg in cheap and arg.op != "placeholder" and arg not in in_backward:
                 in_backward.add(arg)
                 stack.append(arg)
+    for node in list(in_backward):  # an element of a forward op's tuple (layer norm's mean): saved, not the tuple
+        if node.target is operator.getitem and node.args[0] not in in_backward:
+            in_backward.discard(node)
+            forward_set.add(node)
     backward_set = [n for n in nodes if n in in_backward]
     saved: list[fx.Node] = []
     for node in backward_set:

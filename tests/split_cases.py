@@ -28,7 +28,7 @@ def whole(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def make_models() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    enc = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    enc = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))  # layer norm: a tuple op
     head = nn.Sequential(nn.Linear(3, 7), nn.GELU(), nn.Linear(7, 2))
     return enc, head
 
@@ -68,8 +68,8 @@ def run_case(name: str, stage: int, rank: int, world: int) -> dict:
         return model(x)
 
     def encode_two(model, x):
-        h = model[1](model[0](x))
-        return h, model[2](h)
+        h = model[2](model[1](model[0](x)))
+        return h, model[3](h)
 
     def llm(model, o, emb, y):
         loss = ((model(emb) - y) ** 2).mean()
@@ -93,6 +93,9 @@ def _gradient(enc, head, opt, head_opt, d, scale, steps):
     out = encode(enc, d["x"])
     assert out.grad_fn is not None
     out.backward(gradient=d["g"] if scale is not None else d["g"] / _world())
+    if scale is not None:  # what the backward graph keeps from the forward (shapes), for the stage-3 check
+        nodes = encode.graphs["backward"].graph.nodes
+        SAVED[:] = [tuple(n.meta["val"].shape) for n in nodes if n.op == "placeholder" and n.name.startswith("saved")]
     return _state(enc, {"out": out.detach()})
 
 
@@ -158,6 +161,7 @@ def _seeds(enc, head, opt, head_opt, d, scale, steps):
 
 
 _WORLD = [1]
+SAVED: list[tuple[int, ...]] = []
 
 
 def _world() -> int:
@@ -194,6 +198,8 @@ def run_split_cases(rank: int, world: int, out_path: str, stages: list[int], nam
                     dist.all_gather(parts, result[key].contiguous())
                     result[key] = torch.cat(parts)
             results[(stage, name)] = result
+            if name == "gradient":
+                results[(stage, "saved shapes")] = list(SAVED)
             dist.barrier()
     if rank == 0:
         torch.save(copy.deepcopy(results), out_path)

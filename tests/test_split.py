@@ -54,6 +54,16 @@ def test_split_backward_matches_eager(results, world, stage, name):
         assert _rel(got[key], value) <= REL, f"{name} stage {stage} world {world}: {key}"
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage3_backward_keeps_shards_not_whole_parameters(results, world):
+    """The backward gathers the parameters again (recomputed from the shards) instead of keeping the forward's
+    whole copies alive between the two calls."""
+    whole_weights = {(5, 4), (3, 5)}  # the encoder's weights, whole
+    saved = results(world)[(3, "saved shapes")]
+    assert saved and not whole_weights & set(saved), saved
+    assert whole_weights & set(results(world)[(0, "saved shapes")])  # stage 0 keeps them (they are the params)
+
+
 # ------------------------------------------------------------------------------------- one process, no spawn
 def _encoder(stage: int = 0):
     import zgraph
