@@ -96,17 +96,6 @@ class Channel:
         """``src``'s payload on every rank (an exchange in which the other ranks send nothing)."""
         return self.exchange(label, payload if self.rank == src and payload is not None else b"")[src]
 
-    def agree(self, label: str, error: BaseException | None) -> None:
-        """Every rank says whether its part of ``label`` succeeded. Re-raises ``error`` on the rank it happened
-        on; the other ranks raise ``RankFailedError`` naming the first rank that failed."""
-        text = b"" if error is None else f"{type(error).__name__}: {error}".encode()
-        results = self.exchange(label, text)
-        if error is not None:
-            raise error
-        for r, result in enumerate(results):
-            if result:
-                raise RankFailedError(f"zgraph: rank {r} failed in {label}: {result.decode(errors='replace')}")
-
     # ------------------------------------------------------------------------------------------- failures
     def record_failure(self, label: str, error: BaseException) -> None:
         """Record that this rank's ``label`` raised ``error``, and post the failure into the exchange the other
