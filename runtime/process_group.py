@@ -26,6 +26,7 @@ class ProcessGroupInfo:
     world_size: int
     group_name: str | None
     backend: str | None
+    ranks: tuple[int, ...] | None = None  # global ranks of a group smaller than the world; None: the whole world
 
     @property
     def distributed(self) -> bool:
@@ -39,8 +40,11 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def ensure_process_group() -> ProcessGroupInfo:
-    """The default process group, started from torchrun's environment if it is set and no group exists yet."""
+def ensure_process_group(process_group: dist.ProcessGroup | None = None) -> ProcessGroupInfo:
+    """The group a step runs on: ``process_group`` when given (this rank must belong to it), else the default
+    group, started from torchrun's environment if it is set and no group exists yet."""
+    if process_group is not None:
+        return _given_group(process_group)
     if not dist.is_available():
         return SINGLE_PROCESS
     if not dist.is_initialized():
@@ -56,6 +60,25 @@ def ensure_process_group() -> ProcessGroupInfo:
         world_size=dist.get_world_size(),
         group_name=group.group_name,
         backend=dist.get_backend(group),
+    )
+
+
+def _given_group(group: dist.ProcessGroup) -> ProcessGroupInfo:
+    """``group`` as a ``ProcessGroupInfo``; a clear error when this process cannot run a step on it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("zgraph: process_group= was given but torch.distributed is not initialised")
+    if group in (dist.GroupMember.NON_GROUP_MEMBER, None) or dist.get_rank(group) < 0:
+        raise RuntimeError(
+            f"zgraph: rank {dist.get_rank()} is not a member of the step's process_group; call the step only on "
+            "the ranks of its group (each group of ranks gets its own step)"
+        )
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return ProcessGroupInfo(
+        rank=dist.get_rank(group),
+        world_size=group.size(),
+        group_name=group.group_name,
+        backend=dist.get_backend(group),
+        ranks=None if ranks == tuple(range(dist.get_world_size())) else ranks,
     )
 
 
@@ -77,8 +100,13 @@ def timed_group(
     if found is None:
         if before_creating is not None:
             before_creating()
-        group = dist.new_group(backend=parent.backend, timeout=timedelta(seconds=timeout))
-        found = ProcessGroupInfo(parent.rank, parent.world_size, group.group_name, parent.backend)
+        group = dist.new_group(
+            ranks=list(parent.ranks) if parent.ranks is not None else None,
+            backend=parent.backend,
+            timeout=timedelta(seconds=timeout),
+            use_local_synchronization=parent.ranks is not None,  # the ranks outside it are not calling
+        )
+        found = ProcessGroupInfo(parent.rank, parent.world_size, group.group_name, parent.backend, parent.ranks)
         _TIMED_GROUPS[key] = found
     return found
 
@@ -86,20 +114,24 @@ def timed_group(
 _MESHES: weakref.WeakValueDictionary[tuple, object] = weakref.WeakValueDictionary()
 
 
-def device_mesh(device_type: str, world_size: int) -> object:
-    """The 1-D ``DeviceMesh`` over the default group, shared by every sharded tensor while any of them lives.
+def device_mesh(device_type: str, world_size: int, subgroup: str | None = None) -> object:
+    """The 1-D ``DeviceMesh`` over the default group (or over the group named ``subgroup``, for a step on some
+    of the ranks), shared by every sharded tensor while any of them lives.
 
     Held weakly: once no sharded tensor uses it, the mesh (and its reference to the process group) goes, so a
     destroyed group's threads are joined while the interpreter is alive rather than during its shutdown,
     where a gloo group kept alive only by a cache aborts the process. Keyed by the default group's name too, so
     a group made after ``destroy_process_group`` gets a new mesh.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    key = (device_type, world_size, dist.group.WORLD.group_name)
+    key = (device_type, world_size, subgroup or dist.group.WORLD.group_name)
     mesh = _MESHES.get(key)
     if mesh is None:
-        mesh = init_device_mesh(device_type, (world_size,))
+        if subgroup is None:
+            mesh = init_device_mesh(device_type, (world_size,))
+        else:
+            mesh = DeviceMesh.from_group(dist.distributed_c10d._resolve_process_group(subgroup), device_type)
         _MESHES[key] = mesh
     return mesh
 

@@ -114,7 +114,7 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence
     plan = ShardingPlan(stage, group)
     if group.distributed:
         device = binding.params[0].tensor.device.type if binding.params else "cpu"
-        plan.mesh = device_mesh(device, group.world_size)
+        plan.mesh = device_mesh(device, group.world_size, group.group_name if group.ranks else None)
     for record in binding.params:
         t = record.tensor
         spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
@@ -193,17 +193,23 @@ def sharding_of(module: nn.Module) -> tuple[ShardingPlan, Binding] | None:
     return (owner.plan, owner.binding) if owner is not None else None
 
 
+def check_owners(stage: int, group: ProcessGroupInfo, binding: Binding) -> None:
+    """Raise (changing nothing) when a module of ``binding`` is already laid out by a step of another ZeRO stage
+    or process group."""
+    for _, root in binding.modules:
+        owner = sharding_of(root)
+        if owner is not None and (owner[0].stage != stage or owner[0].group != group):
+            where = "" if owner[0].group == group else " over another process group"
+            raise ZGraphError(
+                f"{type(root).__name__} is already sharded by another zgraph step with stage "
+                f"{owner[0].stage}{where}; a module can be driven by steps of one stage and one group only"
+            )
+
+
 def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
     """Shard the binding's state in place, as the plan says: parameters (stage 3), gradients (stage ≥ 2) and
     optimizer state (stage ≥ 1). Records which modules are sharded, for ``zgraph.gather``."""
-    for _, root in binding.modules:
-        owner = sharding_of(root)
-        if owner is not None and owner[0] is not plan:
-            if owner[0].stage != plan.stage or owner[0].group != plan.group:
-                raise ZGraphError(
-                    f"{type(root).__name__} is already sharded by another zgraph step with stage "
-                    f"{owner[0].stage}; a module can be driven by steps of one stage only"
-                )
+    check_owners(plan.stage, plan.group, binding)
     if plan.group.distributed:
         if plan.stage >= 2:
             _watch_eager_optimizer_steps()
@@ -221,14 +227,17 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
 
 def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo) -> None:
     """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model, so ranks built with
-    different initial weights train one model. Tensors a step already sharded (``DTensor``) are left alone."""
+    different initial weights train one model. Tensors a step already sharded (``DTensor``), and those of modules
+    another step already bound (agreed then; a split output's backward may still need them as they are), are
+    left alone."""
     if not group.distributed:
         return
     c10d = torch.ops._c10d_functional
+    agreed = {id(t) for _, root in binding.modules if sharding_of(root) for t in (*root.parameters(), *root.buffers())}
     with torch.no_grad():
         tensors = [r.tensor for r in binding.params] + [r.get() for r in binding.buffers]
         for t in tensors:
-            if isinstance(t, Tensor) and not isinstance(t, DTensor) and t.numel():
+            if isinstance(t, Tensor) and not isinstance(t, DTensor) and t.numel() and id(t) not in agreed:
                 t.copy_(c10d.wait_tensor(c10d.broadcast(t.detach().contiguous(), 0, group.group_name)))
 
 

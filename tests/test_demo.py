@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
     dump = tmp_path / "graphs"
@@ -26,3 +28,32 @@ def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
     assert len(ratios) == 2 and all(0.45 <= r <= 0.55 for r in ratios), out
     assert "all_gather" in out and "reduce_scatter" in out
     assert len(list(dump.glob("*.py"))) >= 3
+
+
+def _multimodal(tmp_path, launcher: str, python: str = sys.executable) -> str:
+    result = subprocess.run(
+        [python, "-m", "zgraph.cli", "demo", "--multimodal", "--launcher", launcher, "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout
+    worst = float(re.search(r"largest loss difference over the steps (\S+)", out).group(1))
+    assert "zgraph matches eager" in out and worst <= 1e-4, out
+    # ZeRO-3 inside each group of 2: about half of each side's model state per rank
+    ratios = [float(r) for r in re.findall(r"rank \d \(\w+\): .* \((\d\.\d+)x\)", out)]
+    assert len(ratios) == 4 and all(0.45 <= r <= 0.6 for r in ratios), out
+    return out
+
+
+def test_multimodal_demo_two_subgroups_matches_eager(tmp_path):
+    out = _multimodal(tmp_path, "processes")
+    assert "one world in two subgroups" in out
+
+
+def test_multimodal_demo_ray_actor_groups_match_eager(tmp_path):
+    pytest.importorskip("ray")
+    out = _multimodal(tmp_path, "ray")
+    assert "Ray actors" in out

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from zgraph import demo
+from zgraph.demo_support import RankFailedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         try:
             demo.run(args)
-        except demo.RankFailedError as error:
+        except RankFailedError as error:
             print(f"zgraph demo: {error}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

@@ -10,39 +10,26 @@ global batch is split. Rank 0 draws the progress bar and prints the summary.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import os
-import signal
-import socket
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 from tqdm import tqdm
 
 import zgraph
+from zgraph import demo_multimodal
 from zgraph.data import VOCAB, batch, corpus_tokens
+from zgraph.demo_support import spawn_ranks, unsharded_state_bytes
 from zgraph.explain import human_bytes
 from zgraph.models import GPT, GPTConfig, count_params, lm_loss
 from zgraph.runtime.memory import state_bytes as held_state_bytes
-from zgraph.runtime.process_group import end_finished_rank
 
 DEMO_GPT = GPTConfig(vocab=VOCAB, d_model=256, layers=4, heads=4, seq=128)
 DEFAULT_NPROC = 2
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each of the parameter's shape
-ADAMW_STEP_BYTES = 4  # the float32 ``step`` tensor AdamW keeps per parameter
-
-
-class RankFailedError(RuntimeError):
-    """A rank started by ``zgraph demo`` failed; the message carries its traceback."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="eager", choices=("eager", "inductor"))
     parser.add_argument("--dump", default="zgraph_graphs", help="directory for the graphs (default zgraph_graphs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="the seeds' disaggregated training: a vision encoder and a caption LM in two groups of --nproc ranks "
+        "each (default 2), each side ZeRO-sharded over its own group; losses compared with eager PyTorch",
+    )
+    parser.add_argument(
+        "--launcher",
+        default="auto",
+        choices=("auto", "ray", "processes"),
+        help="--multimodal only: Ray actor groups (auto: when Ray is installed) or local processes in two subgroups",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -85,86 +84,19 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     Under torchrun (``RANK`` set) or inside an initialised process group this process is one rank; otherwise
     ``--nproc`` ranks are started here (one rank: trained in this process, no process group).
     """
+    if getattr(args, "multimodal", False):
+        return demo_multimodal.run(args)
     if _is_launched_rank():
         return train(args)
     nproc = args.nproc or DEFAULT_NPROC
     if nproc == 1:
         return train(args)
-    return spawn_ranks(args, nproc)
+    return spawn_ranks(args, nproc, train)
 
 
 def _is_launched_rank() -> bool:
     """True when something else started this process as a rank (torchrun, or a group already initialised)."""
     return "RANK" in os.environ or (dist.is_available() and dist.is_initialized())
-
-
-def spawn_ranks(args: argparse.Namespace, nproc: int) -> dict[str, Any]:
-    """Start ``nproc`` local ranks running :func:`train`, wait for them, and return rank 0's summary.
-
-    If a rank fails the others are stopped and ``RankFailedError`` carries the failing rank's traceback.
-    """
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="zgraph_demo_") as scratch:
-        summary_path = os.path.join(scratch, "summary.json")
-        ranks = mp.start_processes(
-            _rank_main, args=(args, nproc, port, summary_path), nprocs=nproc, join=False, start_method="spawn"
-        )
-        try:
-            with _exit_on_sigterm():
-                while not ranks.join():  # on a rank's failure, join stops the others and raises
-                    pass
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-            raise RankFailedError(f"rank {error.error_index} of {nproc} failed: {error}") from None
-        finally:  # also on Ctrl-C or SIGTERM to this process: no rank outlives the demo
-            for process in ranks.processes:
-                if process.is_alive():
-                    process.terminate()
-                    process.join()
-        with open(summary_path) as f:
-            return json.load(f)
-
-
-@contextlib.contextmanager
-def _exit_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into ``SystemExit`` while the ranks run, so the cleanup that stops them runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (rank 0's store binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(local_rank: int, args: argparse.Namespace, world_size: int, port: int, summary_path: str) -> None:
-    """Body of a spawned rank: torchrun's environment, one thread, train; rank 0 writes the summary."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    summary = train(args)
-    if summary is not None:
-        with open(summary_path, "w") as f:
-            json.dump(summary, f)
-    end_finished_rank()
 
 
 # ------------------------------------------------------------------------------------------------- one rank
@@ -253,19 +185,6 @@ def gather_to_all(value: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------- model state
-def unsharded_state_bytes(model: torch.nn.Module) -> int:
-    """Bytes the same model and AdamW hold on one process after a step (gradients zeroed to None).
-
-    Per unique parameter: the parameter, and for a trainable one AdamW's two moments of its shape and a
-    4-byte ``step``.
-    """
-    total = 0
-    for p in {id(p): p for p in model.parameters()}.values():
-        size = p.numel() * p.element_size()
-        total += size + (ADAMW_STATES * size + ADAMW_STEP_BYTES if p.requires_grad else 0)
-    return total
-
-
 def report(summary: dict[str, Any], n_params: int, n_graphs: int) -> str:
     """Rank 0's closing lines: model, loss, throughput, model state per rank, graphs."""
     losses = summary["losses"]

@@ -45,6 +45,7 @@ from zgraph.runtime.sharded_state import (
     adopt_sharded_parameters,
     apply_plan,
     broadcast_initial_state,
+    check_owners,
     convert_master_dtype,
     make_plan,
     normalize_state,
@@ -60,12 +61,14 @@ class DistributedStep:
 
     Attributes:
         config: the ``zgraph.Config`` it was built with.
+        process_group: the group its collectives run on (None: the default group, or one process).
     """
 
-    def __init__(self, fn: Callable, config: Config):
+    def __init__(self, fn: Callable, config: Config, process_group: Any = None):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.config = config
+        self.process_group = process_group
         self._pipeline = build_pipeline(
             default_pipeline(**config.pipeline_options()), config.disable_passes, config.extra_passes
         )
@@ -85,7 +88,7 @@ class DistributedStep:
 
     # -------------------------------------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        group = ensure_process_group()
+        group = ensure_process_group(self.process_group)
         label = f"call {self._calls} of step `{getattr(self._fn, '__qualname__', self._fn)}`"
         self._calls += 1
         if not group.distributed:
@@ -213,6 +216,7 @@ class DistributedStep:
         binding = self._bindings.get(binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
+            check_owners(self.config.stage, group, binding)  # before anything below changes the model
             convert_master_dtype(binding, self.config.master_dtype, self.config.optimizer_state_dtype)
             binding.loss_scale_state = initial_loss_scale_state(self.config)
             for _, opt in optimizers:
@@ -451,11 +455,16 @@ def _is_collective_failure(error: BaseException) -> bool:
     )
 
 
-def distribute(config: Config | None = None, **overrides: Any) -> Callable[[Callable], DistributedStep]:
+def distribute(
+    config: Config | None = None, *, process_group: Any = None, **overrides: Any
+) -> Callable[[Callable], DistributedStep]:
     """Decorator: compile a training step with zgraph.
 
     ``@zgraph.distribute(zgraph.Config(stage=3))``, ``@zgraph.distribute(stage=3)`` or both (keywords
-    override the config's fields).
+    override the config's fields). ``process_group`` (a ``torch.distributed.ProcessGroup``, e.g. from
+    ``dist.new_group(ranks)``) runs the step on those ranks only: its parameters are sharded over them and its
+    collectives stay inside them, so separate groups of ranks can train separate models (default: the default
+    group, as DDP and FSDP).
     """
     if config is not None and not isinstance(config, Config):
         if callable(config) and not overrides:
@@ -466,6 +475,6 @@ def distribute(config: Config | None = None, **overrides: Any) -> Callable[[Call
         config = config.replace(**overrides)
 
     def decorate(fn: Callable) -> DistributedStep:
-        return DistributedStep(fn, config)
+        return DistributedStep(fn, config, process_group)
 
     return decorate

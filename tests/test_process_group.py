@@ -1,0 +1,13 @@
+"""``zgraph.distribute(process_group=...)``: a step sharded over, and communicating within, some of the ranks."""
+
+from __future__ import annotations
+
+from dist_harness import run_ranks
+
+
+def test_two_groups_train_their_own_models_like_eager():
+    run_ranks(4, "group_cases.two_groups_train_their_own_models", timeout=600)
+
+
+def test_another_stage_on_a_split_model_is_refused_and_backward_still_matches_eager():
+    run_ranks(2, "group_cases.another_stage_is_refused_and_the_backward_still_runs", timeout=600)

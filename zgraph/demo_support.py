@@ -1,0 +1,116 @@
+"""Local ranks for the demos: start ``nproc`` processes with torchrun's environment, wait, collect a summary."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from zgraph.runtime.process_group import end_finished_rank
+
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each of the parameter's shape
+ADAMW_STEP_BYTES = 4  # the float32 ``step`` tensor AdamW keeps per parameter
+
+
+class RankFailedError(RuntimeError):
+    """A rank started by ``zgraph demo`` failed; the message carries its traceback."""
+
+
+def spawn_ranks(args: argparse.Namespace, nproc: int, target: Callable[[argparse.Namespace], Any]) -> dict[str, Any]:
+    """Start ``nproc`` local ranks running ``target(args)`` (a module-level function), wait for them, and return
+    the summary of the rank whose ``target`` returned one.
+
+    If a rank fails the others are stopped and ``RankFailedError`` carries the failing rank's traceback.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zgraph_demo_") as scratch:
+        summary_path = os.path.join(scratch, "summary.json")
+        ranks = mp.start_processes(
+            _rank_main, args=(target, args, nproc, port, summary_path), nprocs=nproc, join=False, start_method="spawn"
+        )
+        try:
+            with _exit_on_sigterm():
+                while not ranks.join():  # on a rank's failure, join stops the others and raises
+                    pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            raise RankFailedError(f"rank {error.error_index} of {nproc} failed: {error}") from None
+        finally:  # also on Ctrl-C or SIGTERM to this process: no rank outlives the demo
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+        with open(summary_path) as f:
+            return json.load(f)
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit`` while the ranks run, so the cleanup that stops them runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (rank 0's store binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    local_rank: int,
+    target: Callable[[argparse.Namespace], Any],
+    args: argparse.Namespace,
+    world_size: int,
+    port: int,
+    summary_path: str,
+) -> None:
+    """Body of a spawned rank: torchrun's environment, one thread, ``target``; the rank with a summary writes it."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    summary = target(args)
+    if summary is not None:
+        with open(summary_path, "w") as f:
+            json.dump(summary, f)
+    end_finished_rank()
+
+
+def unsharded_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes the same model and AdamW hold on one process after a step (gradients zeroed to None).
+
+    Per unique parameter: the parameter, and for a trainable one AdamW's two moments of its shape and a
+    4-byte ``step``.
+    """
+    total = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        size = p.numel() * p.element_size()
+        total += size + (ADAMW_STATES * size + ADAMW_STEP_BYTES if p.requires_grad else 0)
+    return total

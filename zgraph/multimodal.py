@@ -1,0 +1,212 @@
+"""The seeds' disaggregated multimodal training, in small: a vision encoder and a language model that reads its
+embeddings, trained by two separate groups of ranks.
+
+Each side is an ordinary zgraph program on its own process group. The vision side's step returns the
+embeddings (split mode: they carry a compiled, sharded backward); the language side's step takes them as an
+input that requires grad, runs ``loss.backward()`` and its optimizer, and leaves ``emb.grad``; the vision side
+then calls ``out.backward(gradient=emb.grad)`` and steps its own optimizer, exactly as the seeds' Ray actors do.
+How the tensors travel between the groups (Ray, or point-to-point sends) is the launcher's business
+(``zgraph.demo_multimodal``); this module holds the models, the data and one rank's part of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import zgraph
+from zgraph.data import VOCAB, corpus_tokens
+from zgraph.models import Block, lm_loss
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultimodalConfig:
+    """Shapes and training settings of the demo (both sides read the same one).
+
+    Attributes:
+        image: side of the square images, in pixels.
+        patch: side of a patch; the encoder emits ``(image // patch) ** 2`` embeddings per image.
+        channels: image channels.
+        d_model: width of both models (the embeddings cross between them unchanged).
+        layers: language-model blocks.
+        heads: attention heads.
+        text: caption tokens per image.
+        classes: image classes; each has its own caption, so the loss falls as the encoder learns them.
+        per_rank: images per rank per step (the global batch is ``per_rank`` times the ranks of a side).
+        lr: AdamW learning rate of both optimizers.
+        stage: ZeRO stage of both sides.
+        seed: seed of the models' initialisation and of the data.
+    """
+
+    image: int = 16
+    patch: int = 4
+    channels: int = 3
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    text: int = 24
+    classes: int = 8
+    per_rank: int = 4
+    lr: float = 3e-3
+    stage: int = 3
+    seed: int = 0
+
+    @property
+    def patches(self) -> int:
+        return (self.image // self.patch) ** 2
+
+
+class PatchEncoder(nn.Module):
+    """Vision encoder: non-overlapping patches, a linear projection and a residual GELU MLP."""
+
+    def __init__(self, config: MultimodalConfig):
+        super().__init__()
+        self.patch = config.patch
+        self.proj = nn.Linear(config.channels * config.patch**2, config.d_model)
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.fc2 = nn.Linear(4 * config.d_model, config.d_model)
+        self.ln = nn.LayerNorm(config.d_model)
+
+    def forward(self, images: Tensor) -> Tensor:
+        b, c, h, w = images.shape
+        p = self.patch
+        x = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, (h // p) * (w // p), c * p * p)
+        x = self.proj(x)
+        return self.ln(x + self.fc2(F.gelu(self.fc(x))))
+
+
+class CaptionLM(nn.Module):
+    """Decoder that reads the image's embeddings as a prefix and predicts the caption's next tokens."""
+
+    def __init__(self, config: MultimodalConfig):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, config.d_model)
+        self.pos = nn.Embedding(config.patches + config.text, config.d_model)
+        self.blocks = nn.ModuleList([Block(config.d_model, config.heads) for _ in range(config.layers)])
+        self.ln = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, VOCAB, bias=False)
+
+    def forward(self, vision: Tensor, idx: Tensor) -> Tensor:
+        x = torch.cat([vision, self.tok(idx)], dim=1)
+        x = x + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x[:, vision.shape[1] :]))
+
+
+def build_models(config: MultimodalConfig) -> tuple[PatchEncoder, CaptionLM]:
+    """Both models, initialised from ``config.seed`` (every rank and the eager reference build the same)."""
+    torch.manual_seed(config.seed)
+    encoder = PatchEncoder(config)
+    torch.manual_seed(config.seed + 1)
+    return encoder, CaptionLM(config)
+
+
+class Data:
+    """The global batch of step ``i``: images of random classes (a class's pattern plus noise) and their
+    captions (a class's own window of the text corpus). A pure function of the seed and ``i``."""
+
+    def __init__(self, config: MultimodalConfig, ranks: int):
+        self.config = config
+        self.ranks = ranks
+        g = torch.Generator().manual_seed(config.seed + 12345)
+        shape = (config.classes, config.channels, config.image, config.image)
+        self.patterns = torch.randn(shape, generator=g)
+        tokens = corpus_tokens()
+        starts = torch.randint(0, tokens.numel() - config.text - 1, (config.classes,), generator=g).tolist()
+        self.captions = torch.stack([tokens[s : s + config.text + 1] for s in starts])
+
+    def global_batch(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Images, caption inputs and caption targets of the whole step (every rank's rows)."""
+        c = self.config
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + i)
+        classes = torch.randint(0, c.classes, (c.per_rank * self.ranks,), generator=g)
+        images = self.patterns[classes] + 0.3 * torch.randn((len(classes), c.channels, c.image, c.image), generator=g)
+        captions = self.captions[classes]
+        return images, captions[:, :-1], captions[:, 1:]
+
+    def rank_batch(self, i: int, rank: int) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's rows of step ``i``'s global batch."""
+        rows = slice(rank * self.config.per_rank, (rank + 1) * self.config.per_rank)
+        return tuple(t[rows] for t in self.global_batch(i))  # type: ignore[return-value]
+
+
+def _encode(encoder: nn.Module, images: Tensor) -> Tensor:
+    return encoder(images)
+
+
+def _update(opt: torch.optim.Optimizer) -> None:
+    opt.step()
+    opt.zero_grad()
+
+
+def _text_step(lm: nn.Module, opt: torch.optim.Optimizer, emb: Tensor, idx: Tensor, tgt: Tensor) -> Tensor:
+    loss = lm_loss(lm(emb, idx), tgt)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+class VisionSide:
+    """One rank of the vision group: forward to embeddings, later backward from their gradient, then update."""
+
+    def __init__(self, config: MultimodalConfig, rank: int, ranks: int, group: object = None, device: str = "cpu"):
+        self.encoder = build_models(config)[0].to(device)
+        self.opt = torch.optim.AdamW(self.encoder.parameters(), lr=config.lr)
+        options = {"stage": config.stage, "process_group": group, "param_persistence_threshold": 0}
+        self.encode = zgraph.distribute(**options)(_encode)
+        self.update = zgraph.distribute(**options)(_update)
+        self.data, self.rank, self.device = Data(config, ranks), rank, device
+        self.out: Tensor | None = None
+
+    def forward(self, i: int) -> Tensor:
+        """Embeddings of this rank's images of step ``i`` (detached, on the CPU: what crosses to the LLM)."""
+        images = self.data.rank_batch(i, self.rank)[0].to(self.device)
+        self.out = self.encode(self.encoder, images)
+        return self.out.detach().cpu()
+
+    def backward(self, grad: Tensor) -> None:
+        """The seeds' ``vision_output.backward(gradient=...)``, then the encoder's optimizer step."""
+        assert self.out is not None, "forward first"
+        self.out.backward(gradient=grad.to(self.device))
+        self.out = None
+        self.update(self.opt)
+
+
+class TextSide:
+    """One rank of the language group: embeddings in, loss and the embeddings' gradient out."""
+
+    def __init__(self, config: MultimodalConfig, rank: int, ranks: int, group: object = None, device: str = "cpu"):
+        self.lm = build_models(config)[1].to(device)
+        self.opt = torch.optim.AdamW(self.lm.parameters(), lr=config.lr)
+        options = {"stage": config.stage, "process_group": group, "param_persistence_threshold": 0}
+        self.step_fn = zgraph.distribute(**options)(_text_step)  # small models: stage 3 shards every parameter
+        self.data, self.rank, self.device = Data(config, ranks), rank, device
+
+    def step(self, i: int, embeddings: Tensor) -> tuple[float, Tensor]:
+        """Train on step ``i``: this rank's loss, and ``emb.grad`` (the seeds' ``vision_embeddings.grad``)."""
+        _, idx, tgt = self.data.rank_batch(i, self.rank)
+        emb = embeddings.to(self.device).requires_grad_()
+        loss = self.step_fn(self.lm, self.opt, emb, idx.to(self.device), tgt.to(self.device))
+        return loss.item(), emb.grad.detach().cpu()
+
+
+def eager_losses(config: MultimodalConfig, ranks: int, steps: int) -> list[float]:
+    """The same training in one process with plain PyTorch: the combined model on each step's global batch."""
+    encoder, lm = build_models(config)
+    opts = [torch.optim.AdamW(m.parameters(), lr=config.lr) for m in (encoder, lm)]
+    data = Data(config, ranks)
+    losses = []
+    for i in range(steps):
+        images, idx, tgt = data.global_batch(i)
+        loss = lm_loss(lm(encoder(images), idx), tgt)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
