@@ -43,7 +43,18 @@ MICRO_BATCH = 8
 GLOBAL_BATCH = WORLD_SIZE * MICRO_BATCH
 SINGLE_PROCESS = "eager-1proc"
 DEEPSPEED_SYSTEMS = ("deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
-SYSTEMS = (SINGLE_PROCESS, "ddp", "fsdp2", *DEEPSPEED_SYSTEMS, "zgraph-z0", "zgraph-z1", "zgraph-z2", "zgraph-z3")
+CONTROL = "ddp-control"  # benchmarks.control_ddp: a plain DDP script, the harness's control (issue 17)
+SYSTEMS = (
+    SINGLE_PROCESS,
+    "ddp",
+    CONTROL,
+    "fsdp2",
+    *DEEPSPEED_SYSTEMS,
+    "zgraph-z0",
+    "zgraph-z1",
+    "zgraph-z2",
+    "zgraph-z3",
+)
 MODELS: dict[str, tuple[str, GPTConfig]] = {"bench": ("bench GPT", BENCH_GPT), "100m": ("GPT 100M", GPT_100M)}
 LOSS_RTOL = 1e-3
 FOREIGN_LOAD_WARN = 0.05  # share of the machine's CPU time used by other processes that makes a run suspect
@@ -331,6 +342,9 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> str | None:
 
 def worker_command(system: str, args: argparse.Namespace, model: str, data: Path, out: Path) -> list[str]:
     """The command line of one rank."""
+    if system == CONTROL:
+        control = f"--model={model} --data={data} --out={out} --warmup={args.warmup} --steps={args.steps}"
+        return [sys.executable, "-m", "benchmarks.control_ddp", *control.split(), f"--micro-batch={MICRO_BATCH}"]
     return [
         sys.executable,
         "-m",

@@ -77,14 +77,16 @@ def _rank(rank: int, world: int, port: int, steps: int, backend: str, out: str) 
             losses[name].append(float(loss))
     if rank == 0:
         medians = {k: statistics.median(v) for k, v in times.items()}
+        ratios = [b / a for a, b in zip(times["one_graph"], times["split"])]  # call by call, side by side
         result = {
             "model": "bench GPT",
             "stage": 3,
             "world": world,
             "backend": backend,
             "steps": steps,
-            "median_s": medians,
+            "min_median_max_s": {k: [min(v), medians[k], max(v)] for k, v in times.items()},
             "split_over_one_graph": medians["split"] / medians["one_graph"],
+            "per_step_ratio_min_median_max": [min(ratios), statistics.median(ratios), max(ratios)],
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses["one_graph"], losses["split"])),
         }
         print(json.dumps(result, indent=2))

@@ -16,6 +16,7 @@ from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives
+from zgraph.passes.offload import offload
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
     PROPERTY_CHECKS,
@@ -39,6 +40,8 @@ def default_pipeline(
     reduce_bucket_bytes: int | str = "auto",
     prefetch_bytes: int | str = "auto",
     reduce_dtype: torch.dtype | None = None,
+    offload_optimizer: str | None = None,
+    offload_fraction: float = 1.0,
 ) -> list[Pass]:
     """The passes of a distributed step, in order, with their options bound (``functools.partial``).
 
@@ -58,6 +61,11 @@ def default_pipeline(
         Pass("cast", bind(cast, reduce_dtype=reduce_dtype), requires={"grads_reduced"}),
         Pass("clip_grad", clip_grad, requires={"grads_reduced"}),
         Pass("loss_scale", loss_scale, requires={"grads_reduced"}),
+        Pass(
+            "offload",
+            bind(offload, tier=offload_optimizer, fraction=offload_fraction),
+            requires={"grads_reduced"},
+        ),
         Pass(
             "bucket",
             bind(bucket, allgather_bytes=allgather_bucket_bytes, reduce_bytes=reduce_bucket_bytes),

@@ -1,19 +1,26 @@
-"""Offload tiers for optimizer states between steps (``Config.offload_optimizer``).
+"""Offload tiers for optimizer states (``Config.offload_optimizer``): the store behind the graph's offload nodes.
 
-``"nvme"``: after each step that updates them, the optimizer states of ``offload_fraction`` of the bytes (whole
-state buffers, in the binding's parameter order) are written to files and their memory is released; before the
-next step that reads them they are read back into the same tensors. A *block* is one state buffer (a storage: a
-parameter's ``exp_avg``, or a bucket's flat buffer shared by several states), written and read whole with plain
-file I/O (``os.pwrite`` / ``readinto`` into the tensor's own memory; no ``torch.load``, no memory map), and the
-page cache is told to drop it. Memory is released by resizing the storage to 0 bytes and restored by resizing it
-back (the way FSDP frees parameter storage): every tensor, view and ``DTensor`` over it stays the same object,
-so ``optimizer.state`` keeps its identity and ``materialize(optimizer)`` (called by ``optimizer.state_dict()``,
-``load_state_dict()``, an eager ``step()`` and zgraph's checkpoint code) makes it readable again.
+``"nvme"``: the ``offload`` pass rewrote the step graph so that each offloaded optimizer state is read through
+``zgraph::reload`` right before the optimizer needs it and its new value goes to ``zgraph::write_back`` right
+after it is computed. This store serves those nodes (it is the graph's ``zgraph.ops.OffloadTier``):
 
-Files live in a new per-process subdirectory of ``offload_dir`` (``zgraph-offload-<pid>-*``; a new run never
-reads an old run's files), removed when the store is dropped and at exit. A block is written to a temporary
-file and renamed over the previous one only once complete; its memory is released only after that, so a full
-disk raises ``OffloadError`` with every state still in memory.
+* Each offloaded state has two files under a new per-process subdirectory of ``offload_dir``
+  (``zgraph-offload-<pid>-*``; a new run never reads an old run's files): the *current* copy, which reloads
+  read, and the *next* one, which write-backs write. Both are reserved on disk (``posix_fallocate``) when the
+  state is first offloaded, so a full disk is found then, before anything changed (later writes overwrite
+  reserved space); the next copies become current only once the whole graph ran (``commit``). A graph that fails
+  midway leaves every current copy as it was (``abort``); an I/O error in a write-back, though, comes after the
+  graph may have updated some parameters in place, so the error says to resume from a checkpoint.
+* Before a graph runs (``prepare``), states still in memory (the first step, or after ``materialize``) are
+  written to their current copy, then the memory of every storage that offloaded states cover entirely is
+  released by resizing it to 0 bytes (as FSDP frees parameter storage): every tensor, view and ``DTensor`` over
+  it stays the same object, so ``optimizer.state`` keeps its identity.
+* ``materialize(optimizer)`` (called by ``optimizer.state_dict()``, ``load_state_dict()``, an eager ``step()`` and
+  zgraph's checkpoint code) reads the current copies back into those storages; the next graph releases them again.
+
+Blocks are read and written with plain file I/O (``os.pread`` / ``os.pwrite`` on the tensor's own memory; no
+``torch.load``, no memory map) and the page cache is told to drop them. Files are removed when the store is
+dropped and at exit.
 
 ``"cpu"`` with states already in host memory (the compute device is the CPU) is the identity: no store.
 """
@@ -26,11 +33,16 @@ import os
 import shutil
 import tempfile
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from zgraph.errors import ZGraphError
+from zgraph.ops import OffloadTier
+
+DEFAULT_WINDOW = 64 * 2**20  # read-ahead / write-behind bytes when Config.prefetch_bytes is "auto"
 
 
 class OffloadError(ZGraphError):
@@ -52,50 +64,37 @@ def _local(t: Tensor) -> Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def _buffer(storage: Any) -> memoryview:
-    """The storage's bytes as a writable memoryview (no copy)."""
-    n = storage.nbytes()
-    return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
+class _State:
+    """One offloaded optimizer state: its tensor (a graph input) and its two files."""
+
+    __slots__ = ("tensor", "nbytes", "paths", "current")
+
+    def __init__(self, tensor: Tensor, paths: tuple[str, str]):
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.paths = paths
+        self.current = 0
 
 
-class _Block:
-    __slots__ = ("storage", "nbytes", "path")
-
-    def __init__(self, storage: Any, path: str):
-        self.storage = storage
-        self.nbytes = storage.nbytes()
-        self.path = path
+def _bytes_of(t: Tensor) -> memoryview:
+    """A contiguous tensor's bytes as a writable memoryview (no copy)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
 
-def _reload(blocks: list[_Block]) -> None:
-    """Read every block back into its storage (resized to its size again); the list is emptied."""
-    while blocks:
-        block = blocks[-1]
-        block.storage.resize_(block.nbytes)
-        view = _buffer(block.storage)
-        with open(block.path, "rb", buffering=0) as f:
-            done = 0
-            while done < block.nbytes:
-                n = f.readinto(view[done:])
-                if not n:
-                    raise OffloadError(f"zgraph offload: {block.path} is shorter than the {block.nbytes} bytes written")
-                done += n
-        blocks.pop()
+def _disk_error(what: str, path: str, nbytes: int, error: OSError) -> OffloadError:
+    return OffloadError(
+        f"zgraph offload: {what} an optimizer state block of {nbytes} bytes at {path} failed "
+        f"({error.strerror or error}); is the disk under offload_dir full? Nothing of the step was applied and "
+        "every state is where it was, so the training state is intact; free space (or lower offload_fraction) "
+        "and call the step again"
+    )
 
 
-def _release(blocks: list[_Block], path: str) -> None:
-    """When the store is dropped: give the states their memory back, then remove the files."""
-    try:
-        _reload(blocks)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-        _LIVE_DIRS.pop(path, None)
+class NvmeStore(OffloadTier):
+    """Optimizer states of one binding in files under ``directory`` (module docstring)."""
 
-
-class NvmeStore:
-    """Optimizer states of one binding in files under ``directory`` between steps (module docstring)."""
-
-    def __init__(self, directory: str | os.PathLike, fraction: float):
+    def __init__(self, directory: str | os.PathLike, window: int = DEFAULT_WINDOW):
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise OffloadError(f"zgraph offload: Config.offload_dir {directory!r} does not exist or is not a directory")
@@ -106,11 +105,18 @@ class NvmeStore:
         except OSError as error:
             raise OffloadError(f"zgraph offload: cannot create a directory in {directory!r}: {error}") from error
         _LIVE_DIRS[self.path] = None
-        self.fraction = fraction
-        self.blocks: list[_Block] = []  # offloaded now (their storages hold 0 bytes)
-        self.bytes_offloaded = 0  # of the last offload
-        self.bytes_total = 0  # optimizer state bytes the last offload considered
-        self._finalizer = weakref.finalize(self, _release, self.blocks, self.path)
+        self.states: dict[tuple, _State] = {}
+        self.released: dict[int, tuple[Any, int, list[_State]]] = {}  # storage id: storage, bytes, its states
+        self.bytes_offloaded = 0  # released by the last prepare
+        self.bytes_total = 0  # optimizer state bytes the last graph read (set by the runtime)
+        self._slots: dict[int, _State] = {}
+        self._written: set[int] = set()
+        self._order: list[int] = []  # offloaded slots not read ahead yet, in the graph's order
+        self.window = window  # bytes of states read ahead of their reload, and of write-backs in flight
+        self._ahead: dict[int, Future] = {}  # slot: its read on the I/O thread
+        self._writes: list[tuple[int, Future]] = []  # (bytes, write) in flight
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zgraph-offload")
+        self._finalizer = weakref.finalize(self, _release, self.released, self.path, self._io)
         self._finalizer.atexit = False  # at exit _remove_all only removes the files
 
     def watch(self, optimizers: list) -> None:
@@ -124,67 +130,188 @@ class NvmeStore:
             opt.register_load_state_dict_pre_hook(lambda o, _sd: materialize(o))
             opt.register_step_pre_hook(lambda o, _a, _k: materialize(o))
 
-    def reload(self) -> None:
-        """Read every offloaded block back into its tensors."""
-        _reload(self.blocks)
+    # ---------------------------------------------------------------------------------------- around a graph
+    def prepare(self, slots: dict[int, tuple[tuple, Tensor]], keep: list[Tensor]) -> None:
+        """Before a graph with offload nodes: ``slots`` maps each offloaded input position (in the order the graph
+        reloads them) to its state's key and tensor; storages holding a tensor of ``keep`` stay in memory."""
+        self._slots, self._written, self._order = {}, set(), list(slots)
+        fresh = []
+        for slot, (key, tensor) in slots.items():
+            state = self.states.get(key)
+            if state is None:
+                n = len(self.states) + len(fresh)
+                state = _State(tensor, (os.path.join(self.path, f"state{n}.a"), os.path.join(self.path, f"state{n}.b")))
+                fresh.append(state)
+            state.tensor = tensor
+            self._slots[slot] = state
+        self._reserve(fresh)
+        self.states.update((key, self._slots[slot]) for slot, (key, _) in slots.items())
+        for state in self._slots.values():
+            if state.tensor.untyped_storage().nbytes():  # in memory: its current copy is written from it
+                self._write(state.paths[state.current], state.tensor.contiguous(), state.nbytes)
+        self._release_covered(keep)
+        self._ahead = {}
+        self._read_ahead()
 
-    def offload(self, states: list[Tensor], exclude: list[Tensor]) -> None:
-        """Write the storages of ``states`` (in order, ``fraction`` of their bytes) to files and free them;
-        storages that also hold a tensor of ``exclude`` (parameters, gradients, buffers) stay."""
-        if self.blocks:
-            return  # already offloaded: this step did not read them
-        kept = {_local(t).untyped_storage()._cdata for t in exclude if isinstance(t, Tensor)}
-        storages: dict[int, Any] = {}
-        for t in states:
-            storage = _local(t).untyped_storage()
-            if storage._cdata not in kept and storage.nbytes() and storage.resizable():
-                storages.setdefault(storage._cdata, storage)
-        self.bytes_total = total = sum(s.nbytes() for s in storages.values())
-        budget, done = self.fraction * total, 0
-        for n, storage in enumerate(storages.values()):
-            if done >= budget:
-                break
-            block = _Block(storage, os.path.join(self.path, f"block{n}.bin"))
-            self._write(block)
-            storage.resize_(0)
-            self.blocks.append(block)
-            done += block.nbytes
-        self.bytes_offloaded = done
+    def read(self, slot: int, like: Tensor) -> Tensor:
+        """The state of input ``slot``: read ahead by the I/O thread (waited for here), or now."""
+        future = self._ahead.pop(slot, None)
+        if future is None:
+            if slot in self._order:
+                self._order.remove(slot)
+            out = self._read_now(self._slots[slot], like)
+        else:
+            out = future.result()
+        self._read_ahead()
+        return out
 
-    def _write(self, block: _Block) -> None:
-        tmp = block.path + ".tmp"
+    def write(self, slot: int, value: Tensor) -> None:
+        """Write ``value`` (copied: the graph may reuse its memory) to the state's next copy on the I/O thread."""
+        state = self._slots[slot]
+        while self._writes and sum(n for n, _ in self._writes) + state.nbytes > self.window:
+            self._writes.pop(0)[1].result()
+        args = (state.paths[1 - state.current], value.clone(), state.nbytes, True)
+        self._writes.append((state.nbytes, self._io.submit(self._write, *args)))
+        self._written.add(slot)
+
+    def commit(self) -> None:
+        """The graph ran: once every write-back is on disk, the new copies become current."""
+        self._drain(raise_error=True)
+        for slot in self._written:
+            self._slots[slot].current ^= 1
+        self._written.clear()
+
+    def abort(self) -> None:
+        """The graph failed: the current copies stay current."""
+        self._drain(raise_error=False)
+        self._written.clear()
+
+    # ----------------------------------------------------------------------------------------------- I/O thread
+    def _read_now(self, state: _State, like: Tensor) -> Tensor:
+        out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        _read_file(state.paths[state.current], _bytes_of(out))
+        return out
+
+    def _read_ahead(self) -> None:
+        """Start reading the next states in the graph's order while their bytes fit the window (one at least)."""
+        while self._order:
+            ahead = sum(self._slots[s].nbytes for s in self._ahead)
+            if self._ahead and ahead + self._slots[self._order[0]].nbytes > self.window:
+                return
+            state = self._slots[self._order[0]]
+            self._ahead[self._order.pop(0)] = self._io.submit(self._read_now, state, state.tensor)
+
+    def _drain(self, raise_error: bool) -> None:
+        for future in [f for f in self._ahead.values()] + [f for _, f in self._writes]:
+            error = future.exception()
+            if error is not None and raise_error:
+                self._ahead.clear()
+                self._writes.clear()
+                raise error
+        self._ahead.clear()
+        self._writes.clear()
+
+    def materialize(self) -> None:
+        """Read every released state back into its storage."""
+        _restore(self.released)
+
+    def close(self) -> None:
+        """Restore every state and remove the files now."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------------------------------- files
+    def _reserve(self, fresh: list[_State]) -> None:
+        made: list[str] = []
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            for state in fresh:
+                for path in state.paths:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    made.append(path)
+                    try:
+                        if state.nbytes and hasattr(os, "posix_fallocate"):
+                            os.posix_fallocate(fd, 0, state.nbytes)
+                        else:
+                            os.ftruncate(fd, state.nbytes)
+                    finally:
+                        os.close(fd)
+        except OSError as error:
+            for path in made:
+                os.unlink(path)
+            raise _disk_error("reserving", made[-1] if made else self.path, state.nbytes, error) from error
+
+    def _write(self, path: str, value: Tensor, nbytes: int, during_graph: bool = False) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY)
             try:
-                view, done = _buffer(block.storage), 0
-                while done < block.nbytes:
+                view, done = _bytes_of(value), 0
+                while done < nbytes:
                     done += os.pwrite(fd, view[done:], done)
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            os.replace(tmp, block.path)
         except OSError as error:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise OffloadError(
-                f"zgraph offload: writing an optimizer state block of {block.nbytes} bytes to {block.path} failed "
-                f"({error.strerror or error}); is the disk under offload_dir full? The step's update was applied and "
-                "this block and the ones after it stay in memory, so the training state is intact; free space (or "
-                "lower offload_fraction) and call the step again"
-            ) from error
+            if during_graph:
+                raise OffloadError(
+                    f"zgraph offload: writing an updated optimizer state ({nbytes} bytes) to {path} failed "
+                    f"({error.strerror or error}) while the step ran; its parameters may be partly updated: resume "
+                    "from the last checkpoint"
+                ) from error
+            raise _disk_error("writing", path, nbytes, error) from error
 
-    def close(self) -> None:
-        """Reload every state and remove the files now."""
-        self._finalizer()
+    def _release_covered(self, keep: list[Tensor]) -> None:
+        kept = {_local(t).untyped_storage()._cdata for t in keep if isinstance(t, Tensor)}
+        by_storage: dict[int, tuple[Any, list[_State]]] = {}
+        for state in self._slots.values():
+            storage = state.tensor.untyped_storage()
+            by_storage.setdefault(storage._cdata, (storage, []))[1].append(state)
+        self.bytes_offloaded = sum(nbytes for _, nbytes, _ in self.released.values())
+        for cdata, (storage, states) in by_storage.items():
+            nbytes = storage.nbytes()
+            covered = sum(s.nbytes for s in states) == nbytes and len({s.tensor.data_ptr() for s in states}) == len(
+                states
+            )
+            if nbytes and covered and cdata not in kept and storage.resizable():
+                storage.resize_(0)
+                self.released[cdata] = (storage, nbytes, states)
+                self.bytes_offloaded += nbytes
+
+
+def _read_file(path: str, view: memoryview) -> None:
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise OffloadError(f"zgraph offload: {path} is shorter than the {len(view)} bytes written")
+            done += n
+
+
+def _restore(released: dict[int, tuple[Any, int, list[_State]]]) -> None:
+    """Give every released storage its bytes back, read from its states' current copies."""
+    while released:
+        cdata = next(iter(released))
+        storage, nbytes, states = released[cdata]
+        storage.resize_(nbytes)
+        for state in states:
+            _read_file(state.paths[state.current], _bytes_of(state.tensor))
+        del released[cdata]
+
+
+def _release(released: dict, path: str, io: ThreadPoolExecutor) -> None:
+    """When the store is dropped: give the states their memory back, then remove the files."""
+    io.shutdown(wait=True)
+    try:
+        _restore(released)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        _LIVE_DIRS.pop(path, None)
 
 
 def materialize(optimizer: Any, *_: Any) -> None:
     """Make every offloaded state of ``optimizer`` resident (readable) again; the next step offloads them anew."""
     for store in list(_OPTIMIZER_STORES.get(optimizer, ())):
-        store.reload()
+        store.materialize()
 
 
 def open_store(config: Any, device: str) -> NvmeStore | None:
@@ -203,7 +330,8 @@ def open_store(config: Any, device: str) -> NvmeStore | None:
             f"zgraph: Config.offload_optimizer={optimizer_tier!r} with states on {device} is not implemented yet "
             "(pinned host buffers and a copy stream); this version offloads from the CPU only"
         )
-    return NvmeStore(config.offload_dir, config.offload_fraction)
+    window = config.prefetch_bytes if isinstance(config.prefetch_bytes, int) else DEFAULT_WINDOW
+    return NvmeStore(config.offload_dir, window)
 
 
 def describe(optimizer_tier: str | None, params_tier: str | None, store: NvmeStore | None) -> list[str]:
@@ -215,22 +343,9 @@ def describe(optimizer_tier: str | None, params_tier: str | None, store: NvmeSto
         lines.append('offload_params="cpu": the identity here (the parameters are in host memory already)')
     if store is not None:
         lines.append(
-            f'offload_optimizer="nvme": the runtime writes {store.bytes_offloaded} of {store.bytes_total} optimizer '
-            f"state bytes to {len(store.blocks) or 'its'} blocks in {store.path} after each update and reads them "
-            "back before the next one (around the graph: the graph itself has no offload nodes yet)"
+            f'offload_optimizer="nvme": {len(store.states)} optimizer states ({store.bytes_offloaded} of '
+            f"{store.bytes_total} optimizer state bytes) live in files in {store.path}; the graph reloads each one "
+            "right before the optimizer reads it and writes it back right after its update (the `offload` pass's "
+            "zgraph.reload / zgraph.write_back nodes)"
         )
     return lines
-
-
-def binding_tensors(binding: Any) -> tuple[list[Tensor], list[Tensor]]:
-    """The optimizer state tensors of ``binding`` (in parameter order) and the tensors whose storage must stay."""
-    states: list[Tensor] = []
-    for o in binding.optimizers:
-        for indices in o.group_params:
-            for i in indices:
-                for value in o.optimizer.state.get(binding.params[i].tensor, {}).values():
-                    if isinstance(value, Tensor) and value.dim() > 0:
-                        states.append(value)
-    exclude = [r.tensor for r in binding.params] + [r.tensor.grad for r in binding.params]
-    exclude += [r.get() for r in binding.buffers]
-    return states, [t for t in exclude if isinstance(t, Tensor)]

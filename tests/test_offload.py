@@ -97,10 +97,17 @@ def test_states_leave_memory_and_files_hold_them(tmp_path, fraction):
     assert _state_bytes(opt) == total - store.bytes_offloaded + scalars
     assert store.bytes_offloaded >= fraction * total and (fraction > 0 or store.bytes_offloaded == 0)
     files = os.listdir(store.path)
-    assert sum(os.path.getsize(os.path.join(store.path, f)) for f in files) == store.bytes_offloaded
+    # two copies of each offloaded state: the current one and the one the next update writes
+    assert sum(os.path.getsize(os.path.join(store.path, f)) for f in files) == 2 * store.bytes_offloaded
     assert os.path.basename(store.path).startswith(f"zgraph-offload-{os.getpid()}-")
     text = step.explain()
-    assert f'offload_optimizer="nvme": the runtime writes {store.bytes_offloaded} of {total}' in text
+    assert f"({store.bytes_offloaded} of {total} optimizer state bytes) live in files" in text
+    final = step.graphs["final"]
+    reloads = [n for n in final.graph.nodes if n.target is torch.ops.zgraph.reload.default]
+    writes = [n for n in final.graph.nodes if n.target is torch.ops.zgraph.write_back.default]
+    assert len(reloads) == len(writes) == len(store.states)  # every offloaded state: one of each, in the graph
+    assert all(n.meta["zgraph_pass"] == "offload" for n in reloads + writes)
+    assert fraction == 0 or "zgraph.reload.default" in step.graphs["offload"].code
     _, optim_state = zgraph.full_state_dict(model, opt)  # materialises them
     assert _state_bytes(opt) == total + scalars
     assert all(torch.isfinite(s["exp_avg"]).all() for s in optim_state["state"].values())
@@ -117,28 +124,52 @@ def test_cpu_tier_on_cpu_is_the_identity():
 
 
 def test_full_disk_raises_and_keeps_the_state(tmp_path, monkeypatch):
+    """The files are reserved when a state is first offloaded: a full disk is found there, before the step changed
+    anything; once space is free the same call continues the training exactly."""
     expected = train(BASE)
     model, opt = make()
+    untouched = zgraph.full_state_dict(model, opt)
     step = make_step(BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path)))
     data = batches()
-    losses = [step(model, opt, *data[0]).item()]
-    writes = []
 
-    def full(fd, data, offset):
-        writes.append(1)
-        if len(writes) > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return os.write(fd, data)
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(runtime_offload.os, "pwrite", full)
+    monkeypatch.setattr(runtime_offload.os, "posix_fallocate", full)
     with pytest.raises(runtime_offload.OffloadError, match="disk under offload_dir full.*training state is intact"):
-        step(model, opt, *data[1])
+        step(model, opt, *data[0])
     monkeypatch.undo()
-    assert not [f for f in os.listdir(step._last.offload.path) if f.endswith(".tmp")]
-    losses.append(None)
-    losses += [step(model, opt, x, y).item() for x, y in data[2:]]
-    assert losses[2:] == expected[0][2:]
+    model_state, optim_state = zgraph.full_state_dict(model, opt)
+    assert same(model_state, untouched[0])  # the parameters, and the optimizer's fresh (zero) states:
+    assert all(not t.any() for state in optim_state["state"].values() for t in state.values())
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing half-reserved is left
+    losses = [step(model, opt, x, y).item() for x, y in data]
+    assert losses == expected[0]
     assert same(zgraph.full_state_dict(model, opt), expected[1:])
+
+
+def test_peak_memory_of_the_step_drops_too(tmp_path):
+    """In the graph, a state lives from its reload to its write-back only: the step's peak of live tensor bytes
+    is lower by about the optimizer states, not only the memory between steps."""
+    from zgraph.runtime.memory import LiveTensorBytes, state_bytes
+
+    def deep() -> tuple[torch.nn.Module, torch.optim.Optimizer]:  # many parameters of one size, as a transformer
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), *(torch.nn.Linear(32, 32) for _ in range(11)))
+        return model, torch.optim.AdamW(model.parameters())
+
+    peaks = {}
+    for name, config in (("memory", BASE), ("nvme", BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path)))):
+        model, opt = deep()
+        step = make_step(config)
+        data = batches()
+        step(model, opt, *data[0])
+        held = state_bytes(model, opt)["total"]  # what the step starts with, plus what it allocates at most
+        with LiveTensorBytes() as live:
+            step(model, opt, *data[1])
+        peaks[name] = held + live.peak
+    states = sum(2 * p.numel() * 4 for p in deep()[0].parameters())
+    assert peaks["memory"] - peaks["nvme"] >= 0.7 * states, (peaks, states)
 
 
 def test_checkpoint_with_offloaded_states_resumes_without_offload(tmp_path):

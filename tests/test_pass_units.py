@@ -8,7 +8,19 @@ import operator
 import torch
 from pass_graphs import GROUP, Builder, aten, context, count, param, targets
 
-from zgraph.graph import BACKWARD, BUCKET, FORWARD, INPUT, MADE_BY, OPTIMIZER, PHASE, VAL, GraphOutput, ShardSpec
+from zgraph.graph import (
+    BACKWARD,
+    BUCKET,
+    FORWARD,
+    INPUT,
+    MADE_BY,
+    OPTIMIZER,
+    OUTPUTS,
+    PHASE,
+    VAL,
+    GraphOutput,
+    ShardSpec,
+)
 from zgraph.ops import (
     COMBINE,
     GRAD_CONTRIBUTION,
@@ -18,9 +30,11 @@ from zgraph.ops import (
     REDUCE_BUCKET,
     REDUCE_SHARD,
     REDUCE_SHARD_BUCKET,
+    RELOAD,
     SHARD,
     UNSHARD,
     UNSHARD_BUCKET,
+    WRITE_BACK,
 )
 from zgraph.passes import Pass, PassContext, run_pipeline
 from zgraph.passes.bucket import bucket
@@ -29,6 +43,7 @@ from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives
+from zgraph.passes.offload import offload
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
 from zgraph.passes.schedule import WAIT, schedule
 from zgraph.passes.shard_optimizer import shard_optimizer
@@ -415,3 +430,49 @@ def test_shard_optimizer_keeps_state_sharded():
     assert tuple(out.args[0][1].meta[VAL].shape) == (4, 4)  # the state update runs on the shard
     assert out.args[0][0].target is UNSHARD  # the updated parameter is gathered whole
     assert count(shard_optimizer(_grad_step(), context((param(0, (8, 4)),)), stage=0), UNSHARD) == 0
+
+
+# ------------------------------------------------------------------------------------------------------ offload
+def _adam_like() -> torch.fx.GraphModule:
+    b = Builder()
+    w = b.input("w", (8, 4), "param", 0)
+    m = b.input("m", (8, 4), "opt_state", 0, field="exp_avg", optimizer=0)
+    v = b.input("v", (8, 4), "opt_state", 0, field="exp_avg_sq", optimizer=0)
+    s = b.input("s", (), "opt_state", 0, field="step", optimizer=0)
+    new_s = b.op(aten.add.Tensor, s, 1, phase=OPTIMIZER)
+    new_m = b.op(aten.mul.Tensor, m, 0.9, phase=OPTIMIZER)
+    new_v = b.op(aten.mul.Tensor, v, 0.99, phase=OPTIMIZER)
+    new_w = b.op(aten.sub.Tensor, w, b.op(aten.div.Tensor, new_m, new_v, phase=OPTIMIZER), phase=OPTIMIZER)
+    roles = [GraphOutput("param", "w", 0)] + [
+        GraphOutput("opt_state", name, 0, field=field, optimizer=0)
+        for name, field in (("m", "exp_avg"), ("v", "exp_avg_sq"), ("s", "step"))
+    ]
+    return b.finish(list(zip([new_w, new_m, new_v, new_s], roles)))
+
+
+def test_offload_reloads_before_first_read_and_writes_back_each_update():
+    gm = offload(_adam_like(), context(), tier="nvme", fraction=1.0)
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    reloads = [n for n in nodes if n.target is RELOAD]
+    writes = [n for n in nodes if n.target is WRITE_BACK]
+    assert [n.args for n in reloads] == [(nodes[1], 1), (nodes[2], 2)]  # m and v, by input position; not the step
+    for r in reloads:
+        assert list(r.args[0].users) == [r]  # the placeholder is only a shape now
+        first_reader = min(r.users, key=nodes.index)
+        assert nodes.index(first_reader) == nodes.index(r) + 1  # reloaded right before its first read
+        assert r.meta[PHASE] == OPTIMIZER
+    for w in writes:
+        assert nodes.index(w) == nodes.index(w.args[0]) + 1  # written back right after the update
+    out = nodes[-1]
+    assert [r.kind for r in out.meta[OUTPUTS]] == ["param", "offloaded", "offloaded", "opt_state"]
+    assert list(out.args[0][1:3]) == writes
+
+
+def test_offload_fraction_takes_whole_states_in_order_and_other_tiers_change_nothing():
+    half = offload(_adam_like(), context(), tier="nvme", fraction=0.5)
+    assert [n.args[1] for n in half.graph.nodes if n.target is RELOAD] == [1]  # m: half the bytes
+    assert count(offload(_adam_like(), context(), tier="nvme", fraction=0.0), RELOAD) == 0
+    for tier in (None, "cpu"):
+        gm = offload(_adam_like(), context(), tier=tier, fraction=1.0)
+        assert count(gm, RELOAD) == 0 and count(gm, WRITE_BACK) == 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +14,10 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, _Returned
-from zgraph.graph import GraphInput, GraphOutput, ParamInfo
+from zgraph.graph import OFFLOADED, GraphInput, GraphOutput, ParamInfo, state_key
+from zgraph.ops import RELOAD, offload_tier
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
-from zgraph.runtime.offload import binding_tensors
 from zgraph.runtime.sharded_state import StateIO
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
@@ -38,6 +40,11 @@ class CompiledStep:
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
     split: Any = None  # a split step's forward and backward (``zgraph.split_run.SplitCompiled``)
     offload: Any = None  # the binding's offload store (zgraph.runtime.offload), for explain()
+
+    @functools.cached_property
+    def offloaded_inputs(self) -> tuple[int, ...]:
+        """Input positions the graph reads from the offload tier (its ``zgraph::reload`` nodes), in graph order."""
+        return tuple(n.args[1] for n in self.final.graph.nodes if n.target is RELOAD)
 
     @property
     def final(self) -> fx.GraphModule:
@@ -82,8 +89,6 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     step's result."""
     io = StateIO(binding, binding.plan)
     store = compiled.offload = getattr(binding, "offload", None)
-    if store is not None and any(spec.kind == "opt_state" for spec in compiled.input_specs):
-        store.reload()  # the states the graph reads, back from the offload tier
     hyper: dict[tuple[int, int], dict[str, float]] = {}
     for spec in compiled.input_specs:
         if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
@@ -91,18 +96,42 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
             kernel = zopt.kernel_for(opt)
             hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
     inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
-    outputs = list(compiled.executable.run(inputs))
+    outputs = _run_offloaded(compiled, store, inputs) if store is not None else compiled.executable.run(inputs)
+    outputs = list(outputs)
     _unalias(outputs, inputs, compiled.executable.updated_inputs)
     user_values = []
     for value, role in zip(outputs, compiled.output_roles):
         if role.kind == "user":
             user_values.append(value)
-        else:
+        elif role.kind != OFFLOADED:  # the graph wrote those to the offload tier itself
             io.write(role, value, user_tensors)
-    result = finish_call(compiled, binding, user_tensors, user_values)
-    if store is not None:
-        store.offload(*binding_tensors(binding))  # the updated states, out to the offload tier
-    return result
+    return finish_call(compiled, binding, user_tensors, user_values)
+
+
+def _run_offloaded(compiled: CompiledStep, store: Any, inputs: list) -> Sequence:
+    """Run the graph with the offload tier serving its reload / write_back nodes; a graph that reads optimizer
+    states without them (the ``offload`` pass disabled) gets them back in memory first."""
+    specs = compiled.input_specs
+    slots = compiled.offloaded_inputs
+    if any(spec.kind == "opt_state" for spec in specs):
+        store.bytes_total = sum(
+            t.numel() * t.element_size() for t, s in zip(inputs, specs) if s.kind == "opt_state" and t.dim()
+        )
+    if not slots:
+        if any(spec.kind == "opt_state" for spec in specs):
+            store.materialize()
+        return compiled.executable.run(inputs)
+    offloaded = {i: (state_key(specs[i]), inputs[i]) for i in slots}
+    keep = [t for i, t in enumerate(inputs) if i not in offloaded]
+    store.prepare(offloaded, keep)
+    try:
+        with offload_tier(store):
+            outputs = compiled.executable.run(inputs)
+    except BaseException:
+        store.abort()
+        raise
+    store.commit()
+    return outputs
 
 
 def finish_call(

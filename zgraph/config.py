@@ -35,7 +35,9 @@ class Config:
             the cost model so that a collective's latency is a tenth of its transfer time.
         reduce_bucket_bytes: the same for gradient reduce-scatters and all-reduces.
         prefetch_bytes: stage 3: how many bytes of parameters the ``schedule`` pass may have gathered ahead of
-            their first use (issued or landed, not yet used); ``"auto"`` (default): two all-gather buckets.
+            their first use (issued or landed, not yet used); ``"auto"`` (default): two all-gather buckets. With
+            ``offload_optimizer="nvme"`` also the bytes of optimizer states read ahead of their reload (and of
+            write-backs in flight); ``"auto"``: 64 MiB.
         param_persistence_threshold: stage 3: parameters with at most this many elements are not sharded; they
             stay whole on every rank and need no all-gather (DeepSpeed's
             ``stage3_param_persistence_threshold``, same default: 100000).
@@ -74,9 +76,11 @@ class Config:
             difference between ranks' compile times on the first call.
         offload_optimizer: where optimizer states (Adam's moments...) live between steps. None (default): in
             memory on the compute device. ``"cpu"``: host memory (on a CPU machine the identity: they are there
-            already). ``"nvme"``: files under ``offload_dir``, written after each update and read back before the
-            next one, in blocks of one state buffer each (see ``zgraph.runtime.offload``). Needs stage >= 1
-            (DeepSpeed's ZeRO-Offload does too). DeepSpeed's ``zero_optimization.offload_optimizer``.
+            already). ``"nvme"``: files under ``offload_dir``: the ``offload`` pass puts a ``zgraph.reload`` node
+            before each state's first read and a ``zgraph.write_back`` node after its update, and the runtime
+            reads states ahead and writes them behind on an I/O thread, within ``prefetch_bytes`` (see
+            ``zgraph.runtime.offload``). Needs stage >= 1 (DeepSpeed's ZeRO-Offload does too). DeepSpeed's
+            ``zero_optimization.offload_optimizer``.
         offload_params: where sharded parameters live between uses (stage 3 only): None (default) or ``"cpu"``
             (the identity on a CPU machine); ``"nvme"`` is accepted here and refused at the first call (not yet
             implemented). DeepSpeed's ``zero_optimization.offload_param``.
@@ -84,7 +88,7 @@ class Config:
             subdirectory, removed at exit and when the step is dropped). Required with ``"nvme"``; checked at
             the first call (it must exist and be writable). DeepSpeed's ``nvme_path``.
         offload_fraction: share of the optimizer states, by bytes, that ``offload_optimizer`` moves, in whole
-            state buffers (a bucket's buffer, or a parameter's state tensor), first parameters first; 1.0
+            state tensors, first parameters first; 1.0
             (default) moves all, 0.0 none. DeepSpeed's ``offload_optimizer.ratio`` (ZeRO-Offload++).
     """
 
@@ -150,6 +154,8 @@ class Config:
             reduce_bucket_bytes=self.reduce_bucket_bytes,
             prefetch_bytes=self.prefetch_bytes,
             reduce_dtype=self.reduce_dtype or self.param_dtype,
+            offload_optimizer=self.offload_optimizer,
+            offload_fraction=self.offload_fraction,
         )
 
     def _check_loss_scale(self) -> None:

@@ -9,6 +9,10 @@ makes the distributed graph match eager PyTorch on the global batch. No marker s
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -198,3 +202,69 @@ GRAD_NORM = torch.ops.zgraph.grad_norm.default
 NONFINITE = torch.ops.zgraph.nonfinite.default
 COMBINE = torch.ops.zgraph.combine.default
 LAYOUT_OPS = (*LAYOUT_OPS, COMBINE)
+
+
+# ------------------------------------------------------------------------------------------------ offload
+# The ``offload`` pass replaces each offloaded optimizer state's reads by ``reload(state, slot)`` and its updated
+# value, as the graph returns it, by ``write_back(value, slot)`` (``slot``: the state's input position). The
+# graph input itself is then only a shape: between steps its memory is released. The tier that serves the reads
+# and takes the writes is the runtime's (``zgraph.runtime.offload``), installed around each run of the graph with
+# ``offload_tier(...)``; the writes go to the state's next copy, made current only after the whole graph ran.
+
+
+class OffloadTier:
+    """Where ``reload`` reads and ``write_back`` writes; the runtime's store implements it."""
+
+    def read(self, slot: int, like: Tensor) -> Tensor:
+        """A new tensor of ``like``'s shape and dtype holding the state of input ``slot``."""
+        raise NotImplementedError
+
+    def write(self, slot: int, value: Tensor) -> None:
+        raise NotImplementedError
+
+
+_TIER: contextvars.ContextVar[OffloadTier | None] = contextvars.ContextVar("zgraph_offload_tier", default=None)
+
+
+@contextlib.contextmanager
+def offload_tier(tier: OffloadTier) -> Iterator[None]:
+    """Serve the ``reload`` / ``write_back`` nodes of graphs run inside the block from ``tier``."""
+    token = _TIER.set(tier)
+    try:
+        yield
+    finally:
+        _TIER.reset(token)
+
+
+def _tier() -> OffloadTier:
+    tier = _TIER.get()
+    if tier is None:
+        raise RuntimeError("zgraph: a graph with offload nodes ran outside zgraph's runtime (no offload tier)")
+    return tier
+
+
+@torch.library.custom_op("zgraph::reload", mutates_args=())
+def reload(state: Tensor, slot: int) -> Tensor:
+    """The offloaded state at input ``slot``, read back from its tier (``state`` gives only shape and dtype)."""
+    return _tier().read(slot, state)
+
+
+@reload.register_fake
+def _reload_fake(state: Tensor, slot: int) -> Tensor:
+    return torch.empty(state.shape, dtype=state.dtype, device=state.device)
+
+
+@torch.library.custom_op("zgraph::write_back", mutates_args=())
+def write_back(value: Tensor, slot: int) -> Tensor:
+    """Write the updated state of input ``slot`` to its tier; returns an empty token (the graph's output)."""
+    _tier().write(slot, value.contiguous())
+    return value.new_empty(0)
+
+
+@write_back.register_fake
+def _write_back_fake(value: Tensor, slot: int) -> Tensor:
+    return value.new_empty(0)
+
+
+RELOAD = torch.ops.zgraph.reload.default
+WRITE_BACK = torch.ops.zgraph.write_back.default
