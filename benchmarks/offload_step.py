@@ -73,9 +73,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             losses[name].append(float(loss))
     held = {k: state_bytes(models[k], opts[k])["total"] for k in models}
     mine = torch.tensor([held["memory"], held["nvme"], peaks["memory"], peaks["nvme"]], dtype=torch.int64)
-    gathered = torch.empty(world, 4, dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, mine)
-    everyone = [{"held": dict(zip(models, r[:2])), "peaks": dict(zip(models, r[2:]))} for r in gathered.tolist()]
+    gathered = torch.empty(world * 4, dtype=torch.int64)
+    dist.all_gather_single(gathered, mine)
+    rows = gathered.view(world, 4).tolist()
+    everyone = [{"held": dict(zip(models, r[:2])), "peaks": dict(zip(models, r[2:]))} for r in rows]
     if rank == 0:
         medians = {k: statistics.median(v) for k, v in times.items()}
         result = {
