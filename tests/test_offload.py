@@ -186,6 +186,25 @@ def test_checkpoint_with_offloaded_states_resumes_without_offload(tmp_path):
     step2 = make_step(BASE.replace(stage=2))
     resumed = [step2(model2, opt2, x, y).item() for x, y in data[2:]]
     assert resumed == continued
+    model3, opt3 = make(seed=2)  # and into a step that offloads, after the states were loaded into memory
+    step3 = make_step(offload)
+    step3(model3, opt3, *data[0])  # its states are in files now; load replaces them
+    zgraph.load(tmp_path / "ckpt", model3, opt3)
+    assert [step3(model3, opt3, x, y).item() for x, y in data[2:]] == continued
+
+
+def test_another_batch_shape_recaptures_and_keeps_the_same_files(tmp_path):
+    config = BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path))
+    model, opt = make()
+    reference, ref_opt = make()
+    step, eager_step = make_step(config), make_step(BASE)
+    for x, y in batches():
+        for rows in (8, 5):  # two graphs, one store: the states' files are found by the state, not the graph
+            assert (
+                step(model, opt, x[:rows], y[:rows]).item() == eager_step(reference, ref_opt, x[:rows], y[:rows]).item()
+            )
+    store = step._last.offload
+    assert len(os.listdir(store.path)) == 2 * len(store.states) == 2 * 2 * 6  # exp_avg, exp_avg_sq of 6 params
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
