@@ -19,8 +19,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,9 @@ class TracePrecision:
         if param is None or not param.is_floating_point() or param.dtype == dtype:
             return value
         cast = self._casts.get(id(param))
-        if cast is None:
+        if cast is None or (torch.is_grad_enabled() and param.requires_grad and not cast.requires_grad):
+            # a cast made under no_grad (a reentrant checkpoint's first forward) carries no gradient: make one that
+            # does where the parameter is read with grad enabled (the checkpoint's recomputation)
             cast = self._casts[id(param)] = param.to(dtype)
         return cast
 
@@ -177,13 +180,22 @@ class StepMode(TorchFunctionMode):
         super().__init__()
         self.precision = precision
         self.is_grad = is_grad
+        self.in_backward = False
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         precision = self.precision
         if func in BACKWARD_CALLS:
-            with fx_traceback.annotate({PHASE: BACKWARD}):
-                result = self._backward(func, args, kwargs)
+            # A backward called from inside a backward (a reentrant checkpoint's) is autograd's business: its
+            # seeds are already scaled gradients, and the round ends with the outer call.
+            if self.in_backward:
+                return func(*args, **kwargs)
+            self.in_backward = True
+            try:
+                with fx_traceback.annotate({PHASE: BACKWARD}), _active_in_engine(self):
+                    result = self._backward(func, args, kwargs)
+            finally:
+                self.in_backward = False
             precision.end_round()
             return result
         norms = self._grad_norms(func, args, kwargs)
@@ -236,6 +248,31 @@ class StepMode(TorchFunctionMode):
         inputs = bound["inputs"]
         inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
         return tuple(r if id(i) in precision.params else precision.unscale_returned(r) for i, r in zip(inputs, result))
+
+
+@contextlib.contextmanager
+def _active_in_engine(mode: TorchFunctionMode) -> Iterator[None]:
+    """Run autograd's engine with ``mode`` active, so Python code that runs inside a backward (activation
+    checkpointing's recomputation, custom autograd functions' ``backward``) reads parameters in the compute dtype
+    as forward did.
+
+    A torch-function mode is popped while it handles a call, and a backward call only reaches the engine once no
+    mode is active (each re-checks for modes on entry), so the engine would start without it and, since it runs
+    every node under the thread-local state captured when it starts, nothing in the backward would see it. The
+    one point after the check and before the engine captures that state is ``torch.autograd``'s call of
+    ``_engine_run_backward`` (shared by ``Tensor.backward``, ``autograd.backward`` and ``autograd.grad``): it
+    is wrapped, while this call lasts, to start the engine with ``mode`` pushed."""
+    engine_run = torch.autograd._engine_run_backward
+
+    def run_with_mode(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return engine_run(*args, **kwargs)
+
+    torch.autograd._engine_run_backward = run_with_mode
+    try:
+        yield
+    finally:
+        torch.autograd._engine_run_backward = engine_run
 
 
 def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
