@@ -51,7 +51,7 @@ from zgraph.errors import CaptureError
 from zgraph.functionalize import functionalize
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.ops import grad_contribution
-from zgraph.precision import StepMode, TracePrecision
+from zgraph.precision import StepMode, TracePrecision, kept_in_own_dtype
 from zgraph.runtime.state import Binding
 from zgraph.trace_env import (
     UnboundState,
@@ -235,7 +235,10 @@ def trace_step(
 
     def traced_step(*flat: Tensor) -> list[Any]:
         state = _unpack(inputs.specs, flat, binding, len(user_tensors))
-        precision = TracePrecision(config, {id(p): p for p in state.params}, state.loss_state)
+        kept = kept_in_own_dtype(binding, config.keep_fp32_modules) if config.param_dtype is not None else set()
+        precision = TracePrecision(
+            config, {id(p): p for p in state.params}, state.loss_state, {id(state.params[i]) for i in kept}
+        )
         for i, p in enumerate(state.params):
             if p.requires_grad:
                 p.register_hook(lambda g, i=i: grad_contribution(precision.unscale_contribution(g), i))

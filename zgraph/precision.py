@@ -1,10 +1,12 @@
 """What capture does for mixed precision, loss scaling and clipping while it traces the step.
 
 - **Compute dtype** (``Config.param_dtype``): while the step runs (not inside the optimizer), every torch call
-  that reads a parameter reads it cast to the compute dtype, through one differentiable cast per parameter and
-  forward/backward round. Autograd then differentiates through the cast, so gradients arrive at the (master)
-  parameters in their dtype — what FSDP2's ``MixedPrecisionPolicy`` gives. ``model.parameters()``, ``.grad``
-  and the optimizer see the master parameters.
+  that reads a parameter (but those ``Config.keep_fp32_modules`` keeps) reads it cast to the compute dtype,
+  through one differentiable cast per parameter and forward/backward round. Autograd then differentiates
+  through the cast, so gradients arrive at the (master) parameters in their dtype — what FSDP2's
+  ``MixedPrecisionPolicy`` gives. ``model.parameters()``, ``.grad`` and the optimizer see the master
+  parameters. The backward runs under the same rule (``_active_in_engine``): activation checkpointing's
+  recomputation reads parameters as the forward did.
 - **Loss scaling** (``Config.loss_scale``): every backward call (``backward()``, ``autograd.backward``,
   ``autograd.grad``) seeds autograd with the scaled gradient (computed in float32, as DeepSpeed scales
   ``loss.float()``); each parameter's gradient contribution is unscaled as it arrives (kept scaled when it is
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.fx import traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
@@ -34,6 +36,7 @@ from torch.utils._pytree import tree_map
 from zgraph.config import Config, DynamicLossScale
 from zgraph.graph import BACKWARD, PHASE
 from zgraph.ops import grad_norm, nonfinite
+from zgraph.runtime.state import Binding
 
 BACKWARD_CALLS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
@@ -61,11 +64,13 @@ class TracePrecision:
             unscaled on arrival).
         loss_state: the traced loss-scale state (``scale``, and for dynamic scaling ``good_steps``,
             ``hysteresis``), empty without loss scaling.
+        own_dtype: ``id`` of the traced parameters read in their own dtype (``Config.keep_fp32_modules``).
     """
 
     config: Config
     params: dict[int, Tensor]
     loss_state: dict[str, Tensor] = field(default_factory=dict)
+    own_dtype: set[int] = field(default_factory=set)
     in_optimizer: bool = False
     overflow_flags: list[Tensor] = field(default_factory=list)
     _casts: dict[int, Tensor] = field(default_factory=dict)
@@ -77,7 +82,7 @@ class TracePrecision:
         if dtype is None or self.in_optimizer or not isinstance(value, Tensor):
             return value
         param = self.params.get(id(value))
-        if param is None or not param.is_floating_point() or param.dtype == dtype:
+        if param is None or not param.is_floating_point() or param.dtype == dtype or id(param) in self.own_dtype:
             return value
         cast = self._casts.get(id(param))
         if cast is None or (torch.is_grad_enabled() and param.requires_grad and not cast.requires_grad):
@@ -162,6 +167,19 @@ class TracePrecision:
             "good_steps": torch.where(overflow, torch.zeros_like(good), grown_good),
             "hysteresis": torch.where(overflow, on_overflow_hysteresis, on_success_hysteresis),
         }
+
+
+def kept_in_own_dtype(binding: Binding, classes: tuple[type[nn.Module], ...]) -> set[int]:
+    """Indices of the bound parameters ``Config.keep_fp32_modules`` keeps in their own dtype: those every module
+    holding them is an instance of one of ``classes`` or lies inside one."""
+    inside = {
+        id(sub)
+        for _, root in binding.modules
+        for module in root.modules()
+        if isinstance(module, classes)
+        for sub in module.modules()
+    }
+    return {r.index for r in binding.params if r.slots and all(id(module) in inside for module, _ in r.slots)}
 
 
 def keep_if_overflow(flag: Tensor | None, tensors: list[Tensor], before: list[Tensor]) -> None:
