@@ -235,6 +235,14 @@ def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo) -> None:
 _REPLACED_BY = "_zgraph_replaced_by"
 
 
+def current_parameter(t: Tensor) -> Tensor:
+    """The parameter that now stands for ``t``: its sharded replacement if a stage-3 binding replaced it (through
+    any number of replacements), else ``t``."""
+    while getattr(t, _REPLACED_BY, None) is not None:
+        t = getattr(t, _REPLACED_BY)
+    return t
+
+
 def adopt_sharded_parameters(optimizers: list[torch.optim.Optimizer]) -> None:
     """Point optimizers at the sharded parameters that replaced the ones they hold.
 
@@ -244,9 +252,7 @@ def adopt_sharded_parameters(optimizers: list[torch.optim.Optimizer]) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
-                new = p
-                while getattr(new, _REPLACED_BY, None) is not None:
-                    new = getattr(new, _REPLACED_BY)
+                new = current_parameter(p)
                 if new is not p:
                     group["params"][i] = new
                     if p in opt.state:

@@ -33,6 +33,7 @@ What later code may rely on (the captured graph's contract; meta keys from ``zgr
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from zgraph.trace_env import (
     data_assignment_as_copy,
     group_values,
     real_constants,
+    refuse_created_state,
     restore_python_state_on_error,
     swap_module_tensors,
     swap_slots,
@@ -247,6 +249,13 @@ def trace_step(
         groups_before = group_values(binding)
         with _environment(binding, config, state, swaps, user_tensors, step_trace, grad_enabled) as traced:
             result = fn(*_substitute(args, traced), **_substitute(kwargs, traced))
+            if inspect.isgenerator(result) or inspect.isasyncgen(result) or inspect.iscoroutine(result):
+                raise CaptureError(
+                    f"the step returned a {type(result).__name__}: its body runs only when that is iterated or "
+                    "awaited, after zgraph has captured the step (so nothing would be captured). Write the step as "
+                    "a plain function that runs forward, backward and the optimizer and returns its values (a tuple "
+                    "or list instead of `yield`)."
+                )
             final = _final_state(binding, state.params)
             if group_values(binding) != groups_before:
                 raise CaptureError(
@@ -357,6 +366,7 @@ def _environment(
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(restore_python_state_on_error(binding))
+        stack.enter_context(refuse_created_state(binding))
         stack.enter_context(swap_module_tensors(binding, params, buffers))
         stack.enter_context(swap_slots(swaps, traced))
         stack.enter_context(watch_unbound_state(binding))
