@@ -27,6 +27,7 @@ from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
+from zgraph.runtime.storage_guard import refuse_storage_access
 
 _PADDED = "_zgraph_padded"
 
@@ -115,6 +116,7 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence
     if group.distributed:
         device = binding.params[0].tensor.device.type if binding.params else "cpu"
         plan.mesh = device_mesh(device, group.world_size)
+        refuse_storage_access()
     for record in binding.params:
         t = record.tensor
         spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
