@@ -249,13 +249,7 @@ def trace_step(
         groups_before = group_values(binding)
         with _environment(binding, config, state, swaps, user_tensors, step_trace, grad_enabled) as traced:
             result = fn(*_substitute(args, traced), **_substitute(kwargs, traced))
-            if inspect.isgenerator(result) or inspect.isasyncgen(result) or inspect.iscoroutine(result):
-                raise CaptureError(
-                    f"the step returned a {type(result).__name__}: its body runs only when that is iterated or "
-                    "awaited, after zgraph has captured the step (so nothing would be captured). Write the step as "
-                    "a plain function that runs forward, backward and the optimizer and returns its values (a tuple "
-                    "or list instead of `yield`)."
-                )
+            _refuse_deferred(result)
             final = _final_state(binding, state.params)
             if group_values(binding) != groups_before:
                 raise CaptureError(
@@ -284,6 +278,17 @@ def trace_step(
         if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
             t.grad = None
     return Traced(None, gm, found["captured"], constants, inputs.specs, found["roles"], fakes, mode)
+
+
+def _refuse_deferred(result: Any) -> None:
+    """A generator (or coroutine) step has not run when it returns: nothing of it would be captured."""
+    if inspect.isgenerator(result) or inspect.isasyncgen(result) or inspect.iscoroutine(result):
+        raise CaptureError(
+            f"the step returned a {type(result).__name__}: its body runs only when that is iterated or awaited, "
+            "after zgraph has captured the step (so nothing would be captured). Write the step as a plain function "
+            "that runs forward, backward and the optimizer and returns its values (a tuple or list instead of "
+            "`yield`)."
+        )
 
 
 def finish(traced: Traced) -> CapturedGraph:
