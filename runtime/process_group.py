@@ -136,6 +136,11 @@ def device_mesh(device_type: str, world_size: int, subgroup: str | None = None) 
     return mesh
 
 
+def is_zgraph_mesh(mesh: object) -> bool:
+    """Whether ``mesh`` is a device mesh ``device_mesh`` made (the mesh of zgraph's sharded tensors)."""
+    return any(mesh is ours for ours in _MESHES.values())
+
+
 def end_finished_rank() -> None:
     """Exit a spawned rank that finished its work (group destroyed, results written) without interpreter teardown.
 

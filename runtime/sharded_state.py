@@ -27,6 +27,7 @@ from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
+from zgraph.runtime.storage_guard import refuse_storage_access
 
 _PADDED = "_zgraph_padded"
 
@@ -115,6 +116,7 @@ def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence
     if group.distributed:
         device = binding.params[0].tensor.device.type if binding.params else "cpu"
         plan.mesh = device_mesh(device, group.world_size, group.group_name if group.ranks else None)
+        refuse_storage_access()
     for record in binding.params:
         t = record.tensor
         spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
@@ -244,6 +246,14 @@ def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo) -> None:
 _REPLACED_BY = "_zgraph_replaced_by"
 
 
+def current_parameter(t: Tensor) -> Tensor:
+    """The parameter that now stands for ``t``: its sharded replacement if a stage-3 binding replaced it (through
+    any number of replacements), else ``t``."""
+    while getattr(t, _REPLACED_BY, None) is not None:
+        t = getattr(t, _REPLACED_BY)
+    return t
+
+
 def adopt_sharded_parameters(optimizers: list[torch.optim.Optimizer]) -> None:
     """Point optimizers at the sharded parameters that replaced the ones they hold.
 
@@ -253,9 +263,7 @@ def adopt_sharded_parameters(optimizers: list[torch.optim.Optimizer]) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
-                new = p
-                while getattr(new, _REPLACED_BY, None) is not None:
-                    new = getattr(new, _REPLACED_BY)
+                new = current_parameter(p)
                 if new is not p:
                     group["params"][i] = new
                     if p in opt.state:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 import zgraph
 
@@ -180,3 +181,99 @@ def test_state_in_closure_and_globals_is_found():
         ref_opt.zero_grad()
         assert torch.equal(got, loss.detach())
     assert torch.equal(model.weight, reference.weight)
+
+
+# ------------------------------------------------------------------ steps zgraph refuses (issue 16)
+class LazyHead(nn.Module):
+    """Creates its second layer's weight on the first forward, from the input's width."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.w = None
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.w is None:
+            self.w = nn.Parameter(torch.randn(2, h.shape[-1]))
+        return h @ self.w.t()
+
+
+def test_a_parameter_created_inside_the_step_is_refused_and_the_model_left_as_it_was():
+    model = LazyHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @zgraph.distribute(backend="eager")
+    def step(model, opt, x):
+        model(x).sum().backward()
+        opt.step()
+
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(zgraph.CaptureError, match=r"created parameter `w`.*before the first call"):
+        step(model, opt, torch.randn(3, 4))
+    assert model.w is None and "w" not in model._parameters, "the model is as it was"
+    assert all(torch.equal(p, before[n]) and not isinstance(p, FakeTensor) for n, p in model.state_dict().items())
+    model(torch.randn(3, 4))  # created eagerly: the step now trains it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, opt, torch.randn(3, 4))
+
+
+def test_a_submodule_created_inside_the_step_is_refused_with_its_name():
+    class Grows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Module()
+            self.inner.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if not hasattr(self.inner, "extra"):
+                self.inner.extra = nn.Linear(4, 2)
+            return self.inner.extra(self.inner.linear(x))
+
+    model = Grows()
+
+    @zgraph.distribute(backend="eager")
+    def step(model, x):
+        model(x).sum().backward()
+
+    with pytest.raises(zgraph.CaptureError, match=r"created submodule `inner.extra`"):
+        step(model, torch.randn(3, 4))
+    assert not hasattr(model.inner, "extra")
+
+
+def test_a_generator_step_is_refused():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @zgraph.distribute(backend="eager")
+    def step(model, opt, x):
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        yield loss
+
+    before = model.weight.detach().clone()
+    with pytest.raises(zgraph.CaptureError, match=r"returned a generator.*instead of `yield`"):
+        step(model, opt, torch.randn(3, 4))
+    assert torch.equal(model.weight, before)
+
+
+def test_a_step_calling_another_step_is_refused():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @zgraph.distribute(backend="eager")
+    def forward_backward(model, x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    @zgraph.distribute(backend="eager")
+    def step(model, opt, x):
+        loss = forward_backward(model, x)
+        opt.step()
+        return loss
+
+    with pytest.raises(zgraph.CaptureError, match=r"`.*forward_backward` was called from inside another zgraph step"):
+        step(model, opt, torch.randn(3, 4))
+    assert all(not isinstance(p, FakeTensor) for p in model.parameters())

@@ -339,3 +339,22 @@ def test_returned_python_numbers_warn_that_they_are_frozen():
     model = mlp()
     with pytest.warns(RuntimeWarning, match=r"result\['lr'\] = 0.1"):
         zgraph.distribute(EAGER)(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), *batches()[0])
+
+
+# ------------------------------------------------------------------------------- plain-object optimizers
+@pytest.mark.parametrize("world", [1, 2])
+def test_plain_object_optimizer_trains_at_every_stage(tmp_path, world):
+    """A class that is not a torch.optim.Optimizer, holding ``list(model.parameters())`` and doing
+    ``p.sub_(lr * p.grad)``: at stage 3 its list now holds the sharded parameters the model uses (before issue
+    16 the parameters never changed at stage 3 on 2 ranks)."""
+    import plain_optimizer_cases as cases
+    from dist_harness import run_ranks
+
+    path = tmp_path / "results.pt"
+    run_ranks(world, "plain_optimizer_cases.run", str(path), ["stages"], timeout=300)
+    results = torch.load(path, weights_only=False)["stages"]
+    assert "error" not in results, results.get("error")
+    want = cases.eager()
+    for stage in range(4):
+        for name, p in want.items():
+            assert_close(results[stage][name], p, bitwise=False, what=f"stage {stage} {name}")

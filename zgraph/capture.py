@@ -33,6 +33,7 @@ What later code may rely on (the captured graph's contract; meta keys from ``zgr
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from zgraph.errors import CaptureError
 from zgraph.functionalize import functionalize
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.ops import grad_contribution
-from zgraph.precision import StepMode, TracePrecision
+from zgraph.precision import StepMode, TracePrecision, kept_in_own_dtype
 from zgraph.runtime.state import Binding
 from zgraph.trace_env import (
     UnboundState,
@@ -60,6 +61,7 @@ from zgraph.trace_env import (
     data_assignment_as_copy,
     group_values,
     real_constants,
+    refuse_created_state,
     restore_python_state_on_error,
     swap_module_tensors,
     swap_slots,
@@ -235,7 +237,10 @@ def trace_step(
 
     def traced_step(*flat: Tensor) -> list[Any]:
         state = _unpack(inputs.specs, flat, binding, len(user_tensors))
-        precision = TracePrecision(config, {id(p): p for p in state.params}, state.loss_state)
+        kept = kept_in_own_dtype(binding, config.keep_fp32_modules) if config.param_dtype is not None else set()
+        precision = TracePrecision(
+            config, {id(p): p for p in state.params}, state.loss_state, {id(state.params[i]) for i in kept}
+        )
         for i, p in enumerate(state.params):
             if p.requires_grad:
                 p.register_hook(lambda g, i=i: grad_contribution(precision.unscale_contribution(g), i))
@@ -244,6 +249,7 @@ def trace_step(
         groups_before = group_values(binding)
         with _environment(binding, config, state, swaps, user_tensors, step_trace, grad_enabled) as traced:
             result = fn(*_substitute(args, traced), **_substitute(kwargs, traced))
+            _refuse_deferred(result)
             final = _final_state(binding, state.params)
             if group_values(binding) != groups_before:
                 raise CaptureError(
@@ -272,6 +278,17 @@ def trace_step(
         if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
             t.grad = None
     return Traced(None, gm, found["captured"], constants, inputs.specs, found["roles"], fakes, mode)
+
+
+def _refuse_deferred(result: Any) -> None:
+    """A generator (or coroutine) step has not run when it returns: nothing of it would be captured."""
+    if inspect.isgenerator(result) or inspect.isasyncgen(result) or inspect.iscoroutine(result):
+        raise CaptureError(
+            f"the step returned a {type(result).__name__}: its body runs only when that is iterated or awaited, "
+            "after zgraph has captured the step (so nothing would be captured). Write the step as a plain function "
+            "that runs forward, backward and the optimizer and returns its values (a tuple or list instead of "
+            "`yield`)."
+        )
 
 
 def finish(traced: Traced) -> CapturedGraph:
@@ -354,6 +371,7 @@ def _environment(
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(restore_python_state_on_error(binding))
+        stack.enter_context(refuse_created_state(binding))
         stack.enter_context(swap_module_tensors(binding, params, buffers))
         stack.enter_context(swap_slots(swaps, traced))
         stack.enter_context(watch_unbound_state(binding))

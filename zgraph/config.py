@@ -9,11 +9,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
 
 _BACKENDS = ("inductor", "eager")
 _STAGES = (0, 1, 2, 3)
+# Normalization layers: their statistics lose too much in 16 bits, and their kernels take a 16-bit input with
+# fp32 weights (and fp32 running statistics). _NormBase is every BatchNorm, SyncBatchNorm and InstanceNorm.
+NORM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +55,14 @@ class Config:
         param_dtype: dtype parameters are used in by forward and backward (the compute dtype); in stage 3 they
             are gathered in it. None (default): the parameters' own dtype. Like FSDP2's
             ``MixedPrecisionPolicy.param_dtype``; gradients flow back to the master parameters.
+        keep_fp32_modules: module classes whose parameters ``param_dtype`` does not cast: they are read in their
+            own (master) dtype, in stage 3 gathered in it — FSDP2's per-module ``MixedPrecisionPolicy``,
+            DeepSpeed's ``lower_precision_safe_modules`` the other way round. A parameter is kept when every
+            module holding it is an instance of one of these classes or lies inside one. Inputs are not cast:
+            normalization layers take a 16-bit input with fp32 weights and return the input's dtype; another
+            module kept in fp32 should cast its input itself. Default: the normalization layers
+            (``NORM_MODULES``: every BatchNorm, SyncBatchNorm and InstanceNorm, ``LayerNorm``, ``GroupNorm``,
+            ``RMSNorm``); ``()`` casts every parameter. Without ``param_dtype`` it changes nothing.
         reduce_dtype: dtype gradients are averaged across ranks in. None (default): the dtype backward
             produces them in.
         master_dtype: dtype the parameters (the master weights) and the gradients left on them are stored in;
@@ -102,6 +119,7 @@ class Config:
     param_persistence_threshold: int = 100_000
     measure_collectives: bool = True
     param_dtype: torch.dtype | None = None
+    keep_fp32_modules: tuple[type[nn.Module], ...] = NORM_MODULES
     reduce_dtype: torch.dtype | None = None
     master_dtype: torch.dtype | None = None
     optimizer_state_dtype: torch.dtype | None = None
@@ -127,6 +145,7 @@ class Config:
                 raise ValueError(
                     f"Config.{name} must be None or one of torch.float32, torch.bfloat16, torch.float16; got {value!r}"
                 )
+        object.__setattr__(self, "keep_fp32_modules", _module_classes("keep_fp32_modules", self.keep_fp32_modules))
         self._check_loss_scale()
         if self.max_grad_norm is not None and (
             not isinstance(self.max_grad_norm, (int, float))
@@ -297,6 +316,16 @@ def _check_offload(config: Config) -> None:
             "only when they are sharded, at stage 3 (as DeepSpeed's offload_param); set stage=3 or use "
             "offload_optimizer"
         )
+
+
+def _module_classes(name: str, value: Any) -> tuple[type[nn.Module], ...]:
+    """``value`` as a tuple of ``nn.Module`` subclasses (a list or a single class accepted), else a ValueError."""
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, (tuple, list)) and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        return tuple(classes)
+    raise ValueError(
+        f"Config.{name} must be a tuple of nn.Module subclasses (e.g. (nn.BatchNorm2d, nn.LayerNorm)); got {value!r}"
+    )
 
 
 def _type_name(value: object) -> str:

@@ -1,10 +1,12 @@
 """What capture does for mixed precision, loss scaling and clipping while it traces the step.
 
 - **Compute dtype** (``Config.param_dtype``): while the step runs (not inside the optimizer), every torch call
-  that reads a parameter reads it cast to the compute dtype, through one differentiable cast per parameter and
-  forward/backward round. Autograd then differentiates through the cast, so gradients arrive at the (master)
-  parameters in their dtype — what FSDP2's ``MixedPrecisionPolicy`` gives. ``model.parameters()``, ``.grad``
-  and the optimizer see the master parameters.
+  that reads a parameter (but those ``Config.keep_fp32_modules`` keeps) reads it cast to the compute dtype,
+  through one differentiable cast per parameter and forward/backward round. Autograd then differentiates
+  through the cast, so gradients arrive at the (master) parameters in their dtype — what FSDP2's
+  ``MixedPrecisionPolicy`` gives. ``model.parameters()``, ``.grad`` and the optimizer see the master
+  parameters. The backward runs under the same rule (``_active_in_engine``): activation checkpointing's
+  recomputation reads parameters as the forward did.
 - **Loss scaling** (``Config.loss_scale``): every backward call (``backward()``, ``autograd.backward``,
   ``autograd.grad``) seeds autograd with the scaled gradient (computed in float32, as DeepSpeed scales
   ``loss.float()``); each parameter's gradient contribution is unscaled as it arrives (kept scaled when it is
@@ -19,13 +21,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.fx import traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
@@ -33,6 +36,7 @@ from torch.utils._pytree import tree_map
 from zgraph.config import Config, DynamicLossScale
 from zgraph.graph import BACKWARD, PHASE
 from zgraph.ops import grad_norm, nonfinite
+from zgraph.runtime.state import Binding
 
 BACKWARD_CALLS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
@@ -60,11 +64,13 @@ class TracePrecision:
             unscaled on arrival).
         loss_state: the traced loss-scale state (``scale``, and for dynamic scaling ``good_steps``,
             ``hysteresis``), empty without loss scaling.
+        own_dtype: ``id`` of the traced parameters read in their own dtype (``Config.keep_fp32_modules``).
     """
 
     config: Config
     params: dict[int, Tensor]
     loss_state: dict[str, Tensor] = field(default_factory=dict)
+    own_dtype: set[int] = field(default_factory=set)
     in_optimizer: bool = False
     overflow_flags: list[Tensor] = field(default_factory=list)
     _casts: dict[int, Tensor] = field(default_factory=dict)
@@ -76,10 +82,12 @@ class TracePrecision:
         if dtype is None or self.in_optimizer or not isinstance(value, Tensor):
             return value
         param = self.params.get(id(value))
-        if param is None or not param.is_floating_point() or param.dtype == dtype:
+        if param is None or not param.is_floating_point() or param.dtype == dtype or id(param) in self.own_dtype:
             return value
         cast = self._casts.get(id(param))
-        if cast is None:
+        if cast is None or (torch.is_grad_enabled() and param.requires_grad and not cast.requires_grad):
+            # a cast made under no_grad (a reentrant checkpoint's first forward) carries no gradient: make one that
+            # does where the parameter is read with grad enabled (the checkpoint's recomputation)
             cast = self._casts[id(param)] = param.to(dtype)
         return cast
 
@@ -161,6 +169,19 @@ class TracePrecision:
         }
 
 
+def kept_in_own_dtype(binding: Binding, classes: tuple[type[nn.Module], ...]) -> set[int]:
+    """Indices of the bound parameters ``Config.keep_fp32_modules`` keeps in their own dtype: those every module
+    holding them is an instance of one of ``classes`` or lies inside one."""
+    inside = {
+        id(sub)
+        for _, root in binding.modules
+        for module in root.modules()
+        if isinstance(module, classes)
+        for sub in module.modules()
+    }
+    return {r.index for r in binding.params if r.slots and all(id(module) in inside for module, _ in r.slots)}
+
+
 def keep_if_overflow(flag: Tensor | None, tensors: list[Tensor], before: list[Tensor]) -> None:
     """Put back each tensor's value from before the update where ``flag`` (an overflow) is set."""
     if flag is None:
@@ -177,13 +198,22 @@ class StepMode(TorchFunctionMode):
         super().__init__()
         self.precision = precision
         self.is_grad = is_grad
+        self.in_backward = False
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         precision = self.precision
         if func in BACKWARD_CALLS:
-            with fx_traceback.annotate({PHASE: BACKWARD}):
-                result = self._backward(func, args, kwargs)
+            # A backward called from inside a backward (a reentrant checkpoint's) is autograd's business: its
+            # seeds are already scaled gradients, and the round ends with the outer call.
+            if self.in_backward:
+                return func(*args, **kwargs)
+            self.in_backward = True
+            try:
+                with fx_traceback.annotate({PHASE: BACKWARD}), _active_in_engine(self):
+                    result = self._backward(func, args, kwargs)
+            finally:
+                self.in_backward = False
             precision.end_round()
             return result
         norms = self._grad_norms(func, args, kwargs)
@@ -236,6 +266,31 @@ class StepMode(TorchFunctionMode):
         inputs = bound["inputs"]
         inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
         return tuple(r if id(i) in precision.params else precision.unscale_returned(r) for i, r in zip(inputs, result))
+
+
+@contextlib.contextmanager
+def _active_in_engine(mode: TorchFunctionMode) -> Iterator[None]:
+    """Run autograd's engine with ``mode`` active, so Python code that runs inside a backward (activation
+    checkpointing's recomputation, custom autograd functions' ``backward``) reads parameters in the compute dtype
+    as forward did.
+
+    A torch-function mode is popped while it handles a call, and a backward call only reaches the engine once no
+    mode is active (each re-checks for modes on entry), so the engine would start without it and, since it runs
+    every node under the thread-local state captured when it starts, nothing in the backward would see it. The
+    one point after the check and before the engine captures that state is ``torch.autograd``'s call of
+    ``_engine_run_backward`` (shared by ``Tensor.backward``, ``autograd.backward`` and ``autograd.grad``): it
+    is wrapped, while this call lasts, to start the engine with ``mode`` pushed."""
+    engine_run = torch.autograd._engine_run_backward
+
+    def run_with_mode(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return engine_run(*args, **kwargs)
+
+    torch.autograd._engine_run_backward = run_with_mode
+    try:
+        yield
+    finally:
+        torch.autograd._engine_run_backward = engine_run
 
 
 def _bind(func: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -47,12 +47,14 @@ from zgraph.runtime.sharded_state import (
     broadcast_initial_state,
     check_owners,
     convert_master_dtype,
+    current_parameter,
     make_plan,
     normalize_state,
 )
 from zgraph.runtime.state import Binding
 from zgraph.split import needs_split, trace_joint
 from zgraph.split_run import lower_split, run_split
+from zgraph.trace_env import traced_arguments
 from zgraph.tree import iter_leaves
 
 
@@ -88,6 +90,12 @@ class DistributedStep:
 
     # -------------------------------------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if traced_arguments(args, kwargs):
+            raise CaptureError(
+                f"zgraph step `{getattr(self._fn, '__qualname__', self._fn)}` was called from inside another zgraph "
+                "step while that one was being captured; steps do not nest. Call the inner step's undecorated "
+                "function there (`inner.__wrapped__`), or call the two steps one after the other."
+            )
         group = ensure_process_group(self.process_group)
         label = f"call {self._calls} of step `{getattr(self._fn, '__qualname__', self._fn)}`"
         self._calls += 1
@@ -238,14 +246,21 @@ class DistributedStep:
         return binding
 
     def _located(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Slot, Tensor]]:
-        """``(path, slot, tensor)`` of the located tensors (see ``zgraph.locate``) as they are in this call."""
+        """``(path, slot, tensor)`` of the located tensors (see ``zgraph.locate``) as they are in this call.
+
+        A located parameter that stage 3 replaced by its sharded version (a plain-object optimizer's list of
+        ``model.parameters()``) is replaced in its place too, as ``torch.optim`` optimizers' are: the step then
+        reads and updates the parameter the module uses."""
         arguments = dict(bound_arguments(self._fn, args, kwargs))
         out = []
         for locator in self._locators:
             slot = locator.resolve(self._fn, arguments)
             value = slot.get() if slot is not None else None
             if isinstance(value, Tensor):
-                out.append((locator.path, slot, value))
+                current = current_parameter(value)
+                if current is not value:
+                    slot.set(current)
+                out.append((locator.path, slot, current))
         return out
 
     def _user_tensors(

@@ -30,7 +30,7 @@ import zgraph.fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_gr
 from zgraph.errors import CaptureError
 from zgraph.model_hints import hint
 from zgraph.runtime.state import Binding
-from zgraph.tree import map_leaves
+from zgraph.tree import iter_leaves, map_leaves
 
 aten = torch.ops.aten
 
@@ -308,6 +308,66 @@ def restore_python_state_on_error(binding: Binding) -> Iterator[None]:
         for module, training in flags:
             module.training = training
         raise
+
+
+@contextlib.contextmanager
+def refuse_created_state(binding: Binding) -> Iterator[None]:
+    """Parameters, buffers and submodules the traced step creates on a bound model (a parameter made lazily in
+    ``forward``) would be traced placeholders left on the model. When the trace ends they are removed (the model
+    is as it was, attributes they displaced put back) and, unless the trace failed otherwise, refused with a
+    ``CaptureError`` naming them. Must be entered before the traced tensors are swapped in, so that on exit the
+    bound entries hold their own tensors again."""
+    names = {
+        id(m): f"{label}.{name}".strip(".") if len(binding.modules) > 1 else name
+        for label, root in binding.modules
+        for name, m in root.named_modules(remove_duplicate=False)
+    }
+    before = [
+        (m, dict(m._parameters), dict(m._buffers), dict(m._modules), dict(vars(m)))
+        for _, root in binding.modules
+        for m in root.modules()
+    ]
+    created: list[str] = []
+    try:
+        yield
+    finally:
+        for module, params, buffers, modules, attrs in before:
+            for store, saved, kind in (
+                (module._parameters, params, "parameter"),
+                (module._buffers, buffers, "buffer"),
+                (module._modules, modules, "submodule"),
+            ):
+                for name in [n for n, v in store.items() if saved.get(n) is not v and v is not None]:
+                    if kind == "buffer" and saved.get(name) is not None:
+                        continue  # a buffer assigned a new value: the step's output, written back after each call
+                    created.append(f"{kind} `{_qualified(names.get(id(module), ''), name)}`")
+                    if name in saved:
+                        store[name] = saved[name]
+                    else:
+                        del store[name]
+                    if name in attrs:
+                        module.__dict__[name] = attrs[name]
+    if created:
+        raise CaptureError(
+            f"the step created {', '.join(created)} on the model while zgraph captured it: state made inside the "
+            "step would be a traced placeholder, not a tensor (zgraph left the model as it was). Create parameters, "
+            "buffers and submodules before the first call: in __init__, or by running one forward eagerly (that "
+            "initialises lazy modules too)."
+        )
+
+
+def traced_arguments(args: tuple, kwargs: dict) -> bool:
+    """Whether a step's arguments are tensors (or modules holding tensors) of a trace in progress: the step is
+    called from inside another step zgraph is capturing."""
+    for _, leaf in iter_leaves((args, kwargs)):
+        tensors = leaf.parameters() if isinstance(leaf, nn.Module) else [leaf]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return True
+    return False
+
+
+def _qualified(module: str, attr: str) -> str:
+    return f"{module}.{attr}" if module else attr
 
 
 def group_values(binding: Binding) -> list:
