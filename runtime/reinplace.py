@@ -9,8 +9,9 @@ For every state output (parameter, gradient, buffer, optimizer state) whose valu
 ``x1 = op1(P, ...)``, ``x2 = op2(x1, ...)``, ..., ``out = opk(x_{k-1}, ...)`` starting at the *same* state's input
 ``P``, where every op has an in-place form (``mul`` → ``mul_``...), keeps ``P``'s shape and dtype, each
 intermediate has no other reader, and nothing reads ``P`` after ``op1``: the chain becomes in-place on ``P``.
-The output is then the input tensor itself, updated, and writing it back is free. Anything else (where the old
-value is still needed, a dtype change, ``where`` for skipped fp16 steps) stays functional.
+The output is then the input tensor itself, updated, and writing it back is free. An offloaded optimizer state
+(``zgraph::reload`` ... ``zgraph::write_back``) is updated in place on the buffer its reload made. Anything else
+(where the old value is still needed, a dtype change, ``where`` for skipped fp16 steps) stays functional.
 
 ``reinplace_all_reduces`` does the same for collectives: a functional ``all_reduce`` copies its input before
 reducing it; where the input is a temporary nothing else reads (a bucket ``_chunk_cat`` packed, a gradient made
@@ -24,7 +25,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import INPUT, OUTPUTS, STATE_KINDS, UPDATED_INPUTS, output_node, state_key
+from zgraph.graph import INPUT, OFFLOADED, OUTPUTS, STATE_KINDS, UPDATED_INPUTS, output_node, state_key
+from zgraph.ops import RELOAD, WRITE_BACK
 
 
 def _inplace_variant(target: object) -> object | None:
@@ -47,11 +49,15 @@ def reinplace_state_updates(gm: fx.GraphModule) -> list[int]:
         for n in gm.graph.nodes
         if n.op == "placeholder" and n.meta[INPUT].kind in STATE_KINDS
     }
+    reloads = {n.args[1]: n for n in gm.graph.nodes if n.target is RELOAD}
     output = output_node(gm)
     values = list(output.args[0])
     updated = []
     for position, (value, role) in enumerate(zip(values, output.meta[OUTPUTS])):
         source = placeholders.get(state_key(role))
+        if role.kind == OFFLOADED and isinstance(value, fx.Node) and value.target is WRITE_BACK:
+            # an offloaded state: its update can run in place on the buffer its reload made (the graph owns it)
+            source, value = reloads.get(value.args[1]), value.args[0]
         if source is None or not isinstance(value, fx.Node):
             continue
         chain = _chain(source, value, values)
@@ -62,7 +68,8 @@ def reinplace_state_updates(gm: fx.GraphModule) -> list[int]:
             continue  # the old value (or a view of it, or a collective still sending it) is read afterwards
         for node in chain:
             node.target = _inplace_variant(node.target)
-        updated.append(position)
+        if role.kind != OFFLOADED:
+            updated.append(position)
     gm.recompile()
     return updated
 
