@@ -46,7 +46,7 @@ from zgraph.guards import discover
 from zgraph.liveness import liveness
 from zgraph.passes import run_pipeline
 from zgraph.precision import initial_loss_scale_state
-from zgraph.runtime.cost_model import analytical_cost_model
+from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
 from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
 from zgraph.runtime.sharded_state import convert_master_dtype, make_plan
 from zgraph.runtime.state import Binding
@@ -131,7 +131,7 @@ def estimate_step(
     convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
     binding.loss_scale_state = initial_loss_scale_state(config)
     binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold, mesh=False)
-    binding.cost_model = cost_model or analytical_cost_model("nccl" if device.type in ("cuda", "meta") else "gloo")
+    binding.cost_model = cost_model or _cost_model(config, group, device)
     user_tensors = step._user_tensors(binding, shadow_args, shadow_kwargs)
     captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, config, device)
     ctx = step._context(binding)
@@ -179,6 +179,18 @@ def _group(world_size: int | None) -> ProcessGroupInfo:
             return SINGLE_PROCESS
         return ProcessGroupInfo(current.rank, current.world_size, ESTIMATE_GROUP, "fake")
     return ProcessGroupInfo(0, world_size, ESTIMATE_GROUP, "fake")
+
+
+def _cost_model(config: Any, group: ProcessGroupInfo, device: torch.device) -> CostModel:
+    """The cost model the real step would plan with: its cached measurement for this world size (when it measures
+    collectives), else the analytical model of the backend it would use."""
+    current = ensure_process_group()
+    backend = current.backend if current.distributed else ("nccl" if device.type == "cuda" else "gloo")
+    if not group.distributed:
+        return analytical_cost_model(None)
+    if config.measure_collectives:
+        return known_cost_model(backend, device.type, group.world_size)
+    return analytical_cost_model(backend)
 
 
 def _meta(t: Tensor) -> Tensor:
