@@ -104,7 +104,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_json_and_budget():
-    done = _cli("--model", "gpt-bench", "--world", "2", "--stage", "2", "--budget", "40MiB", "--json")
+    done = _cli("--model", "gpt-bench", "--world", "2", "--stage", "2", "--budget", "200MiB", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert {"params", "model_state_bytes", "peak_bytes", "comm_bytes"} <= out.keys()
