@@ -76,8 +76,10 @@ def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], own
         return len(sizes) - 1
 
     val = node.meta.get(VAL)
-    if node.op in ("placeholder", "get_attr"):
-        return [new(val)]
+    if node.op in ("placeholder", "get_attr"):  # what the caller feeds: a tensor of its own (its fake may be a view)
+        sizes.append(val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0)
+        owners.append(node.name)
+        return [len(sizes) - 1]
     if node.op != "call_function":
         return []
     if node.target is operator.getitem:
