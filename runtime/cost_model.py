@@ -175,17 +175,11 @@ def fit_cost_model(
     if not group.distributed or not measure or channel is None:
         model = analytical_cost_model(group.backend)
     else:
-        path = _cache_path(group, device.type)
-        cached = None
-        if group.rank == 0 and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    cached = CostModel.from_json(json.load(f), "cached")
-            except (OSError, ValueError):
-                cached = None
+        cached = _read_cache(_cache_path(group, device.type)) if group.rank == 0 else None
         decision = channel.broadcast("the collective cost model (cached?)", _encode(cached))
         model = _decode(decision, "cached")
         if model is None:
+            path = _cache_path(group, device.type)
             measured = _measure(group, device)
             model = _decode(channel.broadcast("the collective cost model (measured)", _encode(measured)), "measured")
             if group.rank == 0:
@@ -195,6 +189,23 @@ def fit_cost_model(
                 os.replace(path + ".tmp", path)
     _FITTED[key] = model
     return model
+
+
+def _read_cache(path: str) -> CostModel | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return CostModel.from_json(json.load(f), "cached")
+    except (OSError, ValueError):
+        return None
+
+
+def known_cost_model(backend: str, device_type: str, world_size: int) -> CostModel:
+    """The cost model a step on ``world_size`` ranks of ``backend`` would use on this machine, without measuring:
+    the cached measurement when one exists, else the analytical model (for estimates)."""
+    group = ProcessGroupInfo(0, world_size, "estimate", backend)
+    return _read_cache(_cache_path(group, device_type)) or analytical_cost_model(backend)
 
 
 def _encode(model: CostModel | None) -> bytes:

@@ -109,11 +109,14 @@ class ShardingPlan:
         return self.wrap(padded, spec)
 
 
-def make_plan(stage: int, group: ProcessGroupInfo, binding: Binding, persistence_threshold: int = 0) -> ShardingPlan:
+def make_plan(
+    stage: int, group: ProcessGroupInfo, binding: Binding, persistence_threshold: int = 0, mesh: bool = True
+) -> ShardingPlan:
     """Decide the layout of every parameter's state. In stage 3 a parameter stays whole (persistent) when no
-    module owns it or it has at most ``persistence_threshold`` elements."""
+    module owns it or it has at most ``persistence_threshold`` elements. ``mesh=False``: a plan for reading only
+    (an estimate's), with no device mesh, so it cannot shard tensors (``apply_plan``) and needs no process group."""
     plan = ShardingPlan(stage, group)
-    if group.distributed:
+    if group.distributed and mesh:
         device = binding.params[0].tensor.device.type if binding.params else "cpu"
         plan.mesh = device_mesh(device, group.world_size, group.group_name if group.ranks else None)
         refuse_storage_access()

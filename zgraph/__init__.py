@@ -22,6 +22,7 @@ from zgraph.errors import (
     ShardedParameterError,
     ZGraphError,
 )
+from zgraph.estimate import Estimate, EstimateError
 from zgraph.gather import full_state_dict, gather
 from zgraph.step import DistributedStep, distribute
 
@@ -33,6 +34,8 @@ __all__ = [
     "Config",
     "DistributedStep",
     "DynamicLossScale",
+    "Estimate",
+    "EstimateError",
     "PipelineError",
     "RankFailedError",
     "RankMismatchError",

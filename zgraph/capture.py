@@ -189,7 +189,9 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
     return _Inputs(specs, values)
 
 
-def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs) -> list[Tensor]:
+def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs, meta_as: torch.device | None = None) -> list[Tensor]:
+    """Fake stand-ins of the inputs; a meta tensor stands for one on ``meta_as`` when that is given (estimates
+    trace models that hold no memory)."""
     fakes = []
     for spec, value in zip(inputs.specs, inputs.values):
         if spec.kind == "hparam":
@@ -199,6 +201,8 @@ def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs) -> list[Tensor]:
         if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
             with mode:
                 fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
+        elif value.is_meta and meta_as is not None:
+            fake = mode.fake_tensor_converter.from_meta_and_device(mode, value.detach(), meta_as)
         else:
             fake = mode.from_tensor(value.detach(), static_shapes=True)
         if spec.kind in ("param", "input") and value.requires_grad:
@@ -215,6 +219,7 @@ def trace_step(
     user_tensors: list[tuple[str, Tensor]],
     config: Any,
     swaps: list[tuple[Any, Tensor]] = (),
+    meta_as: torch.device | None = None,
 ) -> Traced:
     """Trace ``fn(*args, **kwargs)`` once on fake tensors, with ``config``'s precision handling (compute dtype,
     loss scaling, clipping: see ``zgraph.precision``).
@@ -222,7 +227,8 @@ def trace_step(
     ``user_tensors`` are the tensors the step reads that are not bound state: leaves of its arguments, and
     tensors located elsewhere (``zgraph.locate``); the traced step receives its arguments with bound parameters,
     buffers and user tensors replaced by their traced stand-ins, and ``swaps`` are ``(slot, tensor)`` pairs whose
-    slot gets the tensor's stand-in while tracing. Returns what the trace found (``Traced``).
+    slot gets the tensor's stand-in while tracing; meta tensors stand for tensors on ``meta_as`` when it is given.
+    Returns what the trace found (``Traced``).
     """
     inputs = collect_inputs(binding, user_tensors)
     for spec, value in zip(inputs.specs, inputs.values):
@@ -231,7 +237,7 @@ def trace_step(
         if not isinstance(value, Tensor) or value.is_sparse:
             raise CaptureError(f"{spec.name}: only dense tensors can be graph inputs, got {type(value).__name__}")
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
-    fakes = _fake_inputs(mode, inputs)
+    fakes = _fake_inputs(mode, inputs, meta_as)
     found: dict[str, Any] = {}
     grad_enabled = torch.is_grad_enabled()
 
@@ -384,13 +390,18 @@ def _environment(
         if config.param_dtype is not None:
             stack.enter_context(cast_forward_inputs(binding, config.param_dtype))
         if config.autocast_dtype is not None:
-            stack.enter_context(autocast_forwards(binding, config.autocast_dtype))
+            stack.enter_context(autocast_forwards(binding, config.autocast_dtype, _device_type(state.params)))
         stack.enter_context(swap_optimizers(step_trace))
         stack.enter_context(record_scheduler_steps(step_trace))
         stack.enter_context(functional_c10d())
         stack.enter_context(StepMode(step_trace.precision, is_grad))
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
         yield traced
+
+
+def _device_type(params: list[Tensor]) -> str:
+    """The device the traced parameters are on (the stand-ins' device, not the meta device of an estimate's)."""
+    return params[0].device.type if params else "cpu"
 
 
 def _final_state(binding: Binding, params: list[Tensor]) -> tuple[list, dict]:

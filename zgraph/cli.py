@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zgraph import demo
+from zgraph import demo, estimate_cli
 from zgraph.demo_support import RankFailedError
 
 
@@ -29,7 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     consolidate_parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (zgraph.save)")
     consolidate_parser.add_argument("out", metavar="OUT.pt", help="file to write")
+    estimate_parser = commands.add_parser(
+        "estimate",
+        help="memory and communication per rank of a model's training step, without running it",
+        description="Estimate a training step (AdamW) of a model built on the meta device: model state, peak "
+        "memory and collectives per rank, for any number of ranks, without a GPU or the model's memory.",
+    )
+    estimate_cli.add_arguments(estimate_parser)
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return _estimate(args)
     if args.command == "consolidate":
         return _consolidate(args.checkpoint, args.out)
     if args.command == "demo":
@@ -41,6 +50,17 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("zgraph demo: interrupted", file=sys.stderr)
             return 130
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from zgraph.errors import CaptureError
+
+    try:
+        print(estimate_cli.run(args))
+    except (estimate_cli.EstimateInputError, CaptureError) as error:  # every bad input: one line, exit status 1
+        print("zgraph estimate: " + "; ".join(str(error).strip().split("\n")), file=sys.stderr)
+        return 1
     return 0
 
 

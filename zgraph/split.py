@@ -74,12 +74,14 @@ def trace_joint(
     config: Any,
     swaps: list,
     first: Traced,
+    meta_as: torch.device | None = None,
 ) -> Traced:
     """Trace ``fn`` with the backward of its grad-requiring outputs (found by the ``first`` trace) against
     tangent inputs; the returned trace's ``captured.split`` is its ``SplitInfo``."""
     specs = first.captured.grad_outputs
     positions = [position for position, *_ in specs]
-    tangents = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype, device in specs]
+    where = (lambda device: "meta") if meta_as is not None else (lambda device: device)  # estimates hold no memory
+    tangents = [torch.zeros(shape, dtype=dtype, device=where(device)) for _, shape, dtype, device in specs]
 
     def joint(step_args: tuple, step_kwargs: dict, traced_tangents: list[Tensor]) -> Any:
         result = fn(*step_args, **step_kwargs)
@@ -94,7 +96,7 @@ def trace_joint(
     all_user = [*user_tensors, *((f"{TANGENT_PREFIX}[{i}]", t) for i, t in enumerate(tangents))]
     grads_of = [r.tensor for r in binding.params] + [t for _, t in user_tensors]
     with _without_grads(grads_of):
-        traced = trace_step(joint, (args, kwargs, tangents), {}, binding, all_user, config, swaps)
+        traced = trace_step(joint, (args, kwargs, tangents), {}, binding, all_user, config, swaps, meta_as)
     if traced.captured is not None:
         grad_inputs = [i for i, (_, t) in enumerate(user_tensors) if t.requires_grad]
         traced.captured.split = SplitInfo(positions, list(range(n_user, n_user + len(tangents))), n_user, grad_inputs)

@@ -29,6 +29,7 @@ from zgraph.capture import CapturedGraph, UnboundState, finish, trace_step
 from zgraph.compiled import CompiledStep, lower, run
 from zgraph.config import Config
 from zgraph.errors import CaptureError
+from zgraph.estimate import Estimate, estimate_step
 from zgraph.explain import dump_graphs, explain_table
 from zgraph.graph import ParamInfo, input_specs, output_roles
 from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
@@ -55,6 +56,7 @@ from zgraph.runtime.state import Binding
 from zgraph.split import needs_split, trace_joint
 from zgraph.split_run import lower_split, run_split
 from zgraph.trace_env import traced_arguments
+from zgraph.trace_optim import create_first_state
 from zgraph.tree import iter_leaves
 
 
@@ -383,18 +385,7 @@ class DistributedStep:
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
         """Create, eagerly and exactly as torch.optim would, the optimizer state a first step creates; True if
         any was created (the step is then captured again with that state as inputs)."""
-        created = False
-        for o_index, p_index in captured.created_state:
-            opt = binding.optimizers[o_index].optimizer
-            kernel = zopt.kernel_for(opt)
-            if kernel is None or kernel.initial_state is None:
-                continue
-            group = next(
-                g for g, idx in zip(opt.param_groups, binding.optimizers[o_index].group_params) if p_index in idx
-            )
-            param = binding.params[p_index].tensor
-            opt.state[param] = kernel.initial_state(param.detach(), group, self.config.optimizer_state_dtype)
-            created = True
+        created = create_first_state(binding, captured.created_state, self.config.optimizer_state_dtype)
         normalize_state(binding.plan, binding)
         return created
 
@@ -440,6 +431,13 @@ class DistributedStep:
     def dump(self, directory: str | os.PathLike) -> list[str]:
         """Write every graph of the last variant as readable Python into ``directory``; returns the paths."""
         return dump_graphs(self.graphs, directory)
+
+    def estimate(self, *args: Any, world_size: int | None = None, **kwargs: Any) -> Estimate:
+        """Memory and communication per rank of calling the step with these arguments on ``world_size`` ranks
+        (None: the current world), without running it: captured and transformed on meta stand-ins of the
+        modules and optimizers among the arguments; the real ones, and this step's caches, stay as they are.
+        See ``zgraph.Estimate``."""
+        return estimate_step(self, args, kwargs, world_size)
 
     def _observe(self, found: UnboundState, args: tuple, kwargs: dict) -> None:
         """Remember the modules and optimizers the trace reached (bound from the next capture on), each named

@@ -266,10 +266,10 @@ def real_constants(gm: fx.GraphModule) -> list[Tensor]:
 
 
 @contextlib.contextmanager
-def autocast_forwards(binding: Binding, dtype: torch.dtype) -> Iterator[None]:
-    """Each bound model's forward runs under ``torch.autocast(dtype)`` (``Config.autocast_dtype``), as DeepSpeed's
-    engine runs its forward with the ``torch_autocast`` section; code outside the forward (the loss) does not."""
-    device = binding.params[0].tensor.device.type if binding.params else "cpu"
+def autocast_forwards(binding: Binding, dtype: torch.dtype, device: str) -> Iterator[None]:
+    """Each bound model's forward runs under ``torch.autocast(device, dtype)`` (``Config.autocast_dtype``), as
+    DeepSpeed's engine runs its forward with the ``torch_autocast`` section; code outside the forward (the loss)
+    does not."""
     entered: list[contextlib.AbstractContextManager] = []
 
     def enter(module: nn.Module, args: Any) -> None:

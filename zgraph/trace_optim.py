@@ -234,3 +234,20 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
                 keep_if_overflow(overflow, tensors, previous)
 
     return step
+
+
+def create_first_state(binding: Binding, created: list[tuple[int, int]], state_dtype: torch.dtype | None) -> bool:
+    """Create, eagerly and exactly as torch.optim would, the state a first optimizer step creates for the
+    ``(optimizer, param)`` pairs ``created`` (``CapturedGraph.created_state``); True if any was created. On meta
+    parameters (an estimate's) the state is meta too: no memory."""
+    made = False
+    for o_index, p_index in created:
+        opt = binding.optimizers[o_index].optimizer
+        kernel = zopt.kernel_for(opt)
+        if kernel is None or kernel.initial_state is None:
+            continue
+        group = next(g for g, idx in zip(opt.param_groups, binding.optimizers[o_index].group_params) if p_index in idx)
+        param = binding.params[p_index].tensor
+        opt.state[param] = kernel.initial_state(param.detach(), group, state_dtype)
+        made = True
+    return made

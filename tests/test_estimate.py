@@ -1,0 +1,142 @@
+"""``step.estimate`` and ``zgraph estimate`` (issue 15): accuracy against real steps, isolation, bad input.
+
+The accuracy cases are a representative subset (the whole matrix, world 1/2/4 x stages 0-3 x fp32/bf16, is in
+``benchmarks/README.md``, run with ``benchmarks/estimate_accuracy.py``): every case checks model state within
+1 %, the peak within 5 % and collective bytes exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from estimate_cases import compare, train_step
+
+import zgraph
+from zgraph.graph import shard_rows
+from zgraph.liveness import liveness
+from zgraph.models import BENCH_GPT, GPT
+from zgraph.runtime.memory import LiveTensorBytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_case(case: dict) -> None:
+    """The estimate of one case agrees with what the real step held, peaked at and sent."""
+    measured, estimated = case["measured"], case["estimated"]
+    held = measured["state"]["total"]
+    predicted = estimated["model_state_bytes"]["total"] - estimated["model_state_bytes"]["buffers"]
+    assert abs(predicted - held) <= 0.01 * held, (case["stage"], case["recipe"], predicted, held)
+    assert abs(estimated["peak_bytes"] - measured["peak"]) <= 0.05 * measured["peak"], case
+    assert estimated["comm_bytes"] == measured["comm_bytes"], case
+    assert estimated["comm_count"] == measured["comm_count"], case
+
+
+def test_estimate_matches_a_real_step_on_one_process():
+    check_case(compare(2, "bf16"))
+
+
+STAGE_1_2_PEAK = (
+    "known gap: at stages 1-2 the liveness model frees parameter-sized storages at the update's write-back that "
+    "the real run still holds (bf16: peak 10 % low on 2 ranks; benchmarks/README.md)"
+)
+
+
+@pytest.mark.parametrize(
+    "world, cases",
+    [
+        (2, [(3, "bf16")]),
+        (4, [(3, "fp32")]),
+        pytest.param(2, [(1, "bf16")], marks=pytest.mark.xfail(strict=True, reason=STAGE_1_2_PEAK)),
+    ],
+)
+def test_estimate_matches_real_steps_on_ranks(tmp_path, world, cases):
+    out = str(tmp_path / "cases.json")
+    run_ranks(world, "estimate_cases.ranks", cases, out, timeout=600)
+    with open(out) as f:
+        results = json.load(f)
+    assert len(results) == len(cases)
+    for case in results:
+        check_case(case)
+
+
+def test_estimate_before_the_first_call_changes_nothing():
+    torch.manual_seed(0)
+    model = GPT(BENCH_GPT)
+    opt = torch.optim.AdamW(model.parameters())
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    step = zgraph.distribute(stage=3, backend="eager", param_persistence_threshold=0)(train_step)
+    idx = torch.randint(0, BENCH_GPT.vocab, (2, BENCH_GPT.seq))
+    e = step.estimate(model, opt, idx, idx, world_size=4)
+    assert isinstance(e, zgraph.Estimate) and e.world_size == 4 and e.stage == 3
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and p.grad is None and torch.equal(p, before[name][1])
+    assert not opt.state and not step._cache and not step._bindings
+    # stage 3 on 4 ranks: each rank holds a padded quarter of every parameter, gradient and Adam moment
+    shard = sum(shard_rows(p.shape[0], 4) * p[0].numel() * 4 for p in model.parameters())
+    assert e.params == sum(p.numel() for p in model.parameters())
+    assert e.model_state_bytes["params"] == shard and e.model_state_bytes["grads"] == shard
+    assert e.model_state_bytes["optimizer"] == 2 * shard + 4 * len(list(model.parameters()))  # + step counters
+    assert e.comm_count["all_gather_into_tensor"] > 0 and e.comm_seconds["reduce_scatter_tensor"] > 0
+    assert e.peak_bytes >= e.model_state_bytes["total"] and e.peak_node in {n for n, _ in e.alive_at_peak} | {
+        e.peak_node
+    }
+    loss = step(model, opt, idx, idx)  # the real step runs as if no estimate had been made
+    assert torch.isfinite(loss)
+
+
+def test_liveness_is_the_tracked_peak_of_running_the_graph():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        h = torch.relu(x @ w)
+        a, b = h.split(32, dim=1)
+        y = (a * 2).t().contiguous()
+        return y.sum() + b.exp().sum()
+
+    x, w = torch.randn(64, 128), torch.randn(128, 64)
+    gm = make_fx(f, tracing_mode="fake")(x, w)
+    tracker = LiveTensorBytes()
+    for t in (x, w):
+        tracker.track(t)
+    with tracker:
+        gm(x, w)
+    assert liveness(gm).peak_bytes == tracker.peak
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+
+
+def test_cli_json_and_budget():
+    done = _cli("--model", "gpt-bench", "--world", "2", "--stage", "2", "--budget", "200MiB", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert {"params", "model_state_bytes", "peak_bytes", "comm_bytes"} <= out.keys()
+    assert out["params"] == sum(p.numel() for p in GPT(BENCH_GPT).parameters())
+    assert out["largest_micro_batch"] >= 1
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--model", "gpt-7", "--world", "2"], "unknown model"),
+        (["--model", "gpt-bench", "--world", "0"], "--world must be at least 1"),
+        (["--model", "gpt-bench", "--world", "1", "--seq", "256"], "could not capture"),
+        (["--model", "gpt-bench", "--world", "1", "--stage", "3", "--budget", "20MiB"], "below the model states"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_status_1(argv, says):
+    done = _cli(*argv)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("zgraph estimate: ") and says in lines[-1], done.stderr
+    assert not done.stdout

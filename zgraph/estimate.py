@@ -1,0 +1,301 @@
+"""``step.estimate(...)``: memory and communication of the transformed step, per rank, without running it.
+
+The step is captured and transformed as a call would do it, but on stand-ins: the modules and optimizers among
+the arguments are copied with every parameter, buffer, ``.grad`` and optimizer state tensor on the meta device (no
+memory), traced as fake tensors on the device they stand for, and sharded by a plan for ``world_size`` ranks. The
+estimate needs no process group: collectives are never run, and the fake kernels of functional collectives
+read only the group's size (the graph names a group, ``zgraph-estimate``, that does not exist). The real step's
+modules, optimizers, caches and process group are left as they were.
+
+From the final graph (the passes' result as the eager backend rewrites it, updates in place included):
+
+- model state: what the graph reads and writes back — parameters (split into ``params`` and ``master``: a
+  parameter stored in a wider dtype than the step computes in is the master copy; zgraph keeps no second copy),
+  the ``.grad`` left after the step, optimizer state, buffers — each rank's padded shard where it is sharded;
+- the peak: liveness in execution order (``zgraph.liveness``);
+- communication: every collective node, counted and sized by the graph contract, priced by the cost model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from zgraph.capture import CapturedGraph, finish, trace_step
+from zgraph.errors import CaptureError
+from zgraph.graph import (
+    INPUT,
+    OUTPUTS,
+    STATE_KINDS,
+    VAL,
+    CostModel,
+    collective_bytes,
+    collective_kind,
+    output_node,
+    placeholders,
+    state_key,
+    tensor_bytes,
+)
+from zgraph.guards import discover
+from zgraph.liveness import liveness
+from zgraph.passes import run_pipeline
+from zgraph.precision import initial_loss_scale_state
+from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
+from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
+from zgraph.runtime.sharded_state import convert_master_dtype, make_plan
+from zgraph.runtime.state import Binding
+from zgraph.split import needs_split, trace_joint
+from zgraph.trace_optim import create_first_state
+
+ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
+MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Memory and communication of one call of a step, per rank (every rank's graph has the same shapes).
+
+    Attributes:
+        world_size: ranks the step was planned for.
+        stage: ZeRO stage.
+        params: parameter count of the model(s) (tied parameters once).
+        model_state_bytes: bytes held between steps, by kind: ``params`` (parameters stored in the compute
+            dtype), ``master`` (parameters stored in a wider dtype than the compute dtype: the master copies),
+            ``grads`` (``.grad`` left after the step), ``optimizer`` (optimizer state), ``buffers``; and ``total``.
+        peak_bytes: most bytes alive while the step runs (model state, the batch, gathered parameters, buckets,
+            activations, casts, temporaries), from liveness over the final graph.
+        peak_node: the graph node running at the peak.
+        alive_at_peak: ``(node that made it, bytes)`` of each storage alive at the peak, largest first.
+        comm_bytes: bytes per collective kind per step (the full tensor gathered or reduced).
+        comm_count: collectives per kind per step.
+        comm_seconds: seconds per collective kind per step, from the cost model (``cost_model_source``).
+        live_bytes: bytes alive at each node of the final graph, in execution order (for plotting).
+        nodes: the final graph's node count.
+    """
+
+    world_size: int
+    stage: int
+    params: int
+    model_state_bytes: Mapping[str, int]
+    peak_bytes: int
+    peak_node: str
+    alive_at_peak: tuple[tuple[str, int], ...]
+    comm_bytes: Mapping[str, int]
+    comm_count: Mapping[str, int]
+    comm_seconds: Mapping[str, float]
+    cost_model_source: str = "analytical"
+    live_bytes: tuple[int, ...] = field(default=(), repr=False)
+    nodes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
+        return {
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "params": self.params,
+            "model_state_bytes": dict(self.model_state_bytes),
+            "peak_bytes": self.peak_bytes,
+            "peak_node": self.peak_node,
+            "alive_at_peak": [list(item) for item in self.alive_at_peak[:10]],
+            "comm_bytes": dict(self.comm_bytes),
+            "comm_count": dict(self.comm_count),
+            "comm_seconds": dict(self.comm_seconds),
+            "cost_model_source": self.cost_model_source,
+            "nodes": self.nodes,
+        }
+
+
+class EstimateError(CaptureError):
+    """The step cannot be estimated (what it reaches cannot be copied to stand-ins, or it cannot be traced)."""
+
+
+def estimate_step(
+    step: Any, args: tuple, kwargs: dict, world_size: int | None = None, cost_model: CostModel | None = None
+) -> Estimate:
+    """The ``Estimate`` of ``step`` (a ``DistributedStep``) called with ``args`` / ``kwargs`` on ``world_size``
+    ranks (None: the current world). ``cost_model``: prices collectives (default: the analytical model of the
+    backend the device would use)."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    group = _group(world_size)
+    config = step.config
+    shadow_args, shadow_kwargs, device = _shadow(step._fn, args, kwargs)
+    modules, optimizers = discover(step._fn, shadow_args, shadow_kwargs)
+    binding = Binding(modules, optimizers)
+    convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
+    binding.loss_scale_state = initial_loss_scale_state(config)
+    binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold, mesh=False)
+    binding.cost_model = cost_model or _cost_model(config, group, device)
+    user_tensors = step._user_tensors(binding, shadow_args, shadow_kwargs)
+    captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, config, device)
+    ctx = step._context(binding)
+    records = run_pipeline(captured.gm, ctx, step._pipeline)
+    transformed = records[-1].gm if records else captured.gm
+    from zgraph.compiled import lower  # the eager backend's rewrites: the graph that runs op by op
+
+    backend_records, _ = lower(transformed, ctx, "eager")
+    final = backend_records[-1].gm
+    live = liveness(final)
+    counts: dict[str, int] = {}
+    sent: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    for node in final.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None:
+            continue
+        nbytes = collective_bytes(node)
+        counts[kind] = counts.get(kind, 0) + 1
+        sent[kind] = sent.get(kind, 0) + nbytes
+        seconds[kind] = seconds.get(kind, 0.0) + binding.cost_model.collective_seconds(kind, nbytes)
+    return Estimate(
+        world_size=group.world_size,
+        stage=config.stage,
+        params=sum(r.tensor.numel() for r in binding.params),
+        model_state_bytes=_model_state(final, captured, binding, config),
+        peak_bytes=live.peak_bytes,
+        peak_node=live.peak_node,
+        alive_at_peak=live.alive_at_peak,
+        comm_bytes=sent,
+        comm_count=counts,
+        comm_seconds=seconds,
+        cost_model_source=binding.cost_model.source,
+        live_bytes=live.live_bytes,
+        nodes=len(final.graph.nodes),
+    )
+
+
+def _group(world_size: int | None) -> ProcessGroupInfo:
+    """The group an estimate plans for: the current one, or ``world_size`` ranks (rank 0; every rank's graph has
+    the same shapes)."""
+    current = ensure_process_group()
+    if world_size is None or world_size == current.world_size:
+        if not current.distributed:
+            return SINGLE_PROCESS
+        return ProcessGroupInfo(current.rank, current.world_size, ESTIMATE_GROUP, "fake")
+    return ProcessGroupInfo(0, world_size, ESTIMATE_GROUP, "fake")
+
+
+def _cost_model(config: Any, group: ProcessGroupInfo, device: torch.device) -> CostModel:
+    """The cost model the real step would plan with: its cached measurement for this world size (when it measures
+    collectives), else the analytical model of the backend it would use."""
+    current = ensure_process_group()
+    backend = current.backend if current.distributed else ("nccl" if device.type == "cuda" else "gloo")
+    if not group.distributed:
+        return analytical_cost_model(None)
+    if config.measure_collectives:
+        return known_cost_model(backend, device.type, group.world_size)
+    return analytical_cost_model(backend)
+
+
+def _meta(t: Tensor) -> Tensor:
+    """A meta tensor with ``t``'s (logical) shape and dtype."""
+    if isinstance(t, DTensor) or t.device.type != "meta":
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return t.detach()
+
+
+def _shadow(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.device]:
+    """Copies of the arguments whose modules and optimizers hold meta stand-ins of every tensor (tied tensors
+    stay tied, tensors outside modules and optimizers are shared, not copied), and the device the stand-ins
+    stand for."""
+    modules, optimizers = discover(fn, args, kwargs)
+    memo: dict[int, Any] = {}
+    devices = []
+    grads = []
+    for _, root in modules:
+        for p in root.parameters():
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(_meta(p), requires_grad=p.requires_grad)
+                devices.append(p.device)
+                if p.grad is not None:
+                    grads.append((memo[id(p)], _meta(p.grad)))
+        for b in root.buffers():
+            memo.setdefault(id(b), _meta(b))
+    for _, opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    memo.setdefault(id(value), _meta(value))
+    _share_other_tensors((args, kwargs), memo)
+    shadow_args, shadow_kwargs = copy.deepcopy((args, kwargs), memo)
+    for p, grad in grads:
+        p.grad = grad
+    ids = {id(obj) for _, obj in [*modules, *optimizers]}
+    copied_modules, copied_optimizers = discover(fn, shadow_args, shadow_kwargs)
+    left = [name for name, obj in [*copied_modules, *copied_optimizers] if id(obj) in ids]
+    if left:
+        raise EstimateError(
+            f"step.estimate needs the modules and optimizers the step uses among its arguments, to trace copies of "
+            f"them; it reaches {', '.join(left)} through its closure or globals. Pass them as arguments."
+        )
+    real = [d for d in devices if d.type != "meta"]
+    return shadow_args, shadow_kwargs, real[0] if real else torch.device("cpu")
+
+
+def _share_other_tensors(value: Any, memo: dict[int, Any]) -> None:
+    """Map every tensor among the arguments that is not a module's or optimizer's to itself (shared, not copied)."""
+    if isinstance(value, Tensor):
+        memo.setdefault(id(value), value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _share_other_tensors(v, memo)
+    elif isinstance(value, (list, tuple, set)):
+        for v in value:
+            _share_other_tensors(v, memo)
+
+
+def _capture(
+    fn: Any,
+    args: tuple,
+    kwargs: dict,
+    binding: Binding,
+    user_tensors: list,
+    config: Any,
+    device: torch.device,
+) -> CapturedGraph:
+    """Capture the step on the stand-ins: trace, create a first step's optimizer state (meta) and trace again,
+    trace forward and backward together for a step returning outputs with a grad_fn."""
+    traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
+    if traced.unbound is not None:
+        raise EstimateError(
+            "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
+            "arguments"
+        )
+    if traced.captured.created_state and create_first_state(
+        binding, traced.captured.created_state, config.optimizer_state_dtype
+    ):
+        traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
+    if needs_split(traced):
+        traced = trace_joint(fn, args, kwargs, binding, user_tensors, config, [], traced, device)
+    return finish(traced)
+
+
+def _model_state(final: Any, captured: CapturedGraph, binding: Binding, config: Any) -> dict[str, int]:
+    """Bytes of the state the graph leaves: each piece's output value, else its input (``.grad`` the step sets
+    to None excepted)."""
+    after: dict[tuple, Any] = {}
+    for node in placeholders(final):
+        spec = node.meta[INPUT]
+        if spec.kind in STATE_KINDS and not (spec.kind == "grad" and spec.index in captured.none_grads):
+            after[state_key(spec)] = (spec, node.meta[VAL])
+    out = output_node(final)
+    for value, role in zip(out.args[0], out.meta[OUTPUTS]):
+        if role.kind in STATE_KINDS:
+            after[state_key(role)] = (role, value.meta[VAL] if hasattr(value, "meta") else value)
+    compute = config.param_dtype
+    totals = dict.fromkeys(MODEL_STATE_KINDS, 0)
+    for spec, val in after.values():
+        nbytes = tensor_bytes(val)
+        if spec.kind == "param":
+            wider = compute is not None and val.is_floating_point() and val.element_size() > compute.itemsize
+            totals["master" if wider else "params"] += nbytes
+        else:
+            totals[{"grad": "grads", "opt_state": "optimizer", "buffer": "buffers"}[spec.kind]] += nbytes
+    totals["total"] = sum(totals.values())
+    return totals

@@ -1,0 +1,263 @@
+"""``zgraph estimate``: memory and communication of a model's training step per rank, before running it.
+
+The model is built on the meta device (no weights in memory) and a plain step — forward, next-token loss,
+``backward()``, AdamW ``step()``, ``zero_grad()`` — is estimated with ``step.estimate`` for ``--world`` ranks.
+``--budget`` finds the largest micro-batch that fits: every node's live bytes is linear in the micro-batch (the
+graph is the same, activations scale with it), so two traces (micro-batch 1 and 2) give the exact line per node;
+the answer is checked by a third trace. When even micro-batch 1 does not fit it says which stage and precision
+settings would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from zgraph.config import Config
+from zgraph.estimate import Estimate, estimate_step
+from zgraph.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
+from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.runtime.cost_model import analytical_cost_model
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {  # name: (builder, vocab, default sequence)
+    "gpt-bench": (lambda: GPT(BENCH_GPT), BENCH_GPT.vocab, BENCH_GPT.seq),
+    "gpt-100m": (lambda: GPT(GPT_100M), GPT_100M.vocab, GPT_100M.seq),
+    "llama-7b": (lambda: Llama(LLAMA_7B), LLAMA_7B.vocab, 512),
+    "llama-13b": (lambda: Llama(LLAMA_13B), LLAMA_13B.vocab, 512),
+    "llama-70b": (lambda: Llama(LLAMA_70B), LLAMA_70B.vocab, 512),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
+_UNITS.update({"GIB": 2**30, "TIB": 2**40})
+BF16_RECIPE = {"param_dtype": "bf16", "master_dtype": "bf16", "optimizer_state_dtype": "bf16", "autocast": "bf16"}
+
+
+class EstimateInputError(ValueError):
+    """Bad command-line input: printed as one line, exit status 1."""
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``1.5TiB``, ``1000000`` → bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise EstimateInputError(f"cannot read the budget {text!r}: write a number of bytes like 80GiB or 40GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def gib(n: float) -> str:
+    """Bytes, readably: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}")
+    parser.add_argument("--world", type=int, required=True, help="ranks (data-parallel world size)")
+    parser.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3 (default 3)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    for flag in ("param-dtype", "master-dtype", "optimizer-state-dtype", "autocast"):
+        parser.add_argument(f"--{flag}", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--budget", default=None, help="memory per rank, e.g. 80GiB: the largest micro-batch that fits")
+    parser.add_argument("--plot", default=None, help="PNG of live bytes over the step's nodes (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A model, a world and the stage and precision of one estimate."""
+
+    model: str
+    world: int
+    stage: int
+    seq: int
+    dtypes: tuple[tuple[str, str | None], ...]
+
+    def config(self) -> Config:
+        d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
+        return Config(
+            stage=self.stage,
+            backend="eager",
+            param_dtype=d["param_dtype"],
+            master_dtype=d["master_dtype"],
+            optimizer_state_dtype=d["optimizer_state_dtype"],
+            autocast_dtype=d["autocast"],
+        )
+
+    def describe(self) -> str:
+        chosen = [f"{k}={v}" for k, v in self.dtypes if v]
+        return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32")
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targets: Tensor) -> Tensor:
+    loss = lm_loss(model(idx), targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
+    """Estimate one setting at one micro-batch (the model on the meta device; collectives priced as NCCL's)."""
+    from zgraph.step import distribute
+
+    build, vocab, _ = MODELS[setting.model]
+    with torch.device("meta"):
+        model = build()
+        idx = torch.zeros(micro_batch, setting.seq, dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = distribute(setting.config())(_train_step)
+    return estimate_step(step, (model, opt, idx, idx), {}, setting.world, analytical_cost_model("nccl"))
+
+
+def setting_from_args(args: argparse.Namespace) -> Setting:
+    if args.model not in MODELS:
+        raise EstimateInputError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+    if args.world < 1:
+        raise EstimateInputError(f"--world must be at least 1, got {args.world}")
+    if args.stage not in (0, 1, 2, 3):
+        raise EstimateInputError(f"--stage must be 0, 1, 2 or 3, got {args.stage}")
+    if args.micro_batch < 1:
+        raise EstimateInputError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    seq = args.seq if args.seq is not None else MODELS[args.model][2]
+    if seq < 1:
+        raise EstimateInputError(f"--seq must be at least 1, got {seq}")
+    dtypes = tuple((k, getattr(args, k)) for k in ("param_dtype", "master_dtype", "optimizer_state_dtype", "autocast"))
+    setting = Setting(args.model, args.world, args.stage, seq, dtypes)
+    try:
+        setting.config()
+    except ValueError as error:
+        raise EstimateInputError(str(error).splitlines()[0]) from error
+    return setting
+
+
+def table(setting: Setting, micro_batch: int, e: Estimate) -> str:
+    """The estimate as a readable table."""
+    rows = [
+        f"zgraph estimate: {setting.model}, {setting.world} rank(s), {setting.describe()}, micro-batch {micro_batch}, "
+        f"sequence {setting.seq}",
+        f"  parameters            {e.params:,}",
+        "  model state per rank",
+    ]
+    for kind, nbytes in e.model_state_bytes.items():
+        if nbytes or kind == "total":
+            rows.append(f"    {kind:<20}{gib(nbytes):>14}")
+    rows.append(f"  peak per rank         {gib(e.peak_bytes):>14}   at node {e.peak_node} (of {e.nodes})")
+    largest = ", ".join(f"{name} {gib(n)}" for name, n in e.alive_at_peak[:4])
+    rows.append(f"    largest alive there: {largest}")
+    rows.append("  communication per step")
+    for kind in sorted(e.comm_bytes):
+        rows.append(
+            f"    {kind:<24}{e.comm_count[kind]:>6} x  {gib(e.comm_bytes[kind]):>12}  "
+            f"~{e.comm_seconds[kind] * 1e3:.1f} ms ({e.cost_model_source})"
+        )
+    if not e.comm_bytes:
+        rows.append("    none (one rank)")
+    return "\n".join(rows)
+
+
+def plot(e: Estimate, path: str, title: str) -> bool:
+    """Live bytes over the step's nodes as a PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot([b / 2**30 for b in e.live_bytes])
+    ax.set_xlabel("node (execution order)")
+    ax.set_ylabel("live GiB per rank")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def largest_micro_batch(setting: Setting, budget: int) -> tuple[int, Estimate] | None:
+    """The largest micro-batch whose peak fits ``budget`` and its estimate; None when micro-batch 1 does not fit.
+
+    Each node's live bytes is ``a + c * micro_batch`` (same graph, activations linear in the batch): traces at 1
+    and 2 give ``a`` and ``c`` per node, the bound is the smallest ``(budget - a) / c``; a trace at the answer
+    checks it."""
+    one, two = run_estimate(setting, 1), run_estimate(setting, 2)
+    if one.peak_bytes > budget:
+        return None
+    if len(one.live_bytes) != len(two.live_bytes):  # the graph changed with the batch: bisect on traces
+        raise EstimateInputError("the step's graph depends on the micro-batch; --budget cannot fit a line to it")
+    bound = None
+    for a1, a2 in zip(one.live_bytes, two.live_bytes):
+        slope = a2 - a1
+        if slope > 0:
+            fits = 1 + (budget - a1) // slope
+            bound = fits if bound is None else min(bound, fits)
+    if bound is None:  # nothing grows with the batch
+        return 2**31, two
+    checked = run_estimate(setting, bound)
+    if checked.peak_bytes > budget:
+        raise AssertionError(f"micro-batch {bound} was predicted to fit but its trace peaks at {checked.peak_bytes}")
+    return bound, checked
+
+
+def alternatives(setting: Setting, micro_batch: int, budget: int) -> list[tuple[Setting, Estimate]]:
+    """Higher stages and the bf16 recipe (bf16 parameters, master weights, optimizer states, autocast), each
+    estimated at ``micro_batch``, that fit ``budget``."""
+    recipe = tuple((k, BF16_RECIPE[k]) for k, _ in setting.dtypes)
+    candidates = []
+    for stage in range(setting.stage, 4):
+        for dtypes in (setting.dtypes, recipe):
+            candidate = Setting(setting.model, setting.world, stage, setting.seq, dtypes)
+            if candidate != setting and candidate not in candidates:
+                candidates.append(candidate)
+    fitting = []
+    for candidate in candidates:
+        e = run_estimate(candidate, micro_batch)
+        if e.peak_bytes <= budget:
+            fitting.append((candidate, e))
+    return fitting
+
+
+def run(args: argparse.Namespace) -> str:
+    """The command's output for ``args``; raises ``EstimateInputError`` (or ``zgraph.CaptureError``) on bad
+    input."""
+    setting = setting_from_args(args)
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    e = run_estimate(setting, args.micro_batch)
+    out: dict = {"model": setting.model, "micro_batch": args.micro_batch, "seq": setting.seq, **e.to_json()}
+    lines = [table(setting, args.micro_batch, e)]
+    if budget is not None:
+        if e.model_state_bytes["total"] > budget:
+            fits = alternatives(setting, args.micro_batch, budget)
+            hint = (
+                f"; {fits[0][0].describe()} fits (peak {gib(fits[0][1].peak_bytes)})"
+                if fits
+                else (f"; no stage or bf16 setting fits on {setting.world} rank(s): use more ranks")
+            )
+            raise EstimateInputError(
+                f"budget {gib(budget)} is below the model states alone ({gib(e.model_state_bytes['total'])} per "
+                f"rank at {setting.describe()}){hint}"
+            )
+        found = largest_micro_batch(setting, budget)
+        out["budget_bytes"] = budget
+        out["largest_micro_batch"] = found[0] if found else 0
+        if found:
+            lines.append(
+                f"  budget {gib(budget)}: largest micro-batch that fits: {found[0]} (peak {gib(found[1].peak_bytes)})"
+            )
+        if e.peak_bytes > budget:
+            fits = alternatives(setting, args.micro_batch, budget)
+            out["fitting_settings"] = [s.describe() for s, _ in fits]
+            said = "; ".join(f"{s.describe()} (peak {gib(f.peak_bytes)})" for s, f in fits) or "none: use more ranks"
+            lines.append(f"  micro-batch {args.micro_batch} does not fit {gib(budget)}; settings that fit: {said}")
+    if args.plot:
+        drawn = plot(e, args.plot, f"{setting.model}, {setting.world} ranks, {setting.describe()}")
+        lines.append(f"  plot: {args.plot}" if drawn else "  plot: matplotlib is not installed, none drawn")
+    return json.dumps(out, indent=2) if args.json else "\n".join(lines)

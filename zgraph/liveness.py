@@ -1,0 +1,148 @@
+"""Liveness of a step graph: the bytes alive after each node when it runs op by op, and the peak.
+
+The eager backend runs the final graph as FX's generated Python, which drops each value after its last use. So a
+storage is allocated by the node that makes it and freed after the last node that reads it, or any view or
+in-place result of it (an op's schema says which results alias which arguments). Graph inputs (parameters,
+state, the batch) and outputs are held by the caller for the whole step. Sizes come from the nodes' fake values:
+no memory is touched, so this works on graphs traced at any scale.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from zgraph.graph import VAL
+
+# ops whose result is (or shares the memory of) their first input though their schema declares no alias
+_UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Bytes alive over a graph's execution.
+
+    Attributes:
+        live_bytes: after each node (in graph order), the bytes alive while it ran: its inputs, its result and
+            everything still needed later.
+        node_names: the node names, in the same order.
+        peak_bytes: the largest of ``live_bytes``.
+        peak_node: the node running at the peak.
+        alive_at_peak: ``(node that allocated it, bytes)`` of every storage alive at the peak, largest first.
+    """
+
+    live_bytes: tuple[int, ...]
+    node_names: tuple[str, ...]
+    peak_bytes: int
+    peak_node: str
+    alive_at_peak: tuple[tuple[str, int], ...]
+
+
+def _nbytes(value: object) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    try:
+        return value.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (a functional wrapper)
+        return value.numel() * value.element_size()
+
+
+def _aliased_argument(node: fx.Node, alias_set: frozenset) -> fx.Node | None:
+    """The argument node whose schema alias set is ``alias_set``; empty: the first argument with an alias set (a
+    list of views, ``Tensor(a)[]``, exposes no set of its own)."""
+    schema = node.target._schema
+    for i, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or (alias_set and not (set(info.before_set) & set(alias_set))):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, fx.Node):
+            return value
+    return None
+
+
+def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], owners: list[str]) -> list[int]:
+    """The storages ``node``'s value lives in: its arguments' (a view, an in-place result, a tuple element) or
+    new ones, recorded in ``sizes`` / ``owners``."""
+
+    def new(value: object) -> int:
+        sizes.append(_nbytes(value))
+        owners.append(node.name)
+        return len(sizes) - 1
+
+    val = node.meta.get(VAL)
+    if node.op in ("placeholder", "get_attr"):  # what the caller feeds: a tensor of its own (its fake may be a view)
+        sizes.append(val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0)
+        owners.append(node.name)
+        return [len(sizes) - 1]
+    if node.op != "call_function":
+        return []
+    if node.target is operator.getitem:
+        source, index = node.args
+        found = of.get(source, [])
+        return [found[index]] if isinstance(index, int) and index < len(found) else []
+    if node.target in _UNDECLARED_VIEWS:
+        return list(of.get(node.args[0], []))[:1]
+    values = list(val) if isinstance(val, (list, tuple)) else [val]
+    schema = getattr(node.target, "_schema", None)
+    infos = [r.alias_info for r in schema.returns] if schema is not None else []
+    if len(infos) == 1:  # one return: a tensor, or a list of them sharing its alias annotation
+        infos = infos * len(values)
+    out = []
+    for i, value in enumerate(values):
+        info = infos[i] if i < len(infos) else None
+        source = _aliased_argument(node, frozenset(info.before_set)) if info is not None else None
+        if source is not None and of.get(source):
+            out.append(of[source][0])
+        elif isinstance(value, torch.Tensor):
+            out.append(new(value))
+        else:
+            out.append(-1)  # not a tensor (a SymInt): keeps tuple positions
+    return [s for s in out if s >= 0] if not isinstance(val, (list, tuple)) else out
+
+
+def liveness(gm: fx.GraphModule) -> Liveness:
+    """Bytes alive after each node of ``gm`` and the peak (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    of: dict[fx.Node, list[int]] = {}
+    sizes: list[int] = []
+    owners: list[str] = []
+    born: dict[int, int] = {}
+    last: dict[int, int] = {}
+    end = len(nodes) - 1
+    for i, node in enumerate(nodes):
+        of[node] = _storages(node, of, sizes, owners)
+        for s in of[node]:
+            if s < 0:
+                continue
+            born.setdefault(s, 0 if node.op in ("placeholder", "get_attr") else i)
+            last[s] = end if node.op in ("placeholder", "get_attr") else max(last.get(s, i), i)
+        for arg in node.all_input_nodes:
+            for s in of.get(arg, []):
+                if s >= 0:
+                    last[s] = end if node.op == "output" else max(last[s], i)
+    delta = [0] * (len(nodes) + 1)
+    for s, start in born.items():
+        delta[start] += sizes[s]
+        delta[last[s] + 1] -= sizes[s]
+    live, current = [], 0
+    for i in range(len(nodes)):
+        current += delta[i]
+        live.append(current)
+    peak_index = max(range(len(live)), key=live.__getitem__) if live else 0
+    alive = sorted(
+        ((owners[s], sizes[s]) for s, start in born.items() if start <= peak_index <= last[s] and sizes[s]),
+        key=lambda item: -item[1],
+    )
+    return Liveness(
+        tuple(live),
+        tuple(n.name for n in nodes),
+        live[peak_index] if live else 0,
+        nodes[peak_index].name if nodes else "",
+        tuple(alive),
+    )
