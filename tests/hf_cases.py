@@ -27,6 +27,8 @@ from transformers import (
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
 )
 
 import zgraph
@@ -46,6 +48,7 @@ class Model:
 
     make: Callable[[], nn.Module]
     batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
+    bf16: bool = False  # parameters, gradients and optimizer states in bf16
 
 
 def _lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -134,11 +137,39 @@ def mixtral() -> nn.Module:
     return model
 
 
+def mixtral_bf16() -> nn.Module:
+    """Mixtral in bf16 (parameters, gradients and AdamW states), default experts: eager PyTorch's bf16 training."""
+    return mixtral().to(torch.bfloat16)
+
+
+def qwen2_moe() -> nn.Module:
+    """Qwen2-MoE (routed experts plus a gated shared expert) with transformers' default experts implementation."""
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    model = Qwen2MoeForCausalLM(config)
+    assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
+    return model
+
+
 MODELS = {
     "gpt2": Model(gpt2, _lm_batches),
     "llama": Model(llama, _lm_batches),
     "bert": Model(bert, _classification_batches),
     "mixtral": Model(mixtral, _lm_batches),
+    "mixtral_bf16": Model(mixtral_bf16, _lm_batches, bf16=True),
+    "qwen2_moe": Model(qwen2_moe, _lm_batches),
     "llama_checkpointing": Model(llama_checkpointing, _lm_batches),
 }
 

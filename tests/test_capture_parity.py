@@ -169,6 +169,27 @@ def test_sgd_defaults_and_two_param_groups():
     run_parity(standard_step, _two_groups(torch.optim.SGD, lr=0.05, momentum=0.5), batches())
 
 
+def _bf16_batches() -> list[tuple]:
+    return [(x.bfloat16(), y) for x, y in batches()]
+
+
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (torch.optim.AdamW, {"lr": 1e-2}),
+        (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+        (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),
+    ],
+    ids=["adamw", "adam", "sgd", "adamw-fused"],
+)
+def test_bf16_model_updates_as_eager_does(cls, kw):
+    """Regression: a bf16 model (no precision config) was updated through float32 copies rounded once, the
+    arithmetic of fused optimizers, where eager's single-tensor step computes in bf16 op by op; now bitwise eager
+    (a ``fused=True`` optimizer keeps the float32 arithmetic, which is eager's too)."""
+    run_parity(standard_step, lambda: _with_opt(mlp().bfloat16(), cls, **kw), _bf16_batches())
+
+
 def test_lr_scheduler_between_calls_takes_effect_without_retrace():
     def make():
         model, opt = _with_opt(mlp(), torch.optim.AdamW, lr=1e-2)

@@ -1,8 +1,9 @@
 """Hugging Face transformers models under zgraph's ZeRO stages 0-3 on 2 spawned ranks, against DDP.
 
 Needs the ``models`` extra (``pip install -e '.[test,models]'``); skipped without transformers. Models are built
-from tiny configs (nothing is downloaded): GPT-2, Llama, BERT (sequence classification), Mixtral with
-transformers' default experts implementation (``F.grouped_mm``), and Llama with activation checkpointing.
+from tiny configs (nothing is downloaded): GPT-2, Llama, BERT (sequence classification), Mixtral (fp32 and bf16) and
+Qwen2-MoE with transformers' default experts implementation (``F.grouped_mm``), and Llama with activation
+checkpointing.
 
 Each model runs in one rank group (``hf_cases.run_model``): eagerly on the global batch, DDP, then zgraph at every
 stage, ``hf_cases.STEPS`` AdamW steps each. zgraph's averaged losses and final whole parameters and buffers
@@ -89,11 +90,21 @@ def assert_close(got: dict, want: dict, result: dict, what: str) -> None:
 MODELS = list(hf_cases.MODELS)
 
 
+BF16_LOSS_REL = 2**-8  # bf16's unit round-off
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_ddp_matches_eager_on_global_batch(results, name):
-    """The reference is sound: DDP on 2 ranks equals one process on the global batch within the bound."""
+    """The reference is sound: DDP on 2 ranks equals one process on the global batch within the bound. A bf16
+    model is the exception to the reduction-order bound: DDP rounds each rank's gradient to bf16 before the mean,
+    one process rounds the global batch's, so DDP is checked against eager by its losses within bf16's round-off
+    (zgraph is then held to DDP itself, as for every model)."""
     result = results(name)
-    assert_close(result["ddp"], result["eager"], result, f"{name}: DDP vs eager")
+    if not hf_cases.MODELS[name].bf16:
+        assert_close(result["ddp"], result["eager"], result, f"{name}: DDP vs eager")
+        return
+    for i, (a, b) in enumerate(zip(result["ddp"]["losses"], result["eager"]["losses"], strict=True)):
+        assert _loss_rel(a, b) <= BF16_LOSS_REL, f"{name}: DDP vs eager: loss of step {i}: {a} vs {b}"
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -72,7 +72,8 @@ class Config:
         optimizer_state_dtype: dtype of optimizer state tensors of a parameter's shape (Adam's moments, SGD's
             momentum). None (default): the master dtype. ``torch.bfloat16`` is DeepSpeed's
             ``bf16_optimizer_states``; ``torch.float16`` is rejected, as DeepSpeed does. With 16-bit master
-            weights or states the update is computed in float32 and rounded once when stored.
+            weights or states set here the update is computed in float32 and rounded once when stored; a model
+            that is 16-bit itself, without them, is updated as eager PyTorch's optimizer updates it.
         loss_scale: fp16 loss scaling. None (default): none. A float: a static scale. ``"dynamic"`` or a
             ``zgraph.DynamicLossScale``: DeepSpeed's dynamic scaling — steps whose gradients overflow (on any
             rank) are skipped and the scale backs off; after ``growth_interval`` good steps it grows.

@@ -34,15 +34,18 @@ def _update_each(
     grads: list[Tensor],
     states: list[dict],
     state_dtype: torch.dtype | None,
+    opmath: bool,
     update_one: Callable[[Tensor, Tensor, dict], None],
 ) -> None:
-    """``update_one(param, grad, state)`` for every parameter. Where the parameter, its gradient or a state
-    tensor is 16-bit, the update runs on float32 copies and is rounded once into the stored tensors (the
-    "opmath" of PyTorch's fused optimizers); all-float32 updates run in place, exactly as ``torch.optim``'s.
-    State the update creates is stored in ``state_dtype`` (None: the parameter's dtype)."""
+    """``update_one(param, grad, state)`` for every parameter. With ``opmath`` (see ``OptimizerKernel.update``),
+    where the parameter, its gradient or a state tensor is 16-bit, the update runs on float32 copies and is
+    rounded once into the stored tensors (the "opmath" of PyTorch's fused optimizers). Otherwise it runs in
+    place on the stored tensors, op for op as ``torch.optim``'s single-tensor algorithm (a bf16 model's update
+    in bf16, as eager PyTorch computes it). State the update creates is stored in ``state_dtype`` (None: the
+    parameter's dtype)."""
     for param, grad, state in zip(params, grads, states):
         stored = [param, grad, *(v for v in state.values() if isinstance(v, Tensor) and v.dim() > 0)]
-        if state_dtype not in _LOW_PRECISION and not any(t.dtype in _LOW_PRECISION for t in stored):
+        if not opmath or (state_dtype not in _LOW_PRECISION and not any(t.dtype in _LOW_PRECISION for t in stored)):
             update_one(param, grad, state)
             continue
         work_param = param.float()
@@ -62,6 +65,16 @@ def _scalar(t: Tensor) -> float:
     return t.item()
 
 
+def _lerp_(t: Tensor, end: Tensor, weight: Tensor) -> None:
+    """``t.lerp_(end, weight)`` with ``weight`` a 0-d float64 graph input, as eager's ``lerp_`` with a Python
+    float: a tensor weight (a scalar one from ``item()`` makes inductor branch on its value), and for a 16-bit
+    ``t`` the arithmetic in float32 rounded once, which is what eager's kernel does with a scalar weight."""
+    if t.dtype not in _LOW_PRECISION:
+        t.lerp_(end, weight.to(t.dtype))
+    else:
+        t.copy_(t.float().lerp_(end.float(), weight.to(torch.float32)))
+
+
 @dataclass(frozen=True)
 class OptimizerKernel:
     """How zgraph traces one ``torch.optim`` class.
@@ -73,15 +86,17 @@ class OptimizerKernel:
         initial_state: ``fn(param, group, state_dtype) -> dict``, the state ``torch.optim`` creates on a
             parameter's first step (tensors of the parameter's shape in ``state_dtype``, None: the parameter's
             dtype); None where that state depends on the gradient (it is then created inside the graph).
-        update: ``fn(params, grads, states, hp, group, state_dtype)``: the in-place update of params with
-            grads; state it creates is stored in ``state_dtype`` (None: the parameter's dtype).
+        update: ``fn(params, grads, states, hp, group, state_dtype, opmath)``: the in-place update of params
+            with grads; state it creates is stored in ``state_dtype`` (None: the parameter's dtype). ``opmath``:
+            16-bit tensors are updated through float32 copies, rounded once (a configured low-precision recipe,
+            or a ``fused=True`` optimizer, whose kernels do the same); without it the arithmetic is eager's.
     """
 
     name: str
     hyperparameters: Callable[[dict], dict[str, float]]
     structure: Callable[[dict], tuple]
     initial_state: Callable[[Tensor, dict, torch.dtype | None], dict[str, Tensor]] | None
-    update: Callable[[list[Tensor], list[Tensor], list[dict], HyperParams, dict, torch.dtype | None], None]
+    update: Callable[[list[Tensor], list[Tensor], list[dict], HyperParams, dict, torch.dtype | None, bool], None]
 
 
 # ----------------------------------------------------------------------------------------------------- SGD
@@ -95,6 +110,7 @@ def _sgd_structure(group: dict) -> tuple:
         float(group["weight_decay"]) != 0,
         bool(group["nesterov"]),
         bool(group["maximize"]),
+        bool(group.get("fused")),
     )
 
 
@@ -105,8 +121,9 @@ def _sgd_update(
     hp: HyperParams,
     group: dict,
     state_dtype: torch.dtype | None = None,
+    opmath: bool = False,
 ) -> None:
-    momentum_on, decay_on, nesterov, maximize = _sgd_structure(group)
+    momentum_on, decay_on, nesterov, maximize, _ = _sgd_structure(group)
 
     def update(param: Tensor, grad: Tensor, state: dict) -> None:
         grad = grad if not maximize else -grad
@@ -122,7 +139,7 @@ def _sgd_update(
             grad = grad.add(buf, alpha=_scalar(hp["momentum"])) if nesterov else buf
         param.add_(grad, alpha=_scalar(-hp["lr"]))
 
-    _update_each(params, grads, states, state_dtype, update)
+    _update_each(params, grads, states, state_dtype, opmath, update)
 
 
 SGD = OptimizerKernel("SGD", _sgd_hp, _sgd_structure, None, _sgd_update)
@@ -146,6 +163,7 @@ def _adam_structure(group: dict) -> tuple:
         bool(group.get("decoupled_weight_decay", False)),
         bool(group["amsgrad"]),
         bool(group["maximize"]),
+        bool(group.get("fused")),
     )
 
 
@@ -168,8 +186,9 @@ def _adam_update(
     hp: HyperParams,
     group: dict,
     state_dtype: torch.dtype | None = None,
+    opmath: bool = False,
 ) -> None:
-    decay_on, decoupled, amsgrad, maximize = _adam_structure(group)
+    decay_on, decoupled, amsgrad, maximize, _ = _adam_structure(group)
     lr, beta1, beta2, eps, weight_decay = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
 
     def update(param: Tensor, grad: Tensor, state: dict) -> None:
@@ -181,7 +200,7 @@ def _adam_update(
                 param.mul_(1 - lr * weight_decay)
             else:
                 grad = grad.add(param, alpha=_scalar(weight_decay))
-        exp_avg.lerp_(grad, (1 - beta1).to(exp_avg.dtype))
+        _lerp_(exp_avg, grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=_scalar(1 - beta2))
         step = step_t.to(torch.float64)
         bias_correction1 = 1 - beta1**step
@@ -196,7 +215,7 @@ def _adam_update(
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=_scalar(-step_size))
 
-    _update_each(params, grads, states, state_dtype, update)
+    _update_each(params, grads, states, state_dtype, opmath, update)
 
 
 def _adam_kernel(name: str) -> OptimizerKernel:

@@ -175,6 +175,8 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
     params = trace.params
     precision = trace.precision
     state_dtype = trace.config.optimizer_state_dtype
+    # 16-bit master weights or states asked for in the config: DeepSpeed's recipe updates them in float32
+    low_precision_recipe = any(d in (torch.bfloat16, torch.float16) for d in (state_dtype, trace.config.master_dtype))
 
     def step(closure: Callable | None = None) -> None:
         if closure is not None:
@@ -230,6 +232,7 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
                     trace.hparams[(o_index, g_index)],
                     group,
                     state_dtype,
+                    low_precision_recipe or bool(group.get("fused")),
                 )
                 keep_if_overflow(overflow, tensors, previous)
 
