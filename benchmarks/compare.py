@@ -536,7 +536,8 @@ def markdown_report(model: str, params: int | None, args: argparse.Namespace, ma
             f"## {name}{size}",
             "",
             f"- global batch {GLOBAL_BATCH} x seq {config.seq} ({WORLD_SIZE} gloo ranks x {MICRO_BATCH}; "
-            f"`{SINGLE_PROCESS}`: one process, all {GLOBAL_BATCH}), AdamW lr {args.lr:g}, seed {args.seed}",
+            f"`{SINGLE_PROCESS}`: one process, all {GLOBAL_BATCH}), AdamW lr {args.lr:g} "
+            f"(weight decay 0.1 on matrices only), seed {args.seed}",
             f"- {args.warmup} warm-up steps (untimed), {args.steps} timed steps, {args.repeats} repeat(s) "
             f"alternating systems; zgraph backend `{args.backend}`",
             "- host memory: "

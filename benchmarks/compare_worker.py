@@ -7,8 +7,8 @@ distributed systems and none for ``eager-1proc``:
     python -m benchmarks.compare_worker --system ddp --model bench --data data.pt --out rank0.json
 
 Every system trains ``zgraph.models.GPT`` built from the same seed, on the same batches (rank ``r`` of ``w``
-takes rows ``[r * B / w, (r + 1) * B / w)`` of each global batch of ``B`` sequences), with ``torch.optim.AdamW``.
-DeepSpeed is imported here only, and only for the ``deepspeed-z*`` systems.
+takes rows ``[r * B / w, (r + 1) * B / w)`` of each global batch of ``B`` sequences), with ``torch.optim.AdamW``
+(weight decay on matrices only). DeepSpeed is imported here only, and only for the ``deepspeed-z*`` systems.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import re
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, count_params, lm_loss
+from zgraph.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, count_params, lm_loss, weight_decay_groups
 
 MODELS: dict[str, GPTConfig] = {"bench": BENCH_GPT, "100m": GPT_100M}
 MIB = 1024 * 1024
@@ -74,22 +74,23 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, tgt: T
     return loss
 
 
-def adamw(params: Iterable[Tensor], lr: float) -> torch.optim.Optimizer:
-    """The optimizer of every system."""
-    return torch.optim.AdamW(params, lr=lr)
+def adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of every system: AdamW with weight decay on matrices only (``weight_decay_groups``), as the
+    independent harness of issue 17 and GPT training scripts have it."""
+    return torch.optim.AdamW(weight_decay_groups(model), lr=lr)
 
 
 # ------------------------------------------------------------------------------------------------ systems
 def build_eager(model: nn.Module, lr: float, args: argparse.Namespace) -> System:
     """Plain eager PyTorch in one process (no process group)."""
-    opt = adamw(model.parameters(), lr)
+    opt = adamw(model, lr)
     return System(lambda idx, tgt: train_step(model, opt, idx, tgt), [model, opt])
 
 
 def build_ddp(model: nn.Module, lr: float, args: argparse.Namespace) -> System:
     """``DistributedDataParallel`` over gloo."""
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = adamw(ddp.parameters(), lr)
+    opt = adamw(ddp, lr)
     return System(lambda idx, tgt: train_step(ddp, opt, idx, tgt), [model, opt])
 
 
@@ -102,7 +103,7 @@ def build_fsdp2(model: nn.Module, lr: float, args: argparse.Namespace) -> System
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = adamw(model.parameters(), lr)
+    opt = adamw(model, lr)
     return System(lambda idx, tgt: train_step(model, opt, idx, tgt), [model, opt])
 
 
@@ -110,7 +111,7 @@ def build_zgraph(model: nn.Module, lr: float, args: argparse.Namespace, stage: i
     """``zgraph.distribute(Config(stage, backend))(train_step)``; zgraph starts the process group itself."""
     import zgraph
 
-    opt = adamw(model.parameters(), lr)
+    opt = adamw(model, lr)
     step = zgraph.distribute(zgraph.Config(stage=stage, backend=args.backend))(train_step)
     return System(lambda idx, tgt: step(model, opt, idx, tgt), [model, opt])
 
@@ -137,7 +138,7 @@ def build_deepspeed(model: nn.Module, lr: float, args: argparse.Namespace, stage
     """DeepSpeed ZeRO ``stage`` (fp32) with ``torch.optim.AdamW`` as the client optimizer, gloo."""
     import deepspeed
 
-    opt = adamw(model.parameters(), lr)
+    opt = adamw(model, lr)
     config = deepspeed_config(stage, args.micro_batch)
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 

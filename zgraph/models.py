@@ -77,3 +77,13 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 def count_params(model: nn.Module) -> int:
     """Unique parameters' element count (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """Two optimizer parameter groups as GPT training scripts make them: weight decay on the matrices (embeddings
+    and linear weights, ``dim() >= 2``), none on biases and norm parameters."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
