@@ -109,21 +109,18 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
 
 
 def _run_offloaded(compiled: CompiledStep, store: Any, inputs: list) -> Sequence:
-    """Run the graph with the offload tier serving its reload / write_back nodes; a graph that reads optimizer
-    states without them (the ``offload`` pass disabled) gets them back in memory first."""
+    """Run the graph with the offload tier serving its reload / write_back nodes; offloaded inputs the graph reads
+    without them (the ``offload`` pass disabled, another variant of the step) get their memory back first."""
     specs = compiled.input_specs
-    slots = compiled.offloaded_inputs
-    if any(spec.kind == "opt_state" for spec in specs):
-        store.bytes_total = sum(
-            t.numel() * t.element_size() for t, s in zip(inputs, specs) if s.kind == "opt_state" and t.dim()
-        )
-    if not slots:
-        if any(spec.kind == "opt_state" for spec in specs):
-            store.materialize()
-        return compiled.executable.run(inputs)
-    offloaded = {i: (state_key(specs[i]), inputs[i]) for i in slots}
+    order = compiled.offloaded_inputs
+
+    for attribute, kind, layout in (("bytes_total", "opt_state", None), ("param_bytes_total", "param", "shard")):
+        mine = [t for t, s in zip(inputs, specs) if s.kind == kind and layout in (None, s.layout) and t.dim()]
+        if mine:  # kept from the last graph that read such inputs otherwise (for explain())
+            setattr(store, attribute, sum(t.numel() * t.element_size() for t in mine))
+    offloaded = {i: (state_key(specs[i]), inputs[i]) for i in order}
     keep = [t for i, t in enumerate(inputs) if i not in offloaded]
-    store.prepare(offloaded, keep)
+    store.prepare(offloaded, keep, list(order))
     try:
         with offload_tier(store):
             outputs = compiled.executable.run(inputs)

@@ -239,7 +239,7 @@ class DistributedStep:
             device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
             binding.offload = open_store(self.config, device.type)
             if binding.offload is not None:
-                binding.offload.watch([o.optimizer for o in binding.optimizers])
+                binding.offload.watch([o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
             if self.config.keep_host_memory and device.type == "cpu":
                 keep_freed_host_memory()
             # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
