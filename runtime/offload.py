@@ -75,15 +75,15 @@ def _local(t: Tensor) -> Tensor:
 
 
 class _State:
-    """One offloaded input (an optimizer state or a parameter shard): its tensor (a graph input) and its two
-    files."""
+    """One offloaded input (an optimizer state or a parameter shard): its bytes, its two files and, once a graph
+    read it, its tensor (a graph input)."""
 
     __slots__ = ("key", "tensor", "nbytes", "paths", "current")
 
-    def __init__(self, key: tuple, tensor: Tensor, paths: tuple[str, str]):
+    def __init__(self, key: tuple, nbytes: int, paths: tuple[str, str]):
         self.key = key  # zgraph.graph.state_key: (kind, index, field, optimizer)
-        self.tensor = tensor
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.tensor: Tensor | None = None
+        self.nbytes = nbytes
         self.paths = paths
         self.current = 0
 
@@ -154,23 +154,27 @@ class NvmeStore(OffloadTier):
         _OWNER_STORES[owner] = weakref.WeakSet([self])
         return True
 
+    def reserve(self, sizes: dict[tuple, int]) -> None:
+        """Create the two files of each input (``sizes``: state key to bytes) not offloaded yet, reserved on disk:
+        the runtime calls it when the step is set up, so a full disk is reported before anything runs."""
+        fresh = {}
+        for key, nbytes in sizes.items():
+            if key not in self.states and key not in fresh:
+                name = os.path.join(self.path, f"{key[0]}{len(self.states) + len(fresh)}")
+                fresh[key] = _State(key, nbytes, (f"{name}.a", f"{name}.b"))
+        self._reserve(list(fresh.values()))
+        self.states.update(fresh)
+
     # ---------------------------------------------------------------------------------------- around a graph
     def prepare(self, slots: dict[int, tuple[tuple, Tensor]], keep: list[Tensor], order: list[int]) -> None:
         """Before a graph: ``slots`` maps each offloaded input position to its state key and tensor, ``order``
         lists the slot each of the graph's reloads reads, in graph order (a parameter shard is reloaded once
         per phase); storages holding a tensor of ``keep`` (the other inputs) are in memory while it runs."""
         self._slots, self._written, self._order = {}, set(), list(order)
-        fresh = []
+        self.reserve({key: tensor.numel() * tensor.element_size() for key, tensor in slots.values()})
         for slot, (key, tensor) in slots.items():
-            state = self.states.get(key)
-            if state is None:
-                name = os.path.join(self.path, f"{key[0]}{len(self.states) + len(fresh)}")
-                state = _State(key, tensor, (f"{name}.a", f"{name}.b"))
-                fresh.append(state)
+            self._slots[slot] = state = self.states[key]
             state.tensor = tensor
-            self._slots[slot] = state
-        self._reserve(fresh)
-        self.states.update((key, self._slots[slot]) for slot, (key, _) in slots.items())
         kept = {_local(t).untyped_storage()._cdata for t in keep if isinstance(t, Tensor)}
         _restore(self.released, only=kept)  # read directly by this graph (no reload node): needed in memory
         for state in self._slots.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -132,3 +133,80 @@ def params_checkpoint_ranks(rank: int, world: int, directory: str) -> None:
     step3(model3, opt3, *data[0])  # its shards are in files now; load replaces them
     zgraph.load(os.path.join(directory, "ckpt"), model3, opt3)
     assert [step3(model3, opt3, x, y).item() for x, y in data[2:]] == continued
+
+
+def _shard_storages(model: nn.Module) -> dict[str, int]:
+    """Bytes of each parameter's local storage (0: released to the offload files)."""
+    return {name: getattr(p, "_local_tensor", p).untyped_storage().nbytes() for name, p in model.named_parameters()}
+
+
+def params_in_files_ranks(rank: int, world: int, directory: str) -> None:
+    """One rank: shards leave memory between steps (whole parameters under the threshold stay), the graph reloads
+    them in forward and backward, explain() and dump() show it, reading the model sees the real values."""
+    from zgraph.runtime.memory import state_bytes
+
+    threshold = 64  # the biases (64, 64 and 4 elements) stay whole, in memory
+    base = stage3(param_persistence_threshold=threshold)
+    held = {}
+    for name, config in (("memory", base), ("nvme", with_offload(base, directory, optimizer=False))):
+        model, opt = make()
+        step = make_step(config)
+        for x, y in batches(rank, world):
+            step(model, opt, x, y)
+        held[name] = state_bytes(model, opt)
+    sharded = sum(p.numel() * 4 for p in make()[0].parameters() if p.numel() > threshold)
+    assert held["memory"]["params"] - held["nvme"]["params"] == sharded, (held, sharded)
+    assert held["memory"]["optimizer"] == held["nvme"]["optimizer"]  # offload_params alone: states stay
+    storages = _shard_storages(model)
+    assert all((n == 0) == name.endswith("weight") for name, n in storages.items()), storages
+    store = step._last.offload
+    assert sum(os.path.getsize(os.path.join(store.path, f)) for f in os.listdir(store.path)) == 2 * sharded
+    final = step.graphs["final"]
+    reloads = [n for n in final.graph.nodes if n.target is torch.ops.zgraph.reload.default]
+    placeholders = [n for n in final.graph.nodes if n.op == "placeholder"]
+    phases = {}
+    for node in reloads:
+        phases.setdefault(placeholders[node.args[1]].meta["zgraph_input"].name, []).append(node.meta["phase"])
+    assert sorted(phases) == ["0.weight", "2.weight", "4.weight"], phases
+    assert phases["2.weight"] == ["forward", "backward", "optimizer"], phases  # reloaded per phase, not held
+    writes = [n for n in final.graph.nodes if n.target is torch.ops.zgraph.write_back.default]
+    assert len(writes) == 3 and all(n.meta["zgraph_pass"] == "offload" for n in reloads + writes)
+    assert f'offload_params="nvme": 3 parameter shards ({sharded} of {sharded} sharded parameter bytes)' in (
+        step.explain()
+    )
+    dumped = step.dump(os.path.join(directory, "dump"))
+    assert any("zgraph.reload.default" in open(path).read() for path in dumped)
+    state = model.state_dict()  # its hook reads the shards back
+    assert all(n > 0 for n in _shard_storages(model).values())
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    assert same(whole, zgraph.full_state_dict(model))
+
+
+def params_full_disk_ranks(rank: int, world: int, directory: str) -> None:
+    """A full disk when the shards are first offloaded: a clear error, the parameters untouched; once space is
+    free the same step goes on exactly as training without offload."""
+    from zgraph.runtime import offload as runtime_offload
+
+    expected = train(stage3(), rank, world)
+    model, opt = make()
+    step = make_step(with_offload(stage3(), directory, optimizer=True))
+    data = batches(rank, world)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = runtime_offload.os.posix_fallocate
+    runtime_offload.os.posix_fallocate = full
+    try:
+        step(model, opt, *data[0])
+        raise AssertionError("a full disk was not reported")
+    except runtime_offload.OffloadError as error:
+        assert "disk under offload_dir full" in str(error) and "training state is intact" in str(error), error
+    finally:
+        runtime_offload.os.posix_fallocate = real
+    untouched = make()[0].state_dict()
+    assert same(zgraph.full_state_dict(model), untouched)
+    assert not [f for _, _, files in os.walk(directory) for f in files]  # nothing half-reserved is left
+    losses = [step(model, opt, x, y).item() for x, y in data]
+    assert losses == expected[0], (losses, expected[0])
+    assert same(zgraph.full_state_dict(model, opt), expected[1:])

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, _Returned
-from zgraph.graph import OFFLOADED, GraphInput, GraphOutput, ParamInfo, state_key
+from zgraph.graph import OFFLOADED, VAL, GraphInput, GraphOutput, ParamInfo, placeholders, state_key, tensor_bytes
 from zgraph.ops import RELOAD, offload_tier
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
@@ -106,6 +106,13 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
         elif role.kind != OFFLOADED:  # the graph wrote those to the offload tier itself
             io.write(role, value, user_tensors)
     return finish_call(compiled, binding, user_tensors, user_values)
+
+
+def reserve_offload(compiled: CompiledStep, store: Any) -> None:
+    """Reserve the files of the inputs ``compiled`` offloads for the first time, from the graph's own values:
+    at set-up, so a full disk is reported on every rank before any of them runs the graph."""
+    inputs, specs = placeholders(compiled.final), compiled.input_specs
+    store.reserve({state_key(specs[i]): tensor_bytes(inputs[i].meta[VAL]) for i in compiled.offloaded_inputs})
 
 
 def _run_offloaded(compiled: CompiledStep, store: Any, inputs: list) -> Sequence:
