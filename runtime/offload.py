@@ -21,11 +21,12 @@ update) and its new value goes to ``zgraph::write_back`` right after it is compu
   ``DTensor`` over it stays the same object, so ``optimizer.state`` and the model keep their identity. A storage
   that cannot be released (shared with another input) keeps its memory, updated from its file after each step.
 * Reading outside the graph sees the real values. ``materialize(owner)`` reads the current copies back into
-  the storages of an optimizer's states or of a module's parameters (the next graph releases them again). It
-  runs on its own for ``optimizer.state_dict()``, ``load_state_dict()`` and an eager ``step()``, for
-  ``module.state_dict()`` and ``load_state_dict()`` (of any module of a bound model: hooks), and zgraph calls it
-  in ``zgraph.gather``, ``zgraph.full_state_dict``, ``zgraph.save`` and ``zgraph.load``. Anything else that reads
-  a parameter's local tensor directly between steps (``p._local_tensor``, ``p.to_local()``) must call
+  the storages of the stores that hold an optimizer's states or a module's parameters (the next graph releases
+  them again). It runs on its own for ``optimizer.state_dict()``, ``load_state_dict()`` and an eager ``step()``
+  (also of an optimizer no step bound, over offloaded parameters), for ``module.state_dict()`` and
+  ``load_state_dict()`` (of any module of a bound model: hooks), and zgraph calls it in ``zgraph.gather``,
+  ``zgraph.full_state_dict``, ``zgraph.save`` and ``zgraph.load``. Anything else that reads a parameter's local
+  tensor directly between steps (``p._local_tensor``, ``p.to_local()``) calls
   ``zgraph.runtime.offload.materialize(model)`` first.
 
 Blocks are read and written with plain file I/O (``os.pread`` / ``os.pwrite`` on the tensor's own memory; no
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import shutil
 import tempfile
@@ -61,6 +63,7 @@ class OffloadError(ZGraphError):
 
 _LIVE_DIRS: dict[str, None] = {}
 _OWNER_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer or module: its stores
+_STORES: weakref.WeakSet = weakref.WeakSet()  # every live store
 
 
 @atexit.register
@@ -117,6 +120,8 @@ class NvmeStore(OffloadTier):
         except OSError as error:
             raise OffloadError(f"zgraph offload: cannot create a directory in {directory!r}: {error}") from error
         _LIVE_DIRS[self.path] = None
+        _STORES.add(self)
+        _watch_eager_optimizer_steps()
         self.states: dict[tuple, _State] = {}
         self.released: dict[int, tuple[Any, int, list[_State]]] = {}  # storage id: storage, bytes, its states
         self.bytes_offloaded = 0  # released by the last prepare
@@ -352,12 +357,28 @@ def _release(released: dict, path: str, io: ThreadPoolExecutor) -> None:
 
 
 def materialize(owner: Any, *_: Any) -> None:
-    """Make every offloaded input of ``owner`` resident (readable) again: an optimizer's states, or the parameter
-    shards of a module and its submodules; the next step offloads them anew."""
+    """Make the offloaded inputs of the stores holding ``owner``'s state (an optimizer's states, or the parameter
+    shards of a module and its submodules) resident, readable, again; the next step offloads them anew."""
     owners = owner.modules() if isinstance(owner, torch.nn.Module) else (owner,)
     stores = {id(s): s for o in owners for s in list(_OWNER_STORES.get(o, ()))}
     for store in stores.values():
         store.materialize()
+
+
+@functools.cache
+def _watch_eager_optimizer_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_before_eager_optimizer_step)
+
+
+def _before_eager_optimizer_step(optimizer: Any, *_: Any) -> None:
+    """An eager ``step()`` of an optimizer no step bound (a zgraph forward/backward step, ``opt.step()`` outside
+    it) over parameters whose shards are in files: read every store's inputs back first."""
+    locals_ = (getattr(p, "_local_tensor", None) for group in optimizer.param_groups for p in group["params"])
+    if _STORES and any(type(t) is Tensor and t.numel() and not t.untyped_storage().nbytes() for t in locals_):
+        for store in list(_STORES):
+            store.materialize()
 
 
 def open_store(config: Any, device: str) -> NvmeStore | None:

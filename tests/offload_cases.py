@@ -210,3 +210,25 @@ def params_full_disk_ranks(rank: int, world: int, directory: str) -> None:
     losses = [step(model, opt, x, y).item() for x, y in data]
     assert losses == expected[0], (losses, expected[0])
     assert same(zgraph.full_state_dict(model, opt), expected[1:])
+
+
+def params_eager_optimizer_ranks(rank: int, world: int, directory: str) -> None:
+    """A zgraph forward/backward step over offloaded shards, then an eager ``opt.step()`` outside it: the
+    optimizer reads and updates the real parameters, as without offload."""
+    results = []
+    for config in (stage3(), with_offload(stage3(), directory, optimizer=False)):
+        model, opt = make()
+
+        @zgraph.distribute(config)
+        def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = []
+        for x, y in batches(rank, world):
+            losses.append(forward_backward(model, x, y).item())
+            opt.step()
+            opt.zero_grad()
+        results.append((losses, zgraph.full_state_dict(model)))
+    assert same(results[0], results[1]), "an eager optimizer step over offloaded parameters differs"

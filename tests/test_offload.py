@@ -235,3 +235,7 @@ def test_offloaded_params_gather_save_load_and_resume_without_offload(tmp_path):
 
 def test_offloaded_params_full_disk_keeps_the_state(tmp_path):
     run_ranks(1, "offload_cases.params_full_disk_ranks", str(tmp_path), timeout=300)
+
+
+def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path):
+    run_ranks(1, "offload_cases.params_eager_optimizer_ranks", str(tmp_path), timeout=300)
