@@ -232,3 +232,14 @@ def params_eager_optimizer_ranks(rank: int, world: int, directory: str) -> None:
             opt.zero_grad()
         results.append((losses, zgraph.full_state_dict(model)))
     assert same(results[0], results[1]), "an eager optimizer step over offloaded parameters differs"
+
+
+def params_inductor_ranks(rank: int, world: int, directory: str) -> None:
+    """The inductor backend compiles the graph with the offload nodes (no fallback to eager) and trains
+    bitwise as it does without offload."""
+    expected = train(stage3(backend="inductor"), rank, world)
+    model, opt = make()
+    step = make_step(with_offload(stage3(backend="inductor"), directory, optimizer=True))
+    losses = [step(model, opt, x, y).item() for x, y in batches(rank, world)]
+    assert step._last.executable.backend == "inductor", step._last.executable.backend
+    assert same(expected, (losses, *zgraph.full_state_dict(model, opt)))

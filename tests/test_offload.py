@@ -239,3 +239,7 @@ def test_offloaded_params_full_disk_keeps_the_state(tmp_path):
 
 def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path):
     run_ranks(1, "offload_cases.params_eager_optimizer_ranks", str(tmp_path), timeout=300)
+
+
+def test_offloaded_params_with_inductor(tmp_path):
+    run_ranks(1, "offload_cases.params_inductor_ranks", str(tmp_path), timeout=600)
