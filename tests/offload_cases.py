@@ -243,3 +243,22 @@ def params_inductor_ranks(rank: int, world: int, directory: str) -> None:
     losses = [step(model, opt, x, y).item() for x, y in batches(rank, world)]
     assert step._last.executable.backend == "inductor", step._last.executable.backend
     assert same(expected, (losses, *zgraph.full_state_dict(model, opt)))
+
+
+def params_split_step_ranks(rank: int, world: int, directory: str) -> None:
+    """A step whose backward runs outside it (a split step) with offloaded parameters: a clear error at the
+    first call, before anything ran; the model is untouched."""
+    from zgraph.runtime.offload import OffloadError
+
+    model, _ = make()
+
+    @zgraph.distribute(with_offload(stage3(), directory, optimizer=False))
+    def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x), y)
+
+    try:
+        forward(model, *batches(rank, world)[0])
+        raise AssertionError("a split step with offloaded parameters ran")
+    except OffloadError as error:
+        assert "backward runs outside it" in str(error) and "not implemented yet" in str(error), error
+    assert same(zgraph.full_state_dict(model), make()[0].state_dict())

@@ -243,3 +243,7 @@ def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path):
 
 def test_offloaded_params_with_inductor(tmp_path):
     run_ranks(1, "offload_cases.params_inductor_ranks", str(tmp_path), timeout=600)
+
+
+def test_offloaded_params_in_a_split_step_is_a_clear_error(tmp_path):
+    run_ranks(1, "offload_cases.params_split_step_ranks", str(tmp_path), timeout=300)

@@ -18,6 +18,7 @@ from zgraph.graph import OFFLOADED, VAL, GraphInput, GraphOutput, ParamInfo, pla
 from zgraph.ops import RELOAD, offload_tier
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
+from zgraph.runtime.offload import OffloadError
 from zgraph.runtime.sharded_state import StateIO
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
@@ -110,7 +111,17 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
 
 def reserve_offload(compiled: CompiledStep, store: Any) -> None:
     """Reserve the files of the inputs ``compiled`` offloads for the first time, from the graph's own values:
-    at set-up, so a full disk is reported on every rank before any of them runs the graph."""
+    at set-up, so a full disk is reported on every rank before any of them runs the graph. A split step (its
+    backward runs outside it) with offload nodes is refused here: its two graphs run without the tier."""
+    if compiled.split is not None:
+        graphs = (compiled.split.forward_records[-1].gm, compiled.split.backward_records[-1].gm)
+        if any(n.target is RELOAD for gm in graphs for n in gm.graph.nodes):
+            raise OffloadError(
+                'zgraph: Config.offload_params="nvme" with a step whose backward runs outside it (it returns a '
+                "tensor that requires grad and runs no backward) is not implemented yet: call loss.backward() "
+                "inside the step, or use offload_params=None for this step"
+            )
+        return
     inputs, specs = placeholders(compiled.final), compiled.input_specs
     store.reserve({state_key(specs[i]): tensor_bytes(inputs[i].meta[VAL]) for i in compiled.offloaded_inputs})
 
