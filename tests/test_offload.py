@@ -247,3 +247,7 @@ def test_offloaded_params_with_inductor(tmp_path):
 
 def test_offloaded_params_in_a_split_step_is_a_clear_error(tmp_path):
     run_ranks(1, "offload_cases.params_split_step_ranks", str(tmp_path), timeout=300)
+
+
+def test_offloaded_params_two_graphs_share_the_files(tmp_path):
+    run_ranks(1, "offload_cases.params_recapture_ranks", str(tmp_path), timeout=300)
