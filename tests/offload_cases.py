@@ -212,9 +212,10 @@ def params_full_disk_ranks(rank: int, world: int, directory: str) -> None:
     assert same(zgraph.full_state_dict(model, opt), expected[1:])
 
 
-def params_eager_optimizer_ranks(rank: int, world: int, directory: str) -> None:
-    """A zgraph forward/backward step over offloaded shards, then an eager ``opt.step()`` outside it: the
-    optimizer reads and updates the real parameters, as without offload."""
+def params_eager_optimizer_ranks(rank: int, world: int, directory: str, split: bool) -> None:
+    """A zgraph forward/backward step over offloaded shards (``split``: a forward step, backward run outside it,
+    from the returned loss), then an eager ``opt.step()`` outside it: the optimizer reads and updates the real
+    parameters, as without offload."""
     results = []
     for config in (stage3(), with_offload(stage3(), directory, optimizer=False)):
         model, opt = make()
@@ -222,15 +223,22 @@ def params_eager_optimizer_ranks(rank: int, world: int, directory: str) -> None:
         @zgraph.distribute(config)
         def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
+            if not split:
+                loss.backward()
             return loss
 
         losses = []
         for x, y in batches(rank, world):
-            losses.append(forward_backward(model, x, y).item())
+            loss = forward_backward(model, x, y)
+            if split:
+                loss.backward()
+            losses.append(loss.item())
             opt.step()
             opt.zero_grad()
         results.append((losses, zgraph.full_state_dict(model)))
+        if split and config.offload_params:  # both graphs of the split step read the shards through reloads
+            parts = forward_backward._last.split
+            assert parts is not None and parts.forward_reloads and parts.backward_reloads
     assert same(results[0], results[1]), "an eager optimizer step over offloaded parameters differs"
 
 
@@ -243,25 +251,6 @@ def params_inductor_ranks(rank: int, world: int, directory: str) -> None:
     losses = [step(model, opt, x, y).item() for x, y in batches(rank, world)]
     assert step._last.executable.backend == "inductor", step._last.executable.backend
     assert same(expected, (losses, *zgraph.full_state_dict(model, opt)))
-
-
-def params_split_step_ranks(rank: int, world: int, directory: str) -> None:
-    """A step whose backward runs outside it (a split step) with offloaded parameters: a clear error at the
-    first call, before anything ran; the model is untouched."""
-    from zgraph.runtime.offload import OffloadError
-
-    model, _ = make()
-
-    @zgraph.distribute(with_offload(stage3(), directory, optimizer=False))
-    def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(model(x), y)
-
-    try:
-        forward(model, *batches(rank, world)[0])
-        raise AssertionError("a split step with offloaded parameters ran")
-    except OffloadError as error:
-        assert "backward runs outside it" in str(error) and "not implemented yet" in str(error), error
-    assert same(zgraph.full_state_dict(model), make()[0].state_dict())
 
 
 def params_recapture_ranks(rank: int, world: int, directory: str) -> None:

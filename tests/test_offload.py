@@ -237,16 +237,14 @@ def test_offloaded_params_full_disk_keeps_the_state(tmp_path):
     run_ranks(1, "offload_cases.params_full_disk_ranks", str(tmp_path), timeout=300)
 
 
-def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path):
-    run_ranks(1, "offload_cases.params_eager_optimizer_ranks", str(tmp_path), timeout=300)
+@pytest.mark.parametrize("split", [False, True])
+def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path, split):
+    """Also a split step (backward outside the step, 2 ranks): its forward and backward graphs reload the shards."""
+    run_ranks(2 if split else 1, "offload_cases.params_eager_optimizer_ranks", str(tmp_path), split, timeout=300)
 
 
 def test_offloaded_params_with_inductor(tmp_path):
     run_ranks(1, "offload_cases.params_inductor_ranks", str(tmp_path), timeout=600)
-
-
-def test_offloaded_params_in_a_split_step_is_a_clear_error(tmp_path):
-    run_ranks(1, "offload_cases.params_split_step_ranks", str(tmp_path), timeout=300)
 
 
 def test_offloaded_params_two_graphs_share_the_files(tmp_path):

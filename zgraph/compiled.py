@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,11 +14,20 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, _Returned
-from zgraph.graph import OFFLOADED, VAL, GraphInput, GraphOutput, ParamInfo, placeholders, state_key, tensor_bytes
+from zgraph.graph import (
+    INPUT,
+    OFFLOADED,
+    VAL,
+    GraphInput,
+    GraphOutput,
+    ParamInfo,
+    placeholders,
+    state_key,
+    tensor_bytes,
+)
 from zgraph.ops import RELOAD, offload_tier
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
-from zgraph.runtime.offload import OffloadError
 from zgraph.runtime.sharded_state import StateIO
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
@@ -45,7 +54,12 @@ class CompiledStep:
     @functools.cached_property
     def offloaded_inputs(self) -> tuple[int, ...]:
         """Input positions the graph reads from the offload tier (its ``zgraph::reload`` nodes), in graph order."""
-        return tuple(n.args[1] for n in self.final.graph.nodes if n.target is RELOAD)
+        return reload_slots(self.final)
+
+    @property
+    def transformed(self) -> fx.GraphModule:
+        """The pipeline's last graph: its input positions are the ones reload nodes name."""
+        return self.records[-1].gm if self.records else self.captured.gm
 
     @property
     def final(self) -> fx.GraphModule:
@@ -109,39 +123,46 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     return finish_call(compiled, binding, user_tensors, user_values)
 
 
+def reload_slots(gm: fx.GraphModule) -> tuple[int, ...]:
+    """The input positions (of the pipeline's graph) ``gm``'s ``zgraph::reload`` nodes read, in graph order."""
+    return tuple(n.args[1] for n in gm.graph.nodes if n.target is RELOAD)
+
+
 def reserve_offload(compiled: CompiledStep, store: Any) -> None:
     """Reserve the files of the inputs ``compiled`` offloads for the first time, from the graph's own values:
-    at set-up, so a full disk is reported on every rank before any of them runs the graph. A split step (its
-    backward runs outside it) with offload nodes is refused here: its two graphs run without the tier."""
-    if compiled.split is not None:
-        graphs = (compiled.split.forward_records[-1].gm, compiled.split.backward_records[-1].gm)
-        if any(n.target is RELOAD for gm in graphs for n in gm.graph.nodes):
-            raise OffloadError(
-                'zgraph: Config.offload_params="nvme" with a step whose backward runs outside it (it returns a '
-                "tensor that requires grad and runs no backward) is not implemented yet: call loss.backward() "
-                "inside the step, or use offload_params=None for this step"
-            )
-        return
-    inputs, specs = placeholders(compiled.final), compiled.input_specs
-    store.reserve({state_key(specs[i]): tensor_bytes(inputs[i].meta[VAL]) for i in compiled.offloaded_inputs})
+    at set-up, so a full disk is reported on every rank before any of them runs the graph."""
+    split = compiled.split
+    orders = [compiled.offloaded_inputs] if split is None else [split.forward_reloads, split.backward_reloads]
+    inputs = placeholders(compiled.transformed)
+    store.reserve(
+        {state_key(inputs[i].meta[INPUT]): tensor_bytes(inputs[i].meta[VAL]) for i in sorted({*sum(orders, ())})}
+    )
 
 
 def _run_offloaded(compiled: CompiledStep, store: Any, inputs: list) -> Sequence:
-    """Run the graph with the offload tier serving its reload / write_back nodes; offloaded inputs the graph reads
-    without them (the ``offload`` pass disabled, another variant of the step) get their memory back first."""
+    """Run the graph with the offload tier serving its reload / write_back nodes (``run_offloaded``)."""
     specs = compiled.input_specs
-    order = compiled.offloaded_inputs
-
     for attribute, kind, layout in (("bytes_total", "opt_state", None), ("param_bytes_total", "param", "shard")):
         mine = [t for t, s in zip(inputs, specs) if s.kind == kind and layout in (None, s.layout) and t.dim()]
         if mine:  # kept from the last graph that read such inputs otherwise (for explain())
             setattr(store, attribute, sum(t.numel() * t.element_size() for t in mine))
-    offloaded = {i: (state_key(specs[i]), inputs[i]) for i in order}
-    keep = [t for i, t in enumerate(inputs) if i not in offloaded]
-    store.prepare(offloaded, keep, list(order))
+    order = compiled.offloaded_inputs
+    slots = {i: (state_key(specs[i]), inputs[i]) for i in order}
+    return run_offloaded(store, order, slots, inputs, lambda: compiled.executable.run(inputs))
+
+
+def run_offloaded(
+    store: Any, order: Sequence[int], slots: dict[int, tuple[tuple, Tensor]], inputs: list, run_graph: Callable
+) -> Sequence:
+    """``run_graph()`` with the offload tier serving the graph's reload / write_back nodes. ``order``: the slot
+    each reload reads, in graph order; ``slots``: each slot's state key and tensor; ``inputs``: what the graph
+    receives (an offloaded input it reads without a reload node, e.g. with the ``offload`` pass disabled, gets
+    its memory back first)."""
+    offloaded = {id(t) for _, t in slots.values()}
+    store.prepare(slots, [t for t in inputs if id(t) not in offloaded], list(order))
     try:
         with offload_tier(store):
-            outputs = compiled.executable.run(inputs)
+            outputs = run_graph()
     except BaseException:
         store.abort()
         raise
