@@ -94,11 +94,11 @@ def offload(
     updated = {state_key(role): k for k, (_, role) in enumerate(items) if role.kind in ("opt_state", "param")}
     for node in chosen:
         regions = use_regions(node, order)
+        k = updated.get(state_key(node.meta[INPUT]))
         if regions:
             loaded = insert_per_region(gm, node, regions, RELOAD, (node, slots[node]))[-1]
-        else:  # read by nothing but the output: a state returned as it is
+        elif k is not None:  # read by nothing but the output: a state returned as it is
             loaded = insert(gm, RELOAD, (node, slots[node]), before=output_node(gm), phase=OPTIMIZER)
-        k = updated.get(state_key(node.meta[INPUT]))
         if k is None:
             continue
         value, role = items[k]
