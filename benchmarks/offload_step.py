@@ -1,7 +1,8 @@
-"""Optimizer states on NVMe vs in memory: ZeRO-3 on 2 ranks (gloo, CPU), side by side in one run.
+"""Optimizer states (and parameter shards) on NVMe vs in memory: ZeRO-3 on 2 ranks (gloo, CPU), side by side.
 
 Each rank holds two copies of the same GPT and AdamW: one trained by a ``Config(stage=3)`` step, the other by the
-same step with ``offload_optimizer="nvme"`` (files in a temporary directory). The two alternate call by call,
+same step with ``offload_optimizer="nvme"`` (``--offload optimizer``, the default), ``offload_params="nvme"``
+(``--offload params``) or both (``--offload both``), files in a temporary directory. The two alternate call by call,
 so machine noise hits both alike. Per configuration and rank: model-state bytes in memory between steps
 (parameters, gradients, optimizer states: ``zgraph.runtime.memory.state_bytes``), the step's peak of live tensor
 bytes (those bytes plus what the step allocates at most, counted by a ``TorchDispatchMode``), step time
@@ -9,6 +10,7 @@ min / median / max, and the losses (bitwise equal). The issue's targets: model s
 time at most 1.3x without offload.
 
     python -m benchmarks.offload_step [--model bench|100m] [--steps 10] [--dir /path/on/nvme]
+                                      [--offload optimizer|params|both]
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 MODELS = {"bench": BENCH_GPT, "100m": GPT_100M}
+OFFLOAD = {  # --offload: the Config fields of the offloading copy
+    "optimizer": {"offload_optimizer": "nvme"},
+    "params": {"offload_params": "nvme"},
+    "both": {"offload_optimizer": "nvme", "offload_params": "nvme"},
+}
 
 
 def _step(model, opt, idx, tgt):
@@ -51,7 +58,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     models = {"memory": base, "nvme": copy.deepcopy(base)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
     zero3 = zgraph.Config(stage=3, backend="eager")
-    configs = {"memory": zero3, "nvme": zero3.replace(offload_optimizer="nvme", offload_dir=args.dir)}
+    configs = {"memory": zero3, "nvme": zero3.replace(offload_dir=args.dir, **OFFLOAD[args.offload])}
     steps = {k: zgraph.distribute(c)(_step) for k, c in configs.items()}
     g = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, config.vocab, (args.micro_batch, config.seq), generator=g)
@@ -71,16 +78,22 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                 times[name].append(time.perf_counter() - start)
                 peaks[name] = max(peaks[name], held + live.peak)
             losses[name].append(float(loss))
-    held = {k: state_bytes(models[k], opts[k])["total"] for k in models}
-    mine = torch.tensor([held["memory"], held["nvme"], peaks["memory"], peaks["nvme"]], dtype=torch.int64)
-    gathered = torch.empty(world * 4, dtype=torch.int64)
+    parts = {k: state_bytes(models[k], opts[k]) for k in models}
+    held = {k: v["total"] for k, v in parts.items()}
+    params = {k: v["params"] for k, v in parts.items()}
+    mine = torch.tensor([*held.values(), *peaks.values(), *params.values()], dtype=torch.int64)
+    gathered = torch.empty(world * 6, dtype=torch.int64)
     dist.all_gather_single(gathered, mine)
-    rows = gathered.view(world, 4).tolist()
-    everyone = [{"held": dict(zip(models, r[:2])), "peaks": dict(zip(models, r[2:]))} for r in rows]
+    rows = gathered.view(world, 6).tolist()
+    everyone = [
+        {"held": dict(zip(models, r[:2])), "peaks": dict(zip(models, r[2:4])), "params": dict(zip(models, r[4:]))}
+        for r in rows
+    ]
     if rank == 0:
         medians = {k: statistics.median(v) for k, v in times.items()}
         result = {
             "model": args.model,
+            "offload": args.offload,
             "stage": 3,
             "world": world,
             "steps": args.steps,
@@ -88,6 +101,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             "step_time_nvme_over_memory": medians["nvme"] / medians["memory"],
             "model_state_bytes_per_rank": [r["held"] for r in everyone],
             "model_state_nvme_over_memory": max(r["held"]["nvme"] / r["held"]["memory"] for r in everyone),
+            "parameter_bytes_per_rank": [r["params"] for r in everyone],
             "peak_live_bytes_per_rank": [r["peaks"] for r in everyone],
             "losses_bitwise_equal": losses["nvme"] == losses["memory"],
         }
@@ -105,8 +119,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--dir", default=None, help="offload_dir (default: a temporary directory)")
+    parser.add_argument("--offload", choices=sorted(OFFLOAD), default="optimizer", help="what the copy offloads")
     args = parser.parse_args()
-    out = os.path.join(os.path.dirname(__file__), "results", f"offload_step_{args.model}.json")
+    suffix = "" if args.offload == "optimizer" else f"_{args.offload}"
+    out = os.path.join(os.path.dirname(__file__), "results", f"offload_step_{args.model}{suffix}.json")
     with tempfile.TemporaryDirectory(prefix="zgraph-offload-bench-") as scratch:
         args.dir = args.dir or scratch
         with socket.socket() as s:

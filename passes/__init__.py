@@ -42,6 +42,7 @@ def default_pipeline(
     reduce_dtype: torch.dtype | None = None,
     offload_optimizer: str | None = None,
     offload_fraction: float = 1.0,
+    offload_params: str | None = None,
 ) -> list[Pass]:
     """The passes of a distributed step, in order, with their options bound (``functools.partial``).
 
@@ -63,7 +64,7 @@ def default_pipeline(
         Pass("loss_scale", loss_scale, requires={"grads_reduced"}),
         Pass(
             "offload",
-            bind(offload, tier=offload_optimizer, fraction=offload_fraction),
+            bind(offload, tier=offload_optimizer, fraction=offload_fraction, params=offload_params),
             requires={"grads_reduced"},
         ),
         Pass(

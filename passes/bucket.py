@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from zgraph.graph import BUCKET, PHASE, CostModel, fake_mode, insert
-from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, UNSHARD
+from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, RELOAD, UNSHARD
 from zgraph.passes.graph_utils import CASTS, SIMPLE_VIEWS
 from zgraph.passes.pipeline import PassContext
 
@@ -74,11 +74,16 @@ def _follows(user: fx.Node, node: fx.Node) -> bool:
     return user.target in _FOLLOWERS and user.all_input_nodes == [node]
 
 
+# What may sit between a graph input and a bucket that reads it: those, and an offloaded input's reload.
+_HOISTABLE = _FOLLOWERS | {RELOAD}
+
+
 def _hoistable(node: fx.Node) -> bool:
-    """``node`` only re-views or re-types a graph input (e.g. a parameter shard cast to the compute dtype): it
-    can be computed as early as needed, before a bucket that reads it."""
+    """``node`` only re-views, re-types or reloads a graph input (e.g. a parameter shard cast to the compute
+    dtype, or read back from the offload tier): it can be computed as early as needed, before a bucket that
+    reads it."""
     while node.op != "placeholder":
-        if node.target not in _FOLLOWERS or len(node.all_input_nodes) != 1:
+        if node.target not in _HOISTABLE or len(node.all_input_nodes) != 1:
             return False
         node = node.all_input_nodes[0]
     return True

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zgraph.graph import (
     OUTPUTS,
+    PHASE,
     VAL,
     GraphOutput,
     ParamInfo,
@@ -74,6 +75,36 @@ def shard_output(
     """Output ``value`` is written back as this rank's shard: ``(shard(value), role with layout "shard")``."""
     piece = insert(gm, SHARD, (value, world_size, rank), before=output_node(gm), phase=phase, mode=mode)
     return piece, dataclasses.replace(role, layout="shard")
+
+
+def use_regions(node: fx.Node, order: dict[fx.Node, int], skip: Any = None) -> list[list[fx.Node]]:
+    """``node``'s readers (not the output node, nor those ``skip(user)`` is true for) in graph order, cut into
+    *use regions*: maximal runs of readers within one phase (the forward's, the backward's, the optimizer's)."""
+    uses = sorted(
+        (u for u in node.users if u.op != "output" and not (skip and skip(u))),
+        key=order.__getitem__,
+    )
+    regions: list[list[fx.Node]] = []
+    for use in uses:
+        if regions and regions[-1][-1].meta.get(PHASE) == use.meta.get(PHASE):
+            regions[-1].append(use)
+        else:
+            regions.append([use])
+    return regions
+
+
+def insert_per_region(
+    gm: fx.GraphModule, node: fx.Node, regions: list[list[fx.Node]], target: Any, args: tuple
+) -> list[fx.Node]:
+    """Insert ``target(*args)`` right before each region's first reader, in the region's phase, and make the
+    region's readers read it instead of ``node``; returns the new nodes, one per region."""
+    made = []
+    for region in regions:
+        new = insert(gm, target, args, before=region[0], phase=region[0].meta.get(PHASE))
+        for use in region:
+            use.replace_input_with(node, new)
+        made.append(new)
+    return made
 
 
 # Ops that only re-view or re-type one tensor, shared by the passes that move such ops along with what they read.

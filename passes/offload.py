@@ -1,19 +1,29 @@
-"""``offload`` (``Config.offload_optimizer="nvme"``): optimizer states live in the offload tier, not in memory.
+"""``offload``: optimizer states (``Config.offload_optimizer="nvme"``) and stage-3 parameter shards
+(``Config.offload_params="nvme"``) live in the offload tier, not in memory.
 
-Plan: the optimizer-state inputs in graph order (the binding's parameter order), taken whole until their bytes
-reach ``fraction`` of all optimizer-state bytes (DeepSpeed's ``ratio``: the first states move, the rest stay).
-Rewrite, for each planned state:
+Plan:
 
-* its reads go through ``zgraph::reload(state, slot)`` (``slot``: the input's position), inserted right before
-  the first read, so the state is in memory only from there (the optimizer phase) on;
+* optimizer states: the ``opt_state`` inputs in graph order (the binding's parameter order), taken whole until
+  their bytes reach ``fraction`` of all optimizer-state bytes (DeepSpeed's ``ratio``: the first states move, the
+  rest stay);
+* parameters: every parameter input the ``shard_params`` pass made a shard (``layout="shard"``); parameters that
+  stay whole (under ``Config.param_persistence_threshold``, 0-d) stay in memory.
+
+Rewrite, for each planned input (``slot``: its input position):
+
+* its readers are cut into *use regions* (a maximal run of readers within one phase: for a parameter the
+  forward's all-gather, the backward's re-gather, the optimizer's update; for a state the update), and each
+  region reads ``zgraph::reload(input, slot)``, inserted right before the region's first reader: the value is in
+  memory only within the region, not across the whole step;
 * the updated value the graph returns for it goes to ``zgraph::write_back(value, slot)``, inserted right after
   the value is computed; the output becomes write_back's empty token, with role ``OFFLOADED``: the runtime
-  writes nothing back, the tier holds the new value (made current once the whole graph ran).
+  writes nothing back, the tier holds the new value (made current once the whole graph ran, so every reload of
+  the step reads the value the step started from).
 
-Safety rules: only ``opt_state`` inputs move; a state the graph does not read is left alone (nothing to
-reload); a state read but not updated gets no write_back. Nothing else changes: the arithmetic is the same, so
-training is bitwise the same as without offload. ``tier`` other than ``"nvme"`` (``None``; ``"cpu"`` on the
-CPU, the identity) leaves the graph as it is.
+Safety rules: only ``opt_state`` and sharded ``param`` inputs move; an input the graph does not read is left
+alone (nothing to reload); one read but not updated gets no write_back. Nothing else changes: the arithmetic is
+the same, so training is bitwise the same as without offload. A tier other than ``"nvme"`` (``None``; ``"cpu"``
+on the CPU, the identity) leaves its inputs as they are.
 """
 
 from __future__ import annotations
@@ -22,9 +32,19 @@ import dataclasses
 
 import torch.fx as fx
 
-from zgraph.graph import INPUT, OFFLOADED, OPTIMIZER, VAL, insert, placeholders, state_key, tensor_bytes
+from zgraph.graph import (
+    INPUT,
+    OFFLOADED,
+    OPTIMIZER,
+    VAL,
+    insert,
+    output_node,
+    placeholders,
+    state_key,
+    tensor_bytes,
+)
 from zgraph.ops import RELOAD, WRITE_BACK
-from zgraph.passes.graph_utils import outputs, set_outputs
+from zgraph.passes.graph_utils import insert_per_region, outputs, set_outputs, use_regions
 from zgraph.passes.pipeline import PassContext
 
 
@@ -42,36 +62,50 @@ def plan_offload(gm: fx.GraphModule, fraction: float) -> list[fx.Node]:
     return chosen
 
 
-def offload(gm: fx.GraphModule, ctx: PassContext, *, tier: str | None = None, fraction: float = 1.0) -> fx.GraphModule:
-    """Offloaded optimizer states: reloaded right before their first read, written back right after their update.
+def plan_param_offload(gm: fx.GraphModule) -> list[fx.Node]:
+    """The parameter placeholders to offload: every sharded (stage-3) parameter the graph reads."""
+    return [
+        n
+        for n in placeholders(gm)
+        if n.meta[INPUT].kind == "param" and n.meta[INPUT].layout == "shard" and any(u.op != "output" for u in n.users)
+    ]
 
-    ``tier``: ``Config.offload_optimizer`` (only ``"nvme"`` changes the graph); ``fraction``:
-    ``Config.offload_fraction``."""
-    if tier != "nvme":
-        return gm
-    chosen = plan_offload(gm, fraction)
+
+def offload(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    tier: str | None = None,
+    fraction: float = 1.0,
+    params: str | None = None,
+) -> fx.GraphModule:
+    """Offloaded optimizer states and parameter shards: reloaded before each phase's reads, written back after
+    their update.
+
+    ``tier``: ``Config.offload_optimizer``; ``fraction``: ``Config.offload_fraction``; ``params``:
+    ``Config.offload_params`` (only ``"nvme"`` changes the graph)."""
+    chosen = plan_offload(gm, fraction) if tier == "nvme" else []
+    chosen += plan_param_offload(gm) if params == "nvme" else []
     if not chosen:
         return gm
     slots = {node: i for i, node in enumerate(placeholders(gm))}
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     items = outputs(gm)
-    updated = {state_key(role): k for k, (_, role) in enumerate(items) if role.kind == "opt_state"}
+    updated = {state_key(role): k for k, (_, role) in enumerate(items) if role.kind in ("opt_state", "param")}
     for node in chosen:
-        first = min(node.users, key=order.__getitem__)
-        readers = list(node.users)
-        loaded = insert(gm, RELOAD, (node, slots[node]), before=first, phase=OPTIMIZER)
-        for user in readers:
-            user.replace_input_with(node, loaded)
+        regions = use_regions(node, order)
         k = updated.get(state_key(node.meta[INPUT]))
+        if regions:
+            loaded = insert_per_region(gm, node, regions, RELOAD, (node, slots[node]))[-1]
+        elif k is not None:  # read by nothing but the output: a state returned as it is
+            loaded = insert(gm, RELOAD, (node, slots[node]), before=output_node(gm), phase=OPTIMIZER)
         if k is None:
             continue
         value, role = items[k]
         if not isinstance(value, fx.Node):
             continue
-        anchor = value if value.op != "placeholder" else loaded
-        token = insert(
-            gm, WRITE_BACK, (value if value is not node else loaded, slots[node]), after=anchor, phase=OPTIMIZER
-        )
+        value = loaded if value is node else value  # returned unchanged: its last reload is written back
+        token = insert(gm, WRITE_BACK, (value, slots[node]), after=value, phase=OPTIMIZER)
         items[k] = (token, dataclasses.replace(role, kind=OFFLOADED))
     set_outputs(gm, items)
     return gm

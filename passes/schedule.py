@@ -8,6 +8,8 @@ Rules (plan first — an anchor position per node — then one stable reorder):
 - **Prefetch within a cap.** Stage-3 parameter all-gathers read only graph inputs, so "as soon as possible"
   would be the very start. They are issued in the order their results are first used, each as early as keeps
   the bytes gathered ahead of use (issued, not yet read) within ``Config.prefetch_bytes``.
+- **Reload with the gather, or late.** An offloaded parameter shard's ``zgraph::reload`` moves with the gather
+  it feeds (it only packs the gather's input); any other reload goes right before its first reader.
 - **Wait late.** Each ``wait_tensor``, and the views and copies that unpack its result, moves right before the
   first op that reads them.
 - **Update while backward continues.** Optimizer work that depends on the gradient buckets up to the k-th
@@ -29,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.graph import BACKWARD, OPTIMIZER, PHASE, tensor_bytes
-from zgraph.ops import UNSHARD
+from zgraph.ops import RELOAD, UNSHARD
 from zgraph.passes.bucket import bucket_limit
 from zgraph.passes.graph_utils import CASTS, VIEWS
 from zgraph.passes.pipeline import PassContext
@@ -47,6 +49,7 @@ _PACKING = (
         aten.constant_pad_nd.default,
         aten.clone.default,
         operator.getitem,
+        RELOAD,  # an offloaded parameter shard read back for its gather
     }
 )
 _EPS = 1e-3
@@ -150,6 +153,7 @@ def schedule(
 
     issue_early()
     _interleave_optimizer(nodes, anchor, starts, waits)
+    _reload_late(nodes, anchor, {n for s in starts for n in packing[s]})
     _monotone(nodes, anchor)
     issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
     _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx, prefetch_bytes, allgather_bytes))
@@ -203,6 +207,15 @@ def _interleave_optimizer(nodes: list, anchor: dict, starts: list, waits: dict) 
         needs[node] = k
         if node.meta.get(PHASE) == OPTIMIZER and node.op == "call_function" and 0 <= k < len(reductions) - 1:
             anchor[node] = min(anchor[node], anchor[reductions[k + 1]] - 0.5)
+
+
+def _reload_late(nodes: list, anchor: dict, packing: set) -> None:
+    """A reload that feeds no collective (an optimizer state's or a parameter shard's for its update) goes right
+    before its first reader, wherever that moved: it reads only a graph input, and the offload tier reads its
+    bytes ahead on its own thread (within ``Config.prefetch_bytes``), so the value is held only from there."""
+    for node in nodes:
+        if node.target is RELOAD and node not in packing and node.users:
+            anchor[node] = min(anchor[u] for u in node.users) - _EPS * 1e-3
 
 
 def _monotone(nodes: list, anchor: dict) -> None:

@@ -35,7 +35,17 @@ from zgraph.graph import (
     set_input_layout,
 )
 from zgraph.ops import SHARD, UNSHARD
-from zgraph.passes.graph_utils import CASTS, VIEWS, outputs, push_shards, set_outputs, shard_output, shard_val
+from zgraph.passes.graph_utils import (
+    CASTS,
+    VIEWS,
+    insert_per_region,
+    outputs,
+    push_shards,
+    set_outputs,
+    shard_output,
+    shard_val,
+    use_regions,
+)
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -74,25 +84,13 @@ def shard_params(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.
             continue
         sharded.add(spec.index)
         set_input_layout(node, "shard", shard_val(node.meta[VAL], world))
-        uses = sorted((u for u in node.users if u.op != "output" and u.target is not SHARD), key=order.__getitem__)
+        regions = use_regions(node, order, skip=lambda u: u.target is SHARD)
         for user in list(node.users):
             if user.target is SHARD:  # the optimizer's read of this rank's shard: the input itself now
                 user.replace_all_uses_with(node)
                 gm.graph.erase_node(user)
-        regions: list[list[fx.Node]] = []
-        for use in uses:
-            if regions and regions[-1][-1].meta.get(PHASE) == use.meta.get(PHASE):
-                regions[-1].append(use)
-            else:
-                regions.append([use])
-        gathers = []
-        for region in regions:
-            whole = insert(
-                gm, UNSHARD, (node, info.shape[0], world, group), before=region[0], phase=region[0].meta.get(PHASE)
-            )
-            for use in region:
-                use.replace_input_with(node, whole)
-            gathers.append((order[region[0]] - 0.5, whole))
+        wholes = insert_per_region(gm, node, regions, UNSHARD, (node, info.shape[0], world, group))
+        gathers = [(order[region[0]] - 0.5, whole) for region, whole in zip(regions, wholes)]
         _recompute_views_in_backward(gm, gathers, order, mode)
     items = []
     for value, role in outputs(gm):

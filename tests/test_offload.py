@@ -213,3 +213,39 @@ def test_another_batch_shape_recaptures_and_keeps_the_same_files(tmp_path):
 def test_two_ranks_bitwise(stage):
     run_ranks(2, "offload_cases.compare_ranks", stage, None, timeout=300)
     run_ranks(2, "offload_cases.compare_ranks", stage, "bfloat16", timeout=300)
+
+
+# ------------------------------------------------------------------------------- parameters (stage 3, issue 14)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_offloaded_params_train_bitwise_the_same(world, recipe):
+    """offload_params="nvme" alone and with offload_optimizer="nvme": losses, whole parameters and optimizer
+    state bitwise those of the same stage-3 config without offload; the files are gone once the step is."""
+    for optimizer in (False, True):
+        run_ranks(world, "offload_cases.compare_params_ranks", recipe, optimizer, timeout=300)
+
+
+def test_offloaded_params_leave_memory_and_the_graph_reloads_them_per_phase(tmp_path):
+    run_ranks(1, "offload_cases.params_in_files_ranks", str(tmp_path), timeout=300)
+
+
+def test_offloaded_params_gather_save_load_and_resume_without_offload(tmp_path):
+    run_ranks(2, "offload_cases.params_checkpoint_ranks", str(tmp_path), timeout=300)
+
+
+def test_offloaded_params_full_disk_keeps_the_state(tmp_path):
+    run_ranks(1, "offload_cases.params_full_disk_ranks", str(tmp_path), timeout=300)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path, split):
+    """Also a split step (backward outside the step, 2 ranks): its forward and backward graphs reload the shards."""
+    run_ranks(2 if split else 1, "offload_cases.params_eager_optimizer_ranks", str(tmp_path), split, timeout=300)
+
+
+def test_offloaded_params_with_inductor(tmp_path):
+    run_ranks(1, "offload_cases.params_inductor_ranks", str(tmp_path), timeout=600)
+
+
+def test_offloaded_params_two_graphs_share_the_files(tmp_path):
+    run_ranks(1, "offload_cases.params_recapture_ranks", str(tmp_path), timeout=300)

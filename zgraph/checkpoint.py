@@ -107,8 +107,8 @@ def save(
     rng: Any = None
     error = None
     try:
-        for opt in as_list(optimizer):
-            materialize(opt)  # offloaded optimizer states, readable again
+        for owner in (model, *as_list(optimizer)):
+            materialize(owner)  # offloaded parameter shards and optimizer states, readable again
         tensors, manifest, rng = saved_state(model, as_list(optimizer), scheduler, extra, rank, world)
         json.dumps(manifest, allow_nan=False)  # storable as JSON: checked before anything is written
     except Exception as caught:  # raised on every rank below, before anything is written
@@ -233,8 +233,8 @@ def load(
     commit: Callable[[], dict[str, Any]] | None = None
     error = None
     try:
-        for opt in as_list(optimizer):
-            materialize(opt)  # offloaded optimizer states, resident before they are compared and replaced
+        for owner in (model, *as_list(optimizer)):
+            materialize(owner)  # offloaded parameter shards and states, resident before they are compared and replaced
         commit = _stage(path, model, as_list(optimizer), scheduler, verify)
     except Exception as caught:
         error = caught

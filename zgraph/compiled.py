@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,17 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, _Returned
-from zgraph.graph import OFFLOADED, GraphInput, GraphOutput, ParamInfo, state_key
+from zgraph.graph import (
+    INPUT,
+    OFFLOADED,
+    VAL,
+    GraphInput,
+    GraphOutput,
+    ParamInfo,
+    placeholders,
+    state_key,
+    tensor_bytes,
+)
 from zgraph.ops import RELOAD, offload_tier
 from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
@@ -44,7 +54,12 @@ class CompiledStep:
     @functools.cached_property
     def offloaded_inputs(self) -> tuple[int, ...]:
         """Input positions the graph reads from the offload tier (its ``zgraph::reload`` nodes), in graph order."""
-        return tuple(n.args[1] for n in self.final.graph.nodes if n.target is RELOAD)
+        return reload_slots(self.final)
+
+    @property
+    def transformed(self) -> fx.GraphModule:
+        """The pipeline's last graph: its input positions are the ones reload nodes name."""
+        return self.records[-1].gm if self.records else self.captured.gm
 
     @property
     def final(self) -> fx.GraphModule:
@@ -108,25 +123,46 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list) -> Any:
     return finish_call(compiled, binding, user_tensors, user_values)
 
 
+def reload_slots(gm: fx.GraphModule) -> tuple[int, ...]:
+    """The input positions (of the pipeline's graph) ``gm``'s ``zgraph::reload`` nodes read, in graph order."""
+    return tuple(n.args[1] for n in gm.graph.nodes if n.target is RELOAD)
+
+
+def reserve_offload(compiled: CompiledStep, store: Any) -> None:
+    """Reserve the files of the inputs ``compiled`` offloads for the first time, from the graph's own values:
+    at set-up, so a full disk is reported on every rank before any of them runs the graph."""
+    split = compiled.split
+    orders = [compiled.offloaded_inputs] if split is None else [split.forward_reloads, split.backward_reloads]
+    inputs = placeholders(compiled.transformed)
+    store.reserve(
+        {state_key(inputs[i].meta[INPUT]): tensor_bytes(inputs[i].meta[VAL]) for i in sorted({*sum(orders, ())})}
+    )
+
+
 def _run_offloaded(compiled: CompiledStep, store: Any, inputs: list) -> Sequence:
-    """Run the graph with the offload tier serving its reload / write_back nodes; a graph that reads optimizer
-    states without them (the ``offload`` pass disabled) gets them back in memory first."""
+    """Run the graph with the offload tier serving its reload / write_back nodes (``run_offloaded``)."""
     specs = compiled.input_specs
-    slots = compiled.offloaded_inputs
-    if any(spec.kind == "opt_state" for spec in specs):
-        store.bytes_total = sum(
-            t.numel() * t.element_size() for t, s in zip(inputs, specs) if s.kind == "opt_state" and t.dim()
-        )
-    if not slots:
-        if any(spec.kind == "opt_state" for spec in specs):
-            store.materialize()
-        return compiled.executable.run(inputs)
-    offloaded = {i: (state_key(specs[i]), inputs[i]) for i in slots}
-    keep = [t for i, t in enumerate(inputs) if i not in offloaded]
-    store.prepare(offloaded, keep)
+    for attribute, kind, layout in (("bytes_total", "opt_state", None), ("param_bytes_total", "param", "shard")):
+        mine = [t for t, s in zip(inputs, specs) if s.kind == kind and layout in (None, s.layout) and t.dim()]
+        if mine:  # kept from the last graph that read such inputs otherwise (for explain())
+            setattr(store, attribute, sum(t.numel() * t.element_size() for t in mine))
+    order = compiled.offloaded_inputs
+    slots = {i: (state_key(specs[i]), inputs[i]) for i in order}
+    return run_offloaded(store, order, slots, inputs, lambda: compiled.executable.run(inputs))
+
+
+def run_offloaded(
+    store: Any, order: Sequence[int], slots: dict[int, tuple[tuple, Tensor]], inputs: list, run_graph: Callable
+) -> Sequence:
+    """``run_graph()`` with the offload tier serving the graph's reload / write_back nodes. ``order``: the slot
+    each reload reads, in graph order; ``slots``: each slot's state key and tensor; ``inputs``: what the graph
+    receives (an offloaded input it reads without a reload node, e.g. with the ``offload`` pass disabled, gets
+    its memory back first)."""
+    offloaded = {id(t) for _, t in slots.values()}
+    store.prepare(slots, [t for t in inputs if id(t) not in offloaded], list(order))
     try:
         with offload_tier(store):
-            outputs = compiled.executable.run(inputs)
+            outputs = run_graph()
     except BaseException:
         store.abort()
         raise

@@ -45,8 +45,8 @@ class Config:
         reduce_bucket_bytes: the same for gradient reduce-scatters and all-reduces.
         prefetch_bytes: stage 3: how many bytes of parameters the ``schedule`` pass may have gathered ahead of
             their first use (issued or landed, not yet used); ``"auto"`` (default): two all-gather buckets. With
-            ``offload_optimizer="nvme"`` also the bytes of optimizer states read ahead of their reload (and of
-            write-backs in flight); ``"auto"``: 64 MiB.
+            ``offload_optimizer="nvme"`` / ``offload_params="nvme"`` also the bytes of optimizer states and
+            parameter shards read ahead of their reload (and of write-backs in flight); ``"auto"``: 64 MiB.
         param_persistence_threshold: stage 3: parameters with at most this many elements are not sharded; they
             stay whole on every rank and need no all-gather (DeepSpeed's
             ``stage3_param_persistence_threshold``, same default: 100000).
@@ -100,8 +100,12 @@ class Config:
             ``zgraph.runtime.offload``). Needs stage >= 1 (DeepSpeed's ZeRO-Offload does too). DeepSpeed's
             ``zero_optimization.offload_optimizer``.
         offload_params: where sharded parameters live between uses (stage 3 only): None (default) or ``"cpu"``
-            (the identity on a CPU machine); ``"nvme"`` is accepted here and refused at the first call (not yet
-            implemented). DeepSpeed's ``zero_optimization.offload_param``.
+            (the identity on a CPU machine; refused at the first call on a CUDA device, not implemented yet).
+            ``"nvme"``: each rank's parameter shards live in files under ``offload_dir`` between steps; the
+            ``offload`` pass reloads a shard right before each phase's first read (the forward's all-gather, the
+            backward's re-gather, the optimizer's update) and writes it back after its update. Parameters under
+            ``param_persistence_threshold`` (whole on every rank) stay in memory. Combines with
+            ``offload_optimizer``. DeepSpeed's ``zero_optimization.offload_param``.
         offload_dir: directory the ``"nvme"`` tier writes its files in (each process in its own new
             subdirectory, removed at exit and when the step is dropped). Required with ``"nvme"``; checked at
             the first call (it must exist and be writable). DeepSpeed's ``nvme_path``.
@@ -176,6 +180,7 @@ class Config:
             reduce_dtype=self.reduce_dtype or self.param_dtype,
             offload_optimizer=self.offload_optimizer,
             offload_fraction=self.offload_fraction,
+            offload_params=self.offload_params,
         )
 
     def _check_loss_scale(self) -> None:

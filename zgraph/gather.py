@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from zgraph.runtime.offload import materialize
 from zgraph.runtime.sharded_state import pad_shard, sharding_of
 
 
@@ -28,8 +29,10 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
     each ``.grad`` a step left sharded (stage ≥ 2) is the whole gradient, so the model can be evaluated,
     inspected or edited like an ordinary module. On exit, parameters and gradients that were changed in the
     block (in place or replaced) are cut back into the shards; edits must be the same on every rank.
-    Without zgraph sharding this does nothing.
+    Without zgraph sharding this does nothing. Parameter shards offloaded to files (``offload_params="nvme"``)
+    are read back first.
     """
+    materialize(model)
     found = sharding_of(model)
     if found is None or not found[0].group.distributed:
         yield model
@@ -94,6 +97,7 @@ def full_state_dict(
     ``state_dict()``, tensors that are whole already are returned as they are (sharing memory), gathered ones are
     new.
     """
+    materialize(model)  # offloaded parameter shards (model.state_dict() would too, by its hook)
     model_state = {key: _whole(value) for key, value in model.state_dict().items()}
     if optimizer is None:
         return model_state

@@ -44,7 +44,7 @@ MADE_BY = "zgraph_pass"  # node.meta: name of the pass that added the node
 UPDATED_INPUTS = "zgraph_updated_inputs"  # gm.meta: output positions that are their own input, updated in place
 
 STATE_KINDS = ("param", "grad", "buffer", "opt_state")
-OFFLOADED = "offloaded"  # GraphOutput kind: a state the graph wrote to its offload tier itself (nothing to write)
+OFFLOADED = "offloaded"  # GraphOutput kind: state the graph wrote to its offload tier itself (nothing to write)
 
 
 # --------------------------------------------------------------------------------------------- inputs/outputs
@@ -77,7 +77,8 @@ class GraphInput:
 class GraphOutput:
     """What an output of the step graph is written to; ``kind`` is ``user`` (a leaf of the step's return
     value, ``index`` its position), one of the state kinds of ``GraphInput``, or ``offloaded`` (an optimizer
-    state the graph wrote to the offload tier itself: the output is an empty token, nothing is written)."""
+    state or parameter shard the graph wrote to the offload tier itself: the output is an empty token, nothing
+    is written)."""
 
     kind: str
     name: str

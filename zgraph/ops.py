@@ -205,11 +205,12 @@ LAYOUT_OPS = (*LAYOUT_OPS, COMBINE)
 
 
 # ------------------------------------------------------------------------------------------------ offload
-# The ``offload`` pass replaces each offloaded optimizer state's reads by ``reload(state, slot)`` and its updated
-# value, as the graph returns it, by ``write_back(value, slot)`` (``slot``: the state's input position). The
-# graph input itself is then only a shape: between steps its memory is released. The tier that serves the reads
-# and takes the writes is the runtime's (``zgraph.runtime.offload``), installed around each run of the graph with
-# ``offload_tier(...)``; the writes go to the state's next copy, made current only after the whole graph ran.
+# The ``offload`` pass replaces the reads of each offloaded optimizer state or stage-3 parameter shard by
+# ``reload(state, slot)`` (one per phase that reads it) and its updated value, as the graph returns it, by
+# ``write_back(value, slot)`` (``slot``: the input's position). The graph input itself is then only a shape:
+# between steps its memory is released. The tier that serves the reads and takes the writes is the runtime's
+# (``zgraph.runtime.offload``), installed around each run of the graph with ``offload_tier(...)``; the writes go
+# to the input's next copy, made current only after the whole graph ran.
 
 
 class OffloadTier:

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph.compiled import _unalias, finish_call, lower
+from zgraph.compiled import _unalias, finish_call, lower, reload_slots, run_offloaded
 from zgraph.errors import ZGraphError
-from zgraph.graph import GraphInput, GraphOutput, input_specs, output_roles
+from zgraph.graph import GraphInput, GraphOutput, input_specs, output_roles, state_key
 from zgraph.passes import PassRecord
 from zgraph.passes.partition import partition
 from zgraph.runtime.executor import Executable
@@ -41,6 +41,8 @@ class SplitCompiled:
     backward_roles: list[GraphOutput]
     n_saved: int
     partitioned: dict[str, fx.GraphModule] = field(default_factory=dict)
+    forward_reloads: tuple[int, ...] = ()  # the input slots (of the joint graph) each graph's reloads read
+    backward_reloads: tuple[int, ...] = ()
 
 
 class _Call:
@@ -77,7 +79,7 @@ class _SplitFunction(torch.autograd.Function):
         split: SplitCompiled = compiled.split
         io = StateIO(call.binding, call.binding.plan)
         inputs = [io.read(spec, call.user_tensors, {}) for spec in split.forward_specs]
-        outputs = list(split.forward.run(inputs))
+        outputs = list(_run(call, io, split.forward, split.forward_reloads, inputs))
         n_out = len(outputs) - split.n_saved
         head = outputs[:n_out]
         _unalias(head, inputs, split.forward.updated_inputs)
@@ -108,8 +110,8 @@ class _SplitFunction(torch.autograd.Function):
         except RuntimeError:
             write_params = True
         tangents = [g.contiguous() for g in grads]
-        outputs = list(split.backward.run([*saved, *tangents]))
         io = StateIO(call.binding, call.binding.plan)
+        outputs = list(_run(call, io, split.backward, split.backward_reloads, [*saved, *tangents]))
         input_grads: dict[int, Tensor] = {}
         for value, role in zip(outputs, split.backward_roles):
             if role.kind == "input_grad":
@@ -117,6 +119,17 @@ class _SplitFunction(torch.autograd.Function):
             elif role.kind == "grad" and write_params:
                 _accumulate(io, call.binding, role, value, call.user_tensors)
         return (None, None, *(input_grads.get(i) for i in info.grad_inputs))
+
+
+def _run(call: _Call, io: StateIO, executable: Executable, reloads: tuple[int, ...], inputs: list) -> Any:
+    """Run one of the two graphs; with offloaded parameters, with the offload tier serving its reload nodes
+    (their slots are the joint graph's input positions: each one's tensor is read from the live state)."""
+    store = getattr(call.binding, "offload", None)
+    if store is None or not reloads:
+        return executable.run(inputs)
+    specs = input_specs(call.compiled.transformed)
+    slots = {i: (state_key(specs[i]), io.read(specs[i], call.user_tensors, {})) for i in reloads}
+    return run_offloaded(store, reloads, slots, inputs, lambda: executable.run(inputs))
 
 
 def _accumulate(io: StateIO, binding: Binding, role: GraphOutput, value: Tensor, user_tensors: list) -> None:
@@ -157,4 +170,6 @@ def lower_split(transformed: fx.GraphModule, ctx: Any, backend: str, info: Any) 
         output_roles(backward_records[-1].gm),
         part.n_saved,
         {"forward": part.forward, "backward": part.backward},
+        reload_slots(forward_records[-1].gm),
+        reload_slots(backward_records[-1].gm),
     )

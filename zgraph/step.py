@@ -26,7 +26,7 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, UnboundState, finish, trace_step
-from zgraph.compiled import CompiledStep, lower, run
+from zgraph.compiled import CompiledStep, lower, reserve_offload, run
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.estimate import Estimate, estimate_step
@@ -183,6 +183,9 @@ class DistributedStep:
                 if self._step_schedulers_first(compiled):
                     continue
             break
+        store = getattr(binding, "offload", None)
+        if store is not None:
+            reserve_offload(compiled, store)  # a full disk is reported here, where every rank hears of it
         return compiled, binding, user_tensors
 
     def _warn_if_recaptured_often(self, key: tuple) -> None:
@@ -239,7 +242,7 @@ class DistributedStep:
             device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
             binding.offload = open_store(self.config, device.type)
             if binding.offload is not None:
-                binding.offload.watch([o.optimizer for o in binding.optimizers])
+                binding.offload.watch([o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
             if self.config.keep_host_memory and device.type == "cpu":
                 keep_freed_host_memory()
             # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
