@@ -14,6 +14,7 @@ Provides nothing new; keeps every property (the graph computes the same values w
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -26,6 +27,12 @@ def _mergeable(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
+    return _pure(target)
+
+
+@functools.cache
+def _pure(target: torch._ops.OpOverload) -> bool:
+    """An aten op that mutates nothing and is deterministic (read once per op: schemas and tags are slow)."""
     if target.namespace != "aten":
         return False
     if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
