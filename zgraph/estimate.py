@@ -262,9 +262,9 @@ def _capture(
     """Capture the step on the stand-ins: trace, create a first step's optimizer state (meta) and trace again,
     trace forward and backward together for a step returning outputs with a grad_fn.
 
-    The state a first step creates is guessed first (every parameter that requires grad gets a gradient) and
-    created before the first trace; when the trace updates exactly that state (the guess was right), the graph
-    is the one the second trace would give, and the step is traced once."""
+    The state a first step creates is guessed (every parameter that requires grad gets a gradient) and created
+    before the first trace: when the trace updates all of it, that trace is the one the second would be, and the
+    step is traced once; else the state it did not update is dropped and the step traced again."""
     guessed = first_state_candidates(binding)
     create_first_state(binding, guessed, config.optimizer_state_dtype)
     traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
@@ -273,8 +273,10 @@ def _capture(
             "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
             "arguments"
         )
-    if not set(guessed) <= set(traced.captured.updated_state):  # a guessed state the step does not update
-        drop_state(binding, guessed)
+    updated = set(traced.captured.updated_state)
+    missed = [pair for pair in guessed if pair not in updated]  # parameters the step gave no gradient
+    if missed:
+        drop_state(binding, missed)
         traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
     if traced.captured.created_state and create_first_state(
         binding, traced.captured.created_state, config.optimizer_state_dtype
