@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from zgraph.graph import eliminate_dead_code
+
 _IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
@@ -69,5 +71,5 @@ def eliminate_common_subexpressions(gm: fx.GraphModule, ctx: object) -> fx.Graph
             continue
         node.replace_all_uses_with(first)
         gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm

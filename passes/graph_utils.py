@@ -18,6 +18,7 @@ from zgraph.graph import (
     GraphOutput,
     ParamInfo,
     compute_val,
+    eliminate_dead_code,
     fake_mode,
     insert,
     output_node,
@@ -189,7 +190,7 @@ def push_shards(gm: fx.GraphModule) -> None:
             replace(user, replacement)
         gm.graph.erase_node(source)
     out.args = (tuple(_follow(v, moved) for v in values),)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
 
 
 def _follow(value: Any, moved: dict[fx.Node, fx.Node]) -> Any:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext
 from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -253,6 +254,26 @@ def _fake_kernel(target: Any) -> Any:
         if kernel is not None:
             return kernel
     return target
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """``graph.eliminate_dead_code()``, deciding whether an operator has side effects once per operator (torch
+    derives it from the schema for every node: most of the time a large graph's dead-code elimination takes)."""
+    impure_random = True  # as Graph.eliminate_dead_code decides it
+    if TracingContext.try_get():
+        from torch._inductor import config as inductor_config
+
+        impure_random = inductor_config.fallback_random
+    known: dict[Any, bool] = {}
+
+    def impure(node: fx.Node) -> bool:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return node.is_impure(impure_random)
+        if node.target not in known:  # an operator's purity does not depend on its arguments
+            known[node.target] = node.is_impure(impure_random)
+        return known[node.target]
+
+    graph.eliminate_dead_code(is_impure_node=impure)
 
 
 _RUNNING_PASS: ContextVar[str | None] = ContextVar("zgraph_running_pass", default=None)
