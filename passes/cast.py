@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zgraph.graph import fake_mode, insert
+from zgraph.graph import eliminate_dead_code, fake_mode, insert
 from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
 from zgraph.passes.pipeline import PassContext
 
@@ -94,5 +94,5 @@ def cast(gm: fx.GraphModule, ctx: PassContext, *, reduce_dtype: torch.dtype | No
         if source is not None:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     return gm

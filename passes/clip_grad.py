@@ -17,7 +17,7 @@ import math
 import torch
 import torch.fx as fx
 
-from zgraph.graph import PHASE, fake_mode, insert
+from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE, GRAD_NORM, REDUCE_SHARD, UNSHARD
 from zgraph.passes.pipeline import PassContext
 
@@ -55,7 +55,7 @@ def clip_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 value = insert(gm, aten._to_copy.default, (value,), {"dtype": dtype}, after=value, mode=mode)
             node.replace_all_uses_with(value)
             gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm
 
 

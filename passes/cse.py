@@ -14,10 +14,13 @@ Provides nothing new; keeps every property (the graph computes the same values w
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from zgraph.graph import eliminate_dead_code
 
 _IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
@@ -26,6 +29,12 @@ def _mergeable(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
+    return _pure(target)
+
+
+@functools.cache
+def _pure(target: torch._ops.OpOverload) -> bool:
+    """An aten op that mutates nothing and is deterministic (read once per op: schemas and tags are slow)."""
     if target.namespace != "aten":
         return False
     if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
@@ -62,5 +71,5 @@ def eliminate_common_subexpressions(gm: fx.GraphModule, ctx: object) -> fx.Graph
             continue
         node.replace_all_uses_with(first)
         gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm

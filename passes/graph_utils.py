@@ -19,6 +19,7 @@ from zgraph.graph import (
     GraphOutput,
     ParamInfo,
     compute_val,
+    eliminate_dead_code,
     fake_mode,
     insert,
     output_node,
@@ -179,6 +180,21 @@ def push_shards(gm: fx.GraphModule) -> None:
       elements, and nothing whole is computed that no one reads. 0-d and scalar arguments stay as they are.
     """
     mode = fake_mode(gm)
+    # The output node is detached while shards move and re-attached once: editing its arguments (every piece of
+    # state) once per move would be quadratic. ``returned``: the nodes it reads, ``moved``: old -> new node.
+    out = output_node(gm)
+    values = out.args[0]
+    returned = {v for v in values if isinstance(v, fx.Node)}
+    moved: dict[fx.Node, fx.Node] = {}
+    out.args = ((),)
+
+    def replace(old: fx.Node, new: fx.Node) -> None:
+        old.replace_all_uses_with(new)
+        if old in returned:
+            returned.add(new)
+            moved[old] = new
+        gm.graph.erase_node(old)
+
     work = [n for n in gm.graph.nodes if n.target is SHARD]
     while work:
         node = work.pop()
@@ -186,10 +202,9 @@ def push_shards(gm: fx.GraphModule) -> None:
             continue
         source, world_size, rank = node.args
         if source.target is UNSHARD:
-            node.replace_all_uses_with(source.args[0])
-            gm.graph.erase_node(node)
+            replace(node, source.args[0])
             continue
-        if not is_elementwise(source) or any(u.target is not SHARD for u in source.users):
+        if source in returned or not is_elementwise(source) or any(u.target is not SHARD for u in source.users):
             continue
         if any(u.args[1:] != (world_size, rank) for u in source.users):
             continue
@@ -203,7 +218,13 @@ def push_shards(gm: fx.GraphModule) -> None:
         stamp(replacement)
         compute_val(replacement, mode)
         for user in list(source.users):
-            user.replace_all_uses_with(replacement)
-            gm.graph.erase_node(user)
+            replace(user, replacement)
         gm.graph.erase_node(source)
-    gm.graph.eliminate_dead_code()
+    out.args = (tuple(_follow(v, moved) for v in values),)
+    eliminate_dead_code(gm.graph)
+
+
+def _follow(value: Any, moved: dict[fx.Node, fx.Node]) -> Any:
+    while value in moved:
+        value = moved[value]
+    return value

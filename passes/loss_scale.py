@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zgraph.graph import PHASE, fake_mode, insert
+from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE, NONFINITE
 from zgraph.passes.clip_grad import sharded_gradient
 from zgraph.passes.pipeline import PassContext
@@ -39,5 +39,5 @@ def loss_scale(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         flag = insert(gm, aten._to_copy.default, (anywhere,), {"dtype": torch.bool}, **at)
         node.replace_all_uses_with(flag)
         gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm

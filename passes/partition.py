@@ -22,7 +22,16 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from zgraph.graph import INPUT, OUTPUTS, VAL, GraphInput, GraphOutput, collective_kind, output_node
+from zgraph.graph import (
+    INPUT,
+    OUTPUTS,
+    VAL,
+    GraphInput,
+    GraphOutput,
+    collective_kind,
+    eliminate_dead_code,
+    output_node,
+)
 
 GRAD_KINDS = ("grad", "input_grad")
 
@@ -167,7 +176,7 @@ def _backward_graph(
 
 
 def _module(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     new = _LazyGraphModule(gm, graph)
     new.meta = copy.copy(getattr(gm, "meta", {}))
     new.meta.pop("zgraph_updated_inputs", None)

@@ -154,19 +154,21 @@ def check_properties(gm: fx.GraphModule, properties: frozenset[str] | set[str], 
 
 
 def run_pipeline(
-    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, check_input: bool = True
+    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, check_input: bool = True, keep: bool = True
 ) -> list[PassRecord]:
     """Run ``passes`` in order; returns one record per pass (its output graph and time).
 
     ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every op node a pass
     adds carries ``meta[MADE_BY]``, the pass's name (``insert`` stamps it; nodes made otherwise are stamped here).
+    ``keep``: each pass edits a copy, leaving ``gm`` and every record's graph as it was; False: each pass edits
+    the graph it receives, ``gm`` included (only the last record's graph is then the pass's output as made).
     """
     if check_input:
         check_properties(gm, CAPTURED_PROPERTIES, "the captured graph")
     records = []
     for p in passes:
         start = time.perf_counter()
-        before = copy_graph_module(gm)
+        before = copy_graph_module(gm) if keep else gm
         known = {id(n.meta) for n in before.graph.nodes}
         with running_pass(p.name):
             out = p.fn(before, ctx)

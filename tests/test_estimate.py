@@ -7,6 +7,7 @@ The accuracy cases are a representative subset (the whole matrix, world 1/2/4 x 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -140,3 +141,39 @@ def test_cli_bad_input_is_one_line_and_status_1(argv, says):
     lines = done.stderr.strip().splitlines()
     assert lines and lines[-1].startswith("zgraph estimate: ") and says in lines[-1], done.stderr
     assert not done.stdout
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _square_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_estimate_traces_once_unless_a_parameter_gets_no_gradient(monkeypatch, unused):
+    """The first step's optimizer state is guessed before the trace (one trace); a parameter without a gradient
+    gets none, as in a real first step, and the step is traced again without the guess."""
+    module = importlib.import_module("zgraph.estimate")
+    traces = []
+    trace_step = module.trace_step
+    monkeypatch.setattr(module, "trace_step", lambda *a, **k: traces.append(1) or trace_step(*a, **k))
+    model = _WithUnused() if unused else torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    step = zgraph.distribute(stage=0, backend="eager")(_square_step)
+    e = step.estimate(model, opt, torch.randn(4, 8))
+    used = [p for name, p in model.named_parameters() if name != "unused"]
+    assert e.model_state_bytes["optimizer"] == sum(2 * p.numel() * 4 + 4 for p in used)  # moments + step counter
+    assert len(traces) == (2 if unused else 1)
+    assert not opt.state

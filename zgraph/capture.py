@@ -85,6 +85,7 @@ class CapturedGraph:
         constant_state: non-tensor optimizer state the step sets: ``(optimizer, param, key, value)``.
         training_flags: ``(module, training)`` to restore where the step called ``train()``/``eval()``.
         created_state: ``(optimizer, param)`` pairs whose state the step created (first optimizer step).
+        updated_state: ``(optimizer, param)`` pairs whose state a zgraph optimizer kernel updated.
         optimizers_stepped: indices of optimizers whose ``step()`` the step called.
         scheduler_steps: LR schedulers whose ``step()`` the step called, in call order, each as
             ``(scheduler, before_update)``: they run eagerly around the graph on every call (``before_update``:
@@ -102,6 +103,7 @@ class CapturedGraph:
     constant_state: list[tuple[int, int, str, Any]] = field(default_factory=list)
     training_flags: list[tuple[nn.Module, bool]] = field(default_factory=list)
     created_state: list[tuple[int, int]] = field(default_factory=list)
+    updated_state: list[tuple[int, int]] = field(default_factory=list)
     optimizers_stepped: list[int] = field(default_factory=list)
     scheduler_steps: list[tuple[LRScheduler, bool]] = field(default_factory=list)
     python_results: list[tuple[str, Any]] = field(default_factory=list)
@@ -270,6 +272,7 @@ def trace_step(
         captured.training_flags = [(m, m.training) for m, before in flags_before if m.training != before]
         outs, roles = _outputs(captured, result, binding, state, final, user_tensors, final_loss_state)
         captured.created_state = step_trace.created
+        captured.updated_state = step_trace.updated
         captured.optimizers_stepped = sorted(set(step_trace.stepped))
         captured.scheduler_steps = scheduler_order(step_trace)
         found.update(captured=captured, roles=roles)

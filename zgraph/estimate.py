@@ -51,7 +51,7 @@ from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensur
 from zgraph.runtime.sharded_state import convert_master_dtype, make_plan
 from zgraph.runtime.state import Binding
 from zgraph.split import needs_split, trace_joint
-from zgraph.trace_optim import create_first_state
+from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers")
@@ -135,11 +135,11 @@ def estimate_step(
     user_tensors = step._user_tensors(binding, shadow_args, shadow_kwargs)
     captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, config, device)
     ctx = step._context(binding)
-    records = run_pipeline(captured.gm, ctx, step._pipeline)
+    records = run_pipeline(captured.gm, ctx, step._pipeline, keep=False)  # only the final graph is read
     transformed = records[-1].gm if records else captured.gm
     from zgraph.compiled import lower  # the eager backend's rewrites: the graph that runs op by op
 
-    backend_records, _ = lower(transformed, ctx, "eager")
+    backend_records, _ = lower(transformed, ctx, "eager", keep=False)
     final = backend_records[-1].gm
     live = liveness(final)
     counts: dict[str, int] = {}
@@ -260,13 +260,24 @@ def _capture(
     device: torch.device,
 ) -> CapturedGraph:
     """Capture the step on the stand-ins: trace, create a first step's optimizer state (meta) and trace again,
-    trace forward and backward together for a step returning outputs with a grad_fn."""
+    trace forward and backward together for a step returning outputs with a grad_fn.
+
+    The state a first step creates is guessed (every parameter that requires grad gets a gradient) and created
+    before the first trace: when the trace updates all of it, that trace is the one the second would be, and the
+    step is traced once; else the state it did not update is dropped and the step traced again."""
+    guessed = first_state_candidates(binding)
+    create_first_state(binding, guessed, config.optimizer_state_dtype)
     traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
     if traced.unbound is not None:
         raise EstimateError(
             "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
             "arguments"
         )
+    updated = set(traced.captured.updated_state)
+    missed = [pair for pair in guessed if pair not in updated]  # parameters the step gave no gradient
+    if missed:
+        drop_state(binding, missed)
+        traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
     if traced.captured.created_state and create_first_state(
         binding, traced.captured.created_state, config.optimizer_state_dtype
     ):

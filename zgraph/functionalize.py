@@ -29,6 +29,7 @@ from zgraph.graph import (
     PHASE,
     GraphInput,
     GraphOutput,
+    eliminate_dead_code,
     output_node,
     state_key,
 )
@@ -76,7 +77,7 @@ def functionalize(
     output.args = (tuple(kept_values),)
     output.meta[OUTPUTS] = kept_roles
     _name_placeholders(graph, placeholders)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     match_random_layout(gm, gm1)  # eager's random fill order on non-contiguous tensors
     _tag_phases(graph)
     gm.recompile()

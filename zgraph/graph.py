@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext
+from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -240,7 +243,38 @@ def _val(arg: Any) -> Any:
 def compute_val(node: fx.Node, mode: FakeTensorMode) -> None:
     """Set ``node.meta[VAL]`` by running its op on its inputs' fake values."""
     with mode:
-        node.meta[VAL] = node.target(*_val(node.args), **_val(node.kwargs))
+        node.meta[VAL] = _fake_kernel(node.target)(*_val(node.args), **_val(node.kwargs))
+
+
+@functools.cache
+def _fake_kernel(target: Any) -> Any:
+    """What computes ``target``'s fake value: for zgraph's own operators their registered fake kernel, called
+    directly (the same value; the dispatcher's custom-operator path costs several times more), else ``target``."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "zgraph":
+        kernel = simple_registry.singleton.find(target._schema.name).fake_impl.kernel
+        if kernel is not None:
+            return kernel
+    return target
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """``graph.eliminate_dead_code()``, deciding whether an operator has side effects once per operator (torch
+    derives it from the schema for every node: most of the time a large graph's dead-code elimination takes)."""
+    impure_random = True  # as Graph.eliminate_dead_code decides it
+    if TracingContext.try_get():
+        from torch._inductor import config as inductor_config
+
+        impure_random = inductor_config.fallback_random
+    known: dict[Any, bool] = {}
+
+    def impure(node: fx.Node) -> bool:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return node.is_impure(impure_random)
+        if node.target not in known:  # an operator's purity does not depend on its arguments
+            known[node.target] = node.is_impure(impure_random)
+        return known[node.target]
+
+    graph.eliminate_dead_code(is_impure_node=impure)
 
 
 _RUNNING_PASS: ContextVar[str | None] = ContextVar("zgraph_running_pass", default=None)

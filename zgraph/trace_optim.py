@@ -42,6 +42,7 @@ class Trace:
     hparams: dict[tuple[int, int], dict[str, Tensor]]
     precision: TracePrecision
     created: list[tuple[int, int]] = field(default_factory=list)
+    updated: list[tuple[int, int]] = field(default_factory=list)
     stepped: list[int] = field(default_factory=list)
     scheduler_steps: list[tuple[LRScheduler, bool, int]] = field(default_factory=list)  # + len(stepped) then
 
@@ -215,6 +216,7 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
                 trace.created.extend((o_index, i) for i in new_state)
                 return
             for g_index, (group, indices) in enumerate(zip(opt.param_groups, groups)):
+                trace.updated.extend((o_index, i) for i in indices)
                 states = []
                 for i in indices:
                     state = opt.state[params[i]]
@@ -254,3 +256,23 @@ def create_first_state(binding: Binding, created: list[tuple[int, int]], state_d
         opt.state[param] = kernel.initial_state(param.detach(), group, state_dtype)
         made = True
     return made
+
+
+def first_state_candidates(binding: Binding) -> list[tuple[int, int]]:
+    """The ``(optimizer, param)`` pairs a first step creates state for when every parameter that requires grad
+    gets a gradient: parameters without state of optimizers whose zgraph kernel has an initial state."""
+    pairs = []
+    for o in binding.optimizers:
+        kernel = zopt.kernel_for(o.optimizer)
+        if kernel is None or kernel.initial_state is None:
+            continue
+        for i in sorted({i for indices in o.group_params for i in indices}):
+            if binding.params[i].tensor.requires_grad and not binding.optimizer_state(o.index, i):
+                pairs.append((o.index, i))
+    return pairs
+
+
+def drop_state(binding: Binding, pairs: list[tuple[int, int]]) -> None:
+    """Remove the optimizer state of the ``(optimizer, param)`` pairs."""
+    for o_index, p_index in pairs:
+        binding.optimizers[o_index].optimizer.state.pop(binding.params[p_index].tensor, None)
