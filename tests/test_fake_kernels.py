@@ -101,3 +101,13 @@ def test_other_devices_keep_torchs_kernel():
         torch._grouped_mm(a, b, offs=offs)
     out = torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs)
     assert out.shape == (8, 24) and out.dtype == torch.bfloat16
+
+
+def test_nonfinite_flag_is_on_the_gradients_device():
+    """zgraph::nonfinite's fake value lies on the gradients' device, as the real op's result does (it was always a
+    CPU tensor: beside CUDA gradients the traced graph would have moved the flag)."""
+    import zgraph.ops  # noqa: F401  (registers zgraph's operators)
+
+    with FakeTensorMode():
+        flag = torch.ops.zgraph.nonfinite([torch.empty(3, device="meta"), torch.empty(2, device="meta")])
+    assert flag.device.type == "meta" and flag.dtype == torch.bool and flag.shape == ()

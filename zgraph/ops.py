@@ -183,7 +183,8 @@ def nonfinite(grads: list[Tensor]) -> Tensor:
 
 @nonfinite.register_fake
 def _nonfinite_fake(grads: list[Tensor]) -> Tensor:
-    return torch.empty((), dtype=torch.bool)
+    # on the gradients' device, as the real op's result is (a CPU flag beside CUDA gradients would move it)
+    return grads[0].new_empty((), dtype=torch.bool) if grads else torch.empty((), dtype=torch.bool)
 
 
 @torch.library.custom_op("zgraph::combine", mutates_args=())
