@@ -105,29 +105,36 @@ def test_liveness_is_the_tracked_peak_of_running_the_graph():
     assert liveness(gm).peak_bytes == tracker.peak
 
 
-def test_a_collective_holds_its_inputs_until_its_last_wait():
-    """A functional collective's work holds its inputs until the ``wait_tensor`` of its last result (what gloo and
-    NCCL do): temporaries sent by a coalesced all-gather stay alive past the collective, until the second wait."""
+@pytest.mark.parametrize(
+    "collective, args, out_numel, held",
+    [
+        ("all_gather_into_tensor", (2, "g"), 512, True),
+        ("all_gather_into_tensor_coalesced", (2, "g"), 512, True),
+        ("reduce_scatter_tensor", ("avg", 2, "g"), 128, False),
+    ],
+)
+def test_an_all_gather_holds_its_input_until_its_wait(collective, args, out_numel, held):
+    """gloo's all-gathers keep their inputs alive until the ``wait_tensor`` on their result (the work holds them);
+    its reduce-scatters copy the input first, which is freed after its last reader as usual."""
     c10d = torch.ops._c10d_functional
+    target = getattr(c10d, collective).default
+    coalesced = collective.endswith("coalesced")
     graph = fx.Graph()
     x = graph.placeholder("x")
-    x.meta["val"] = torch.empty(256)  # 1 KiB
-    sent = [graph.call_function(torch.ops.aten.mul.Tensor, (x, k)) for k in (2, 3)]  # 1 KiB each
-    gathered = graph.call_function(c10d.all_gather_into_tensor_coalesced.default, (sent, 2, "g"))
-    gathered.meta["val"] = [torch.empty(512), torch.empty(512)]  # 2 KiB each
-    items = [graph.call_function(operator.getitem, (gathered, i)) for i in range(2)]
-    first = graph.call_function(c10d.wait_tensor.default, (items[0],))
-    between = graph.call_function(torch.ops.aten.mul.Tensor, (x, 4))  # 1 KiB
-    second = graph.call_function(c10d.wait_tensor.default, (items[1],))
-    graph.output((first, between, second))
-    for node in [*sent, between]:
-        node.meta["val"] = torch.empty(256)
-    for node, item in zip((first, second), items):
-        item.meta["val"] = node.meta["val"] = torch.empty(512)
+    sent = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    issued = graph.call_function(target, ([sent] if coalesced else sent, *args))
+    result = graph.call_function(operator.getitem, (issued, 0)) if coalesced else issued
+    between = graph.call_function(torch.ops.aten.mul.Tensor, (x, 3))
+    done = graph.call_function(c10d.wait_tensor.default, (result,))
+    graph.output((done, between))
+    for node in (x, sent, between):
+        node.meta["val"] = torch.empty(256)  # 1 KiB each
+    result.meta["val"] = done.meta["val"] = torch.empty(out_numel)
+    issued.meta["val"] = [result.meta["val"]] if coalesced else result.meta["val"]
     live = liveness(fx.GraphModule(torch.nn.Module(), graph))
     at = dict(zip(live.node_names, live.live_bytes))
-    # x, both sent temporaries, both gathered results, and the temporary made between the waits
-    assert at[between.name] == at[second.name] == 1024 * (1 + 2 + 4 + 1) == live.peak_bytes
+    # x, what was sent (only while held), the result, and the temporary made before the wait
+    assert at[between.name] == 1024 * (1 + held + 1) + 4 * out_numel
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:

@@ -2,10 +2,11 @@
 
 The eager backend runs the final graph as FX's generated Python, which drops each value after its last use. So a
 storage is allocated by the node that makes it and freed after the last node that reads it, or any view or
-in-place result of it (an op's schema says which results alias which arguments). A functional collective's
-work holds its inputs until the last ``wait_tensor`` on its results, so they live at least until then. Graph
-inputs (parameters, state, the batch) and outputs are held by the caller for the whole step. Sizes come from the
-nodes' fake values: no memory is touched, so this works on graphs traced at any scale.
+in-place result of it (an op's schema says which results alias which arguments). A functional all-gather's work
+holds its inputs until the last ``wait_tensor`` on its results, so they live at least until then (gloo; its
+reduce-scatters and all-reduces copy their input first and drop it at once). Graph inputs (parameters, state, the
+batch) and outputs are held by the caller for the whole step. Sizes come from the nodes' fake values: no memory is
+touched, so this works on graphs traced at any scale.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ import torch.fx as fx
 
 from zgraph.graph import VAL
 
-# ops whose result is (or shares the memory of) their first input though their schema declares no alias
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+# ops whose result is (or shares the memory of) their first input though their schema declares no alias
 _UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default, _WAIT)
+# collectives whose work holds their inputs until they are waited for
+_HOLD_INPUTS = (
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default,
+)
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,9 @@ def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], own
 
 
 def _waits(node: fx.Node) -> list[fx.Node]:
-    """The ``wait_tensor`` nodes that complete ``node`` if it issues a functional collective (on its result, or on
-    the elements of its list of results), else none."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional" or target is _WAIT:
+    """The ``wait_tensor`` nodes that complete ``node`` if it is a collective that holds its inputs until then (on
+    its result, or on the elements of its list of results), else none."""
+    if node.target not in _HOLD_INPUTS:
         return []
     results = [node, *(u for u in node.users if u.target is operator.getitem)]
     return [w for r in results for w in r.users if w.target is _WAIT]
@@ -135,7 +140,7 @@ def liveness(gm: fx.GraphModule) -> Liveness:
                 continue
             born.setdefault(s, 0 if node.op in ("placeholder", "get_attr") else i)
             last[s] = end if node.op in ("placeholder", "get_attr") else max(last.get(s, i), i)
-        waited = max((index[w] for w in _waits(node)), default=i)  # a collective's inputs: until its wait
+        waited = max((index[w] for w in _waits(node)), default=i)  # an all-gather's inputs: until its wait
         for arg in node.all_input_nodes:
             for s in of.get(arg, []):
                 if s >= 0:
