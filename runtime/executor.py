@@ -6,7 +6,8 @@ the backward pass as explicit ops and its inputs do not require grad, so nothing
 Each backend rewrites the pipeline's last graph before it runs it (``backend_rewrites``); the step runs these
 rewrites as recorded passes, so the graph it shows as ``final`` is exactly the one that runs:
 
-- eager: ``reinplace`` (``zgraph.runtime.reinplace``): state updates and all-reduces in place.
+- eager: ``reinplace`` (``zgraph.runtime.reinplace``): state updates and all-reduces in place, functional copies
+  into buffers of their own size.
 - inductor: ``explicit_alpha``: ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication,
   ``add(x, mul(y, alpha))``. Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``,
   and the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).

@@ -16,6 +16,13 @@ The output is then the input tensor itself, updated, and writing it back is free
 ``reinplace_all_reduces`` does the same for collectives: a functional ``all_reduce`` copies its input before
 reducing it; where the input is a temporary nothing else reads (a bucket ``_chunk_cat`` packed, a gradient made
 contiguous), it is reduced in place (``all_reduce_``) — one copy and one allocation of the bucket less per step.
+
+``fresh_copies`` gives every functional ``copy(self, src)`` left a buffer of ``self``'s size. The aten kernel clones
+``self``'s whole storage and returns the view of the clone that ``self`` is (``clone_preserve_strides``): for the
+optimizer's write-back of a ZeRO shard, ``copy(slice(param), new)``, that is a whole parameter allocated for a
+shard (and held until the all-gather that sends the shard completes), where only ``self``'s shape, strides, dtype
+and device matter. For a contiguous ``self``, ``copy_(empty(...), src)`` computes the same values in a buffer the
+size of the result, as the graph's fake values already assume.
 """
 
 from __future__ import annotations
@@ -25,7 +32,18 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import INPUT, OFFLOADED, OUTPUTS, STATE_KINDS, UPDATED_INPUTS, output_node, state_key
+from zgraph.graph import (
+    INPUT,
+    OFFLOADED,
+    OUTPUTS,
+    PHASE,
+    STATE_KINDS,
+    UPDATED_INPUTS,
+    fake_mode,
+    insert,
+    output_node,
+    state_key,
+)
 from zgraph.ops import RELOAD, WRITE_BACK
 
 
@@ -150,10 +168,39 @@ def _chain(source: fx.Node, value: fx.Node, outputs: list) -> list[fx.Node] | No
     return chain if chain else None
 
 
+_COPY = torch.ops.aten.copy.default
+
+
+def fresh_copies(gm: fx.GraphModule) -> int:
+    """Rewrite ``copy(self, src)`` as ``copy_(empty(<self's shape>), src)`` where ``self`` is contiguous (see the
+    module docstring); returns how many were rewritten."""
+    mode = None
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not _COPY:
+            continue
+        self_ = node.args[0]
+        val = self_.meta.get("val") if isinstance(self_, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+            continue
+        mode = mode or fake_mode(gm)
+        at = dict(before=node, phase=node.meta.get(PHASE), mode=mode)
+        layout = {"dtype": val.dtype, "device": val.device}
+        buffer = insert(gm, torch.ops.aten.empty.memory_format, (list(val.shape),), layout, **at)
+        copied = insert(gm, torch.ops.aten.copy_.default, (buffer, *node.args[1:]), dict(node.kwargs), **at)
+        node.replace_all_uses_with(copied)
+        gm.graph.erase_node(node)
+        count += 1
+    gm.recompile()
+    return count
+
+
 def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
-    """The eager backend's rewrite: state updates and all-reduces in place (``gm.meta[UPDATED_INPUTS]``: the output
-    positions that are now their own input, updated); in place, returns ``gm``."""
+    """The eager backend's rewrite: state updates and all-reduces in place, functional copies into buffers of their
+    own size (``gm.meta[UPDATED_INPUTS]``: the output positions that are now their own input, updated); in place,
+    returns ``gm``."""
     updated = reinplace_state_updates(gm)
     reinplace_all_reduces(gm)
+    fresh_copies(gm)
     gm.meta[UPDATED_INPUTS] = frozenset(updated)
     return gm

@@ -1,11 +1,11 @@
 """Measured side of the estimate accuracy tests: a real step's model state, peak and collectives.
 
-``compare`` runs a step on the bench GPT for real twice (so optimizer state and ``.grad`` exist and caches are
-warm), estimates the next call with ``step.estimate`` on that state, then makes the call with every tensor the
-rank holds counted by ``LiveTensorBytes`` (state and batch tracked before the call, everything the call allocates
-seen by the mode) and every functional collective counted by a dispatch mode while the graph runs (not the graph
-fingerprint every call exchanges before it). Run on 1 process or on ranks spawned by ``tests/dist_harness.py``
-(``ranks``).
+``compare`` runs a step on the bench GPT (or the ~100M GPT) for real twice (so optimizer state and ``.grad`` exist
+and caches are warm), estimates the next call with ``step.estimate`` on that state, then makes the call with every
+tensor the rank holds counted by ``LiveTensorBytes`` (state and batch tracked before the call, everything the call
+allocates seen by the mode) and every functional collective counted by a dispatch mode while the graph runs (not
+the graph fingerprint every call exchanges before it). Run on 1 process or on ranks spawned by
+``tests/dist_harness.py`` (``ranks``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zgraph
 from zgraph.graph import collective_kind, tensor_bytes
-from zgraph.models import BENCH_GPT, GPT, lm_loss
+from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 LOW_PRECISION = {
@@ -31,6 +31,7 @@ LOW_PRECISION = {
     "autocast_dtype": torch.bfloat16,
 }
 RECIPES = {"fp32": {}, "bf16": LOW_PRECISION}
+MODELS = {"gpt-bench": BENCH_GPT, "gpt-100m": GPT_100M}
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targets: Tensor) -> Tensor:
@@ -60,14 +61,15 @@ class CountCollectives(TorchDispatchMode):
         return out
 
 
-def _setup(stage: int, recipe: str, rank: int, batch: int) -> tuple:
+def _setup(stage: int, recipe: str, rank: int, batch: int, name: str = "gpt-bench") -> tuple:
     torch.manual_seed(0)
-    model = GPT(BENCH_GPT)
+    shape = MODELS[name]
+    model = GPT(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0, **RECIPES[recipe])
     step = zgraph.distribute(config)(train_step)
     g = torch.Generator().manual_seed(rank)
-    idx = torch.randint(0, BENCH_GPT.vocab, (batch, BENCH_GPT.seq), generator=g)
+    idx = torch.randint(0, shape.vocab, (batch, shape.seq), generator=g)
     return model, opt, step, idx, idx.roll(-1, dims=1)
 
 
@@ -80,10 +82,12 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def compare(stage: int, recipe: str, rank: int = 0, batch: int = 2, estimate: bool = True) -> dict:
+def compare(
+    stage: int, recipe: str, rank: int = 0, batch: int = 2, estimate: bool = True, model_name: str = "gpt-bench"
+) -> dict:
     """The real step's numbers on this rank, and (``estimate``) its ``step.estimate`` made just before the measured
-    call, on the same state (see the module docstring)."""
-    model, opt, step, idx, targets = _setup(stage, recipe, rank, batch)
+    call, on the same state (see the module docstring); ``model_name``: a key of ``MODELS``."""
+    model, opt, step, idx, targets = _setup(stage, recipe, rank, batch, model_name)
     for _ in range(2):
         step(model, opt, idx, targets)
     estimated = step.estimate(model, opt, idx, targets).to_json() if estimate else None
@@ -103,13 +107,15 @@ def compare(stage: int, recipe: str, rank: int = 0, batch: int = 2, estimate: bo
         step(model, opt, idx, targets)
     executable.run = graph_run
     measured = {"state": held, "peak": tracker.peak, "comm_bytes": counter.bytes, "comm_count": counter.count}
-    return {"stage": stage, "recipe": recipe, "measured": measured, "estimated": estimated}
+    return {"model": model_name, "stage": stage, "recipe": recipe, "measured": measured, "estimated": estimated}
 
 
 def ranks(rank: int, world: int, cases: list, out: str) -> None:
-    """On each spawned rank: run every ``(stage, recipe)`` of ``cases``; rank 0 also estimates and writes the
-    results as JSON to ``out``."""
-    results = [compare(stage, recipe, rank, estimate=rank == 0) for stage, recipe in cases]
+    """On each spawned rank: run every ``(stage, recipe)`` or ``(stage, recipe, model)`` of ``cases``; rank 0 also
+    estimates and writes the results as JSON to ``out``."""
+    results = []
+    for stage, recipe, *model_name in cases:
+        results.append(compare(stage, recipe, rank, estimate=rank == 0, model_name=(*model_name, "gpt-bench")[0]))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -1,4 +1,5 @@
-"""Runtime choices that save host memory traffic: in-place all-reduce of temporaries, keeping freed memory."""
+"""Runtime choices that save host memory and its traffic: in-place all-reduce of temporaries, copies into buffers of
+their own size, keeping freed memory."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import sys
 import pytest
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zgraph.liveness import liveness
 from zgraph.runtime.host_memory import GLIBC_TUNABLES
-from zgraph.runtime.reinplace import reinplace_all_reduces
+from zgraph.runtime.memory import LiveTensorBytes
+from zgraph.runtime.reinplace import fresh_copies, reinplace_all_reduces
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -65,6 +69,33 @@ def test_all_reduce_of_an_unsafe_view_of_a_value_read_again_copies():
     graph.output((done, product))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     assert reinplace_all_reduces(gm) == 0
+
+
+def test_a_copy_into_a_shard_allocates_the_shard_not_the_whole_parameter():
+    """``copy(slice(param), new)`` (the optimizer's write-back of a ZeRO shard) runs as ``copy_`` into a buffer of
+    the shard's size: the aten kernel would clone the whole parameter. Same values, and the bytes liveness
+    predicts from the fake values are the bytes the run allocates."""
+    mode = FakeTensorMode()
+    graph = fx.Graph()
+    param, new = graph.placeholder("param"), graph.placeholder("new")
+    shard = graph.call_function(aten.slice.Tensor, (param, 0, 0, 64))
+    copied = graph.call_function(aten.copy.default, (shard, new))
+    graph.output((copied,))
+    with mode:
+        param.meta["val"] = torch.empty(256, 16, dtype=torch.bfloat16)
+        new.meta["val"] = torch.empty(64, 16)
+        shard.meta["val"] = param.meta["val"][:64]
+        copied.meta["val"] = aten.copy.default(shard.meta["val"], new.meta["val"])
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    inputs = (torch.randn(256, 16).bfloat16(), torch.randn(64, 16))
+    assert fresh_copies(gm) == 1 and aten.copy.default not in {n.target for n in gm.graph.nodes}
+    tracker = LiveTensorBytes()
+    for t in inputs:
+        tracker.track(t)
+    with tracker:
+        (out,) = gm(*inputs)
+    assert torch.equal(out, inputs[1].bfloat16()) and out.untyped_storage().nbytes() == 64 * 16 * 2
+    assert liveness(gm).peak_bytes == tracker.peak == (256 * 16 + 64 * 16) * 2 + 64 * 16 * 4
 
 
 _FAULTS_PER_ROUND = """

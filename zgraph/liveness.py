@@ -2,9 +2,11 @@
 
 The eager backend runs the final graph as FX's generated Python, which drops each value after its last use. So a
 storage is allocated by the node that makes it and freed after the last node that reads it, or any view or
-in-place result of it (an op's schema says which results alias which arguments). Graph inputs (parameters,
-state, the batch) and outputs are held by the caller for the whole step. Sizes come from the nodes' fake values:
-no memory is touched, so this works on graphs traced at any scale.
+in-place result of it (an op's schema says which results alias which arguments). A functional all-gather's work
+holds its inputs until the last ``wait_tensor`` on its results, so they live at least until then (gloo; its
+reduce-scatters and all-reduces copy their input first and drop it at once). Graph inputs (parameters, state, the
+batch) and outputs are held by the caller for the whole step. Sizes come from the nodes' fake values: no memory is
+touched, so this works on graphs traced at any scale.
 """
 
 from __future__ import annotations
@@ -17,8 +19,14 @@ import torch.fx as fx
 
 from zgraph.graph import VAL
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 # ops whose result is (or shares the memory of) their first input though their schema declares no alias
-_UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default)
+_UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default, _WAIT)
+# collectives whose work holds their inputs until they are waited for
+_HOLD_INPUTS = (
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default,
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,15 @@ def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], own
     return [s for s in out if s >= 0] if not isinstance(val, (list, tuple)) else out
 
 
+def _waits(node: fx.Node) -> list[fx.Node]:
+    """The ``wait_tensor`` nodes that complete ``node`` if it is a collective that holds its inputs until then (on
+    its result, or on the elements of its list of results), else none."""
+    if node.target not in _HOLD_INPUTS:
+        return []
+    results = [node, *(u for u in node.users if u.target is operator.getitem)]
+    return [w for r in results for w in r.users if w.target is _WAIT]
+
+
 def liveness(gm: fx.GraphModule) -> Liveness:
     """Bytes alive after each node of ``gm`` and the peak (see the module docstring)."""
     nodes = list(gm.graph.nodes)
@@ -115,6 +132,7 @@ def liveness(gm: fx.GraphModule) -> Liveness:
     born: dict[int, int] = {}
     last: dict[int, int] = {}
     end = len(nodes) - 1
+    index = {node: i for i, node in enumerate(nodes)}
     for i, node in enumerate(nodes):
         of[node] = _storages(node, of, sizes, owners)
         for s in of[node]:
@@ -122,10 +140,11 @@ def liveness(gm: fx.GraphModule) -> Liveness:
                 continue
             born.setdefault(s, 0 if node.op in ("placeholder", "get_attr") else i)
             last[s] = end if node.op in ("placeholder", "get_attr") else max(last.get(s, i), i)
+        waited = max((index[w] for w in _waits(node)), default=i)  # an all-gather's inputs: until its wait
         for arg in node.all_input_nodes:
             for s in of.get(arg, []):
                 if s >= 0:
-                    last[s] = end if node.op == "output" else max(last[s], i)
+                    last[s] = end if node.op == "output" else max(last[s], waited)
     delta = [0] * (len(nodes) + 1)
     for s, start in born.items():
         delta[start] += sizes[s]
