@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ LOW_PRECISION = {
     "optimizer_state_dtype": torch.bfloat16,
     "autocast_dtype": torch.bfloat16,
 }
-RECIPES = {"fp32": {}, "bf16": LOW_PRECISION}
+# "nvme": parameter shards and optimizer states in the offload tier's files between steps (stage 3)
+OFFLOAD = {"offload_optimizer": "nvme", "offload_params": "nvme", "offload_dir": tempfile.gettempdir()}
+RECIPES = {"fp32": {}, "bf16": LOW_PRECISION, "nvme": OFFLOAD}
 MODELS = {"gpt-bench": BENCH_GPT, "gpt-100m": GPT_100M}
 
 

@@ -43,7 +43,7 @@ from zgraph.graph import (
     tensor_bytes,
 )
 from zgraph.guards import discover
-from zgraph.liveness import liveness
+from zgraph.liveness import liveness, offloaded
 from zgraph.passes import run_pipeline
 from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
@@ -54,7 +54,7 @@ from zgraph.split import needs_split, trace_joint
 from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
-MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers")
+MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,9 @@ class Estimate:
         params: parameter count of the model(s) (tied parameters once).
         model_state_bytes: bytes held between steps, by kind: ``params`` (parameters stored in the compute
             dtype), ``master`` (parameters stored in a wider dtype than the compute dtype: the master copies),
-            ``grads`` (``.grad`` left after the step), ``optimizer`` (optimizer state), ``buffers``; and ``total``.
+            ``grads`` (``.grad`` left after the step), ``optimizer`` (optimizer state), ``buffers``; ``total``, their
+            sum in memory; and ``offloaded``, the bytes of those that live in the offload tier's files instead
+            (``Config.offload_optimizer`` / ``offload_params``; not in ``total`` nor in the kinds above).
         peak_bytes: most bytes alive while the step runs (model state, the batch, gathered parameters, buckets,
             activations, casts, temporaries), from liveness over the final graph.
         peak_node: the graph node running at the peak.
@@ -301,12 +303,16 @@ def _model_state(final: Any, captured: CapturedGraph, binding: Binding, config: 
             after[state_key(role)] = (role, value.meta[VAL] if hasattr(value, "meta") else value)
     compute = config.param_dtype
     totals = dict.fromkeys(MODEL_STATE_KINDS, 0)
-    for spec, val in after.values():
+    stored = {state_key(n.meta[INPUT]) for n in placeholders(final) if offloaded(n)}
+    for key, (spec, val) in after.items():
         nbytes = tensor_bytes(val)
+        if key in stored:
+            totals["offloaded"] += nbytes
+            continue
         if spec.kind == "param":
             wider = compute is not None and val.is_floating_point() and val.element_size() > compute.itemsize
             totals["master" if wider else "params"] += nbytes
         else:
             totals[{"grad": "grads", "opt_state": "optimizer", "buffer": "buffers"}[spec.kind]] += nbytes
-    totals["total"] = sum(totals.values())
+    totals["total"] = sum(v for k, v in totals.items() if k != "offloaded")
     return totals

@@ -1,12 +1,13 @@
 """Liveness of a step graph: the bytes alive after each node when it runs op by op, and the peak.
 
 The eager backend runs the final graph as FX's generated Python, which drops each value after its last use. So a
-storage is allocated by the node that makes it and freed after the last node that reads it, or any view or
-in-place result of it (an op's schema says which results alias which arguments). A functional all-gather's work
-holds its inputs until the last ``wait_tensor`` on its results, so they live at least until then (gloo; its
-reduce-scatters and all-reduces copy their input first and drop it at once). Graph inputs (parameters, state, the
-batch) and outputs are held by the caller for the whole step. Sizes come from the nodes' fake values: no memory is
-touched, so this works on graphs traced at any scale.
+storage is allocated by the node that makes it and freed after the last node that reads it, or any view or in-place
+result of it (an op's schema says which results alias which arguments). A functional all-gather's work holds its
+inputs until the last ``wait_tensor`` on its results, so they live at least until then (gloo; its reduce-scatters
+and all-reduces copy their input first and drop it at once). Graph inputs (parameters, state, the batch) and outputs
+are held by the caller for the whole step, except inputs read only through ``zgraph::reload`` (offloaded: the caller
+holds them in the offload tier, not in memory; each reload allocates its own copy). Sizes come from the nodes' fake
+values: no memory is touched, so this works on graphs traced at any scale.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.graph import VAL
+from zgraph.ops import RELOAD
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # ops whose result is (or shares the memory of) their first input though their schema declares no alias
@@ -85,7 +87,7 @@ def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], own
 
     val = node.meta.get(VAL)
     if node.op in ("placeholder", "get_attr"):  # what the caller feeds: a tensor of its own (its fake may be a view)
-        sizes.append(val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0)
+        sizes.append(val.numel() * val.element_size() if isinstance(val, torch.Tensor) and not offloaded(node) else 0)
         owners.append(node.name)
         return [len(sizes) - 1]
     if node.op != "call_function":
@@ -112,6 +114,11 @@ def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], own
         else:
             out.append(-1)  # not a tensor (a SymInt): keeps tuple positions
     return [s for s in out if s >= 0] if not isinstance(val, (list, tuple)) else out
+
+
+def offloaded(node: fx.Node) -> bool:
+    """True for a graph input read only through ``zgraph::reload``: it lives in the offload tier between steps."""
+    return node.op == "placeholder" and bool(node.users) and all(u.target is RELOAD for u in node.users)
 
 
 def _waits(node: fx.Node) -> list[fx.Node]:
