@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.runtime.host_memory import GLIBC_TUNABLES
-from zgraph.runtime.reinplace import reinplace_all_reduces
+from zgraph.runtime.reinplace import reinplace_all_reduces, reinplace_temporaries
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -65,6 +65,33 @@ def test_all_reduce_of_an_unsafe_view_of_a_value_read_again_copies():
     graph.output((done, product))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     assert reinplace_all_reduces(gm) == 0
+
+
+@pytest.mark.parametrize("read_again", [False, True], ids=["temporary", "read_again"])
+def test_pointwise_op_on_a_temporary_runs_in_place_with_the_same_numbers(read_again):
+    """``sqrt(v) / c + eps`` (AdamW's denominator): the ``div`` and the ``add`` write into the ``sqrt``'s result
+    when nothing else reads it, bitwise as the functional graph; a temporary read again is not written into
+    (the ``div`` stays functional, the ``add`` still writes into the ``div``'s result)."""
+    graph = fx.Graph()
+    v, c = graph.placeholder("v"), graph.placeholder("c")
+    v.meta["val"], c.meta["val"] = torch.empty(5, 3), torch.empty(())
+    root = graph.call_function(aten.sqrt.default, (v,))
+    scaled = graph.call_function(aten.div.Tensor, (root, c))
+    out = graph.call_function(aten.add.Tensor, (scaled, 1e-8))
+    for node in (root, scaled, out):
+        node.meta["val"] = torch.empty(5, 3)
+    graph.output((out, root) if read_again else (out,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    inputs = (torch.rand(5, 3), torch.tensor(0.37))
+    before = inputs[0].clone()
+    want = gm(*inputs)
+    assert reinplace_temporaries(gm) == (1 if read_again else 2)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    div = aten.div.Tensor if read_again else aten.div_.Tensor
+    assert targets == [aten.sqrt.default, div, aten.add_.Tensor]
+    got = gm(*inputs)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(inputs[0], before)  # a graph input is never written into
 
 
 _FAULTS_PER_ROUND = """
