@@ -8,7 +8,8 @@ the next node while all of these hold:
   with a backward one: that would keep it alive across the two);
 - the bucket's bytes (of the whole tensors) stay within ``Config.allgather_bucket_bytes`` (gathers) or
   ``Config.reduce_bucket_bytes`` (reductions); ``"auto"`` asks the cost model for the smallest size whose
-  latency is a tenth of its transfer time;
+  latency is a tenth of its transfer time, and for reductions caps it at a quarter of all the gradient bytes
+  (``overlap_limit``), so that the buckets reduced first overlap the rest of backward;
 - the merged collective has a legal place: every member's input is computed before the first use of any
   member's output.
 
@@ -35,6 +36,7 @@ from zgraph.passes.pipeline import PassContext
 
 MIN_AUTO_BYTES = 256 * 1024
 MAX_AUTO_BYTES = 256 * 1024 * 1024
+REDUCTION_BUCKETS = 4  # "auto" gradient reductions: at least this many buckets where they are big enough
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,14 @@ def bucket_limit(value: int | str, target: object, cost_model: CostModel | None)
     kind = _collective_kind(target) if target is not REDUCE else "all_reduce"
     auto = cost_model.bucket_bytes(kind) if cost_model is not None else 16 * 1024 * 1024
     return max(MIN_AUTO_BYTES, min(MAX_AUTO_BYTES, auto))
+
+
+def overlap_limit(gm: fx.GraphModule, target: object, limit: int) -> int:
+    """An ``"auto"`` gradient-reduction bucket size no larger than a ``REDUCTION_BUCKETS``-th of all the graph's
+    ``target`` reductions (never below ``MIN_AUTO_BYTES``): one bucket of every gradient could only be issued
+    once backward has produced the last of them, so none of its transfer would overlap backward."""
+    total = sum(_nbytes(n) for n in gm.graph.nodes if n.target is target)
+    return min(limit, max(MIN_AUTO_BYTES, -(-total // REDUCTION_BUCKETS)))
 
 
 # Cheap ops that only re-view or re-type one value: they can follow a merged collective wherever it lands.
@@ -169,6 +179,9 @@ def bucket(
         REDUCE_SHARD: bucket_limit(reduce_bytes, REDUCE_SHARD, ctx.cost_model),
         REDUCE: bucket_limit(reduce_bytes, REDUCE, ctx.cost_model),
     }
+    if reduce_bytes == "auto":
+        for target in (REDUCE_SHARD, REDUCE):
+            limits[target] = overlap_limit(gm, target, limits[target])
     for plan in plan_buckets(gm, limits):
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
         followers = {f for m in plan.members for f in _followers(m)}

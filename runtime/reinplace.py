@@ -23,6 +23,11 @@ optimizer's write-back of a ZeRO shard, ``copy(slice(param), new)``, that is a w
 shard (and held until the all-gather that sends the shard completes), where only ``self``'s shape, strides, dtype
 and device matter. For a contiguous ``self``, ``copy_(empty(...), src)`` computes the same values in a buffer the
 size of the result, as the graph's fake values already assume.
+
+``reinplace_temporaries``: a pointwise op whose first argument is a temporary that nothing else reads (the
+optimizer's ``sqrt(v) / c + eps``, a residual gradient's ``add``) writes its result into that temporary, as
+``torch.optim``'s ``add_`` does, instead of allocating a fresh tensor. A pointwise kernel computes each element
+the same way in place, so the numbers are bitwise the same.
 """
 
 from __future__ import annotations
@@ -195,12 +200,50 @@ def fresh_copies(gm: fx.GraphModule) -> int:
     return count
 
 
+def _temporary(node: fx.Node) -> bool:
+    """``node`` is an aten op's fresh, contiguous result (no view or alias of another value)."""
+    val = node.meta.get("val")
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "aten"
+        and not _aliases(node)
+        and isinstance(val, torch.Tensor)
+        and val.is_contiguous()
+    )
+
+
+def reinplace_temporaries(gm: fx.GraphModule) -> int:
+    """Turn ``y = op(x, ...)`` into ``op_(x, ...)`` where ``op`` is pointwise with an in-place form, ``x`` a
+    temporary (``_temporary``) that only ``y`` reads, and ``y`` has ``x``'s shape, dtype and strides; returns how
+    many were rewritten."""
+    fresh: set[fx.Node] = set()  # rewritten ops: their result is still the temporary's own memory
+    for node in gm.graph.nodes:
+        inplace = _inplace_variant(node.target) if node.op == "call_function" else None
+        tags = node.target.tags if inplace is not None else ()
+        if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags or not node.args:
+            continue
+        x, val = node.args[0], node.meta.get("val")
+        if not isinstance(x, fx.Node) or list(x.users) != [node] or not (x in fresh or _temporary(x)):
+            continue
+        if any(a is x for a in (*node.args[1:], *node.kwargs.values())):
+            continue
+        want = x.meta["val"]
+        same = isinstance(val, torch.Tensor) and (val.shape, val.dtype) == (want.shape, want.dtype)
+        if same and val.stride() == want.stride():
+            node.target = inplace
+            fresh.add(node)
+    gm.recompile()
+    return len(fresh)
+
+
 def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
-    """The eager backend's rewrite: state updates and all-reduces in place, functional copies into buffers of their
-    own size (``gm.meta[UPDATED_INPUTS]``: the output positions that are now their own input, updated); in place,
-    returns ``gm``."""
+    """The eager backend's rewrite: state updates, all-reduces and pointwise temporaries in place, functional copies
+    into buffers of their own size (``gm.meta[UPDATED_INPUTS]``: the output positions that are now their own input,
+    updated); in place, returns ``gm``."""
     updated = reinplace_state_updates(gm)
     reinplace_all_reduces(gm)
     fresh_copies(gm)
+    reinplace_temporaries(gm)
     gm.meta[UPDATED_INPUTS] = frozenset(updated)
     return gm

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zgraph.liveness import liveness
 from zgraph.runtime.host_memory import GLIBC_TUNABLES
 from zgraph.runtime.memory import LiveTensorBytes
-from zgraph.runtime.reinplace import fresh_copies, reinplace_all_reduces
+from zgraph.runtime.reinplace import fresh_copies, reinplace_all_reduces, reinplace_temporaries
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -96,6 +96,33 @@ def test_a_copy_into_a_shard_allocates_the_shard_not_the_whole_parameter():
         (out,) = gm(*inputs)
     assert torch.equal(out, inputs[1].bfloat16()) and out.untyped_storage().nbytes() == 64 * 16 * 2
     assert liveness(gm).peak_bytes == tracker.peak == (256 * 16 + 64 * 16) * 2 + 64 * 16 * 4
+
+
+@pytest.mark.parametrize("read_again", [False, True], ids=["temporary", "read_again"])
+def test_pointwise_op_on_a_temporary_runs_in_place_with_the_same_numbers(read_again):
+    """``sqrt(v) / c + eps`` (AdamW's denominator): the ``div`` and the ``add`` write into the ``sqrt``'s result
+    when nothing else reads it, bitwise as the functional graph; a temporary read again is not written into
+    (the ``div`` stays functional, the ``add`` still writes into the ``div``'s result)."""
+    graph = fx.Graph()
+    v, c = graph.placeholder("v"), graph.placeholder("c")
+    v.meta["val"], c.meta["val"] = torch.empty(5, 3), torch.empty(())
+    root = graph.call_function(aten.sqrt.default, (v,))
+    scaled = graph.call_function(aten.div.Tensor, (root, c))
+    out = graph.call_function(aten.add.Tensor, (scaled, 1e-8))
+    for node in (root, scaled, out):
+        node.meta["val"] = torch.empty(5, 3)
+    graph.output((out, root) if read_again else (out,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    inputs = (torch.rand(5, 3), torch.tensor(0.37))
+    before = inputs[0].clone()
+    want = gm(*inputs)
+    assert reinplace_temporaries(gm) == (1 if read_again else 2)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    div = aten.div.Tensor if read_again else aten.div_.Tensor
+    assert targets == [aten.sqrt.default, div, aten.add_.Tensor]
+    got = gm(*inputs)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(inputs[0], before)  # a graph input is never written into
 
 
 _FAULTS_PER_ROUND = """
