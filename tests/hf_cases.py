@@ -117,24 +117,29 @@ def bert() -> nn.Module:
     return BertForSequenceClassification(config)
 
 
-def mixtral() -> nn.Module:
-    """Mixtral with transformers' default experts implementation ("grouped_mm": ``F.grouped_mm`` in fp32).
-    Hidden and intermediate sizes are multiples of 4 so that fp32 rows are 16-byte aligned, as the kernel needs."""
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-    )
-    model = MixtralForCausalLM(config)
+# Both MoE models: hidden and intermediate sizes are multiples of 4 so that fp32 rows are 16-byte aligned, as
+# transformers' default experts kernel (``F.grouped_mm``) needs
+_TINY_MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=32,
+)
+
+
+def _default_experts(model: nn.Module) -> nn.Module:
     assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
     return model
+
+
+def mixtral() -> nn.Module:
+    """Mixtral with transformers' default experts implementation ("grouped_mm": ``F.grouped_mm`` in fp32)."""
+    torch.manual_seed(0)
+    return _default_experts(MixtralForCausalLM(MixtralConfig(num_local_experts=4, **_TINY_MOE)))
 
 
 def mixtral_bf16() -> nn.Module:
@@ -145,22 +150,8 @@ def mixtral_bf16() -> nn.Module:
 def qwen2_moe() -> nn.Module:
     """Qwen2-MoE (routed experts plus a gated shared expert) with transformers' default experts implementation."""
     torch.manual_seed(0)
-    config = Qwen2MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-    )
-    model = Qwen2MoeForCausalLM(config)
-    assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
-    return model
+    config = Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32, **_TINY_MOE)
+    return _default_experts(Qwen2MoeForCausalLM(config))
 
 
 MODELS = {
