@@ -1,9 +1,12 @@
 """Cost model of collectives (latency + bytes / bandwidth) and of compute, for bucket sizes and schedules.
 
-``fit_cost_model`` times each collective kind at three sizes on the real process group and fits
-``seconds = latency + bytes / bandwidth`` (least squares) to the *fastest* of several calls at each size: other
-work on the machine only ever adds time, so the minimum is the collective's own cost, and a measurement taken
-while the machine is busy does not leave a model that puts every gradient into one bucket. It also times a
+``fit_cost_model`` times each collective kind on the real process group, taking the *fastest* of several calls
+at each size: other work on the machine only ever adds time, so the minimum is the collective's own cost, and a
+measurement taken while the machine is busy does not leave a model that puts every gradient into one bucket.
+The latency is measured, not fitted: it is the fastest call of a one-element collective. A free least-squares
+intercept over a few large sizes is dominated by their noise (on a 2-core machine it came out at or below zero,
+so every ``"auto"`` bucket fell to the minimum size); the bandwidth is then fitted through that latency
+(``seconds = latency + bytes / bandwidth``) at three sizes. It also times a
 matmul and a copy for compute and memory speed. The result is cached per machine, backend and world size
 (``$XDG_CACHE_HOME/zgraph``), so only the first run on a machine pays the second or so it takes. Rank 0's
 numbers are broadcast, so every rank plans identically.
@@ -94,7 +97,7 @@ def analytical_cost_model(backend: str | None) -> CostModel:
     return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical")
 
 
-_CACHE_VERSION = 2  # bumped when the measurement changes: older files are not read
+_CACHE_VERSION = 3  # bumped when the measurement changes: older files are not read
 
 
 def _cache_path(group: ProcessGroupInfo, device: str) -> str:
@@ -121,36 +124,38 @@ def _fastest(fn: object, sync: object = None, repeats: int = _REPEATS) -> float:
     return best
 
 
-def _fit(points: list[tuple[int, float]]) -> CollectiveCost:
-    """Least-squares ``seconds = latency + bytes / bandwidth`` (latency at least a microsecond)."""
-    n = len(points)
-    mean_b = sum(b for b, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
-    if slope <= 0:  # noise larger than the transfer: take the largest size's throughput
-        slope = points[-1][1] / points[-1][0]
-    return CollectiveCost(max(mean_t - slope * mean_b, 1e-6), 1 / slope)
+def _fit(latency: float, points: list[tuple[int, float]]) -> CollectiveCost:
+    """``seconds = latency + bytes / bandwidth`` through the measured ``latency`` (at least a microsecond), the
+    bandwidth by least squares over ``points``."""
+    latency = max(latency, 1e-6)
+    inverse = sum(b * (t - latency) for b, t in points) / sum(b * b for b, _ in points)
+    if inverse <= 0:  # noise larger than the transfer: take the largest size's throughput
+        inverse = points[-1][1] / points[-1][0]
+    return CollectiveCost(latency, 1 / inverse)
+
+
+def _collective(kind: str, nbytes: int, group: ProcessGroupInfo, device: torch.device) -> object:
+    """One call of collective ``kind`` on a tensor of ``nbytes`` (the whole, gathered size), waited for."""
+    c10d = torch.ops._c10d_functional
+    world, name = group.world_size, group.group_name
+    whole = torch.ones(nbytes // 4, device=device)
+    shard = whole[: whole.numel() // world].clone()
+    if kind == "all_gather_into_tensor":
+        return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, name))
+    if kind == "reduce_scatter_tensor":
+        return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(whole, "avg", world, name))
+    return lambda: c10d.wait_tensor(c10d.all_reduce(whole, "avg", name))
 
 
 def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
-    world = group.world_size
     c10d = torch.ops._c10d_functional
     flag = torch.zeros(1, device=device)
     sync = lambda: c10d.wait_tensor(c10d.all_reduce(flag, "sum", group.group_name))
     collectives = {}
     for kind in KINDS:
-        points = []
-        for nbytes in _SIZES:
-            whole = torch.ones(nbytes // 4, device=device)
-            shard = whole[: whole.numel() // world].clone()
-            if kind == "all_gather_into_tensor":
-                run = lambda s=shard: c10d.wait_tensor(c10d.all_gather_into_tensor(s, world, group.group_name))
-            elif kind == "reduce_scatter_tensor":
-                run = lambda w=whole: c10d.wait_tensor(c10d.reduce_scatter_tensor(w, "avg", world, group.group_name))
-            else:
-                run = lambda w=whole: c10d.wait_tensor(c10d.all_reduce(w, "avg", group.group_name))
-            points.append((nbytes, _fastest(run, sync)))
-        collectives[kind] = _fit(points)
+        latency = _fastest(_collective(kind, 4 * group.world_size, group, device), sync)  # one float per rank
+        points = [(nbytes, _fastest(_collective(kind, nbytes, group, device), sync)) for nbytes in _SIZES]
+        collectives[kind] = _fit(latency, points)
     a = torch.randn(512, 512, device=device)
     flops = 2 * 512**3 / _fastest(lambda: a @ a)
     big = torch.empty(8 * 1024 * 1024 // 4, device=device)

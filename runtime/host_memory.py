@@ -18,6 +18,10 @@ The same from outside, for any program (eager PyTorch, DDP, FSDP2, DeepSpeed ali
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615
 
 Other C libraries: nothing is done.
+
+``return_freed_host_memory`` does the opposite, once: ``malloc_trim(0)`` gives every wholly free page of every
+heap back to the operating system. The offload tier calls it after each step (unless ``keep_host_memory``), so
+what moved to files leaves the resident set between steps as well as the live tensors.
 """
 
 from __future__ import annotations
@@ -36,14 +40,31 @@ _NEVER_TRIM = -1
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def return_freed_host_memory() -> bool:
+    """Give the free pages of every malloc heap back to the operating system (glibc's ``malloc_trim(0)``); True
+    if glibc did (False: not glibc, or nothing to give back)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
+@functools.cache
 def keep_freed_host_memory() -> bool:
     """Serve every block from the heap and never trim it (once per process); True if glibc took both."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

@@ -29,6 +29,10 @@ update) and its new value goes to ``zgraph::write_back`` right after it is compu
   tensor directly between steps (``p._local_tensor``, ``p.to_local()``) calls
   ``zgraph.runtime.offload.materialize(model)`` first.
 
+After each step the store gives the host memory freed by then (the step's reloaded copies) back to the
+operating system (``malloc_trim``), so the offloaded bytes leave the resident set between steps too, unless
+``Config.keep_host_memory`` asks to keep freed memory.
+
 Blocks are read and written with plain file I/O (``os.pread`` / ``os.pwrite`` on the tensor's own memory; no
 ``torch.load``, no memory map) and the page cache is told to drop them. Files are removed when the store is
 dropped and at exit.
@@ -53,6 +57,7 @@ from torch import Tensor
 
 from zgraph.errors import ZGraphError
 from zgraph.ops import OffloadTier
+from zgraph.runtime.host_memory import return_freed_host_memory
 
 DEFAULT_WINDOW = 64 * 2**20  # read-ahead / write-behind bytes when Config.prefetch_bytes is "auto"
 
@@ -109,7 +114,7 @@ def _disk_error(what: str, path: str, nbytes: int, error: OSError) -> OffloadErr
 class NvmeStore(OffloadTier):
     """Optimizer states and parameter shards of one binding in files under ``directory`` (module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike, window: int = DEFAULT_WINDOW):
+    def __init__(self, directory: str | os.PathLike, window: int = DEFAULT_WINDOW, trim: bool = True):
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise OffloadError(f"zgraph offload: Config.offload_dir {directory!r} does not exist or is not a directory")
@@ -131,6 +136,7 @@ class NvmeStore(OffloadTier):
         self._written: set[int] = set()
         self._order: list[int] = []  # offloaded slots not read ahead yet, in the graph's order
         self.window = window  # bytes of states read ahead of their reload, and of write-backs in flight
+        self.trim = trim  # after each graph, give the freed host memory back (not with Config.keep_host_memory)
         self._ahead: list[tuple[int, Future]] = []  # (slot, its read on the I/O thread), in the graph's order
         self._writes: list[tuple[int, Future]] = []  # (bytes, write) in flight
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zgraph-offload")
@@ -222,6 +228,8 @@ class NvmeStore(OffloadTier):
                 with torch.no_grad():
                     state.tensor.copy_(self._read_now(state, state.tensor))
         self._written.clear()
+        if self.trim:  # the reloaded states and shards, freed by now, leave the resident set too
+            return_freed_host_memory()
 
     def abort(self) -> None:
         """The graph failed: the current copies stay current."""
@@ -394,7 +402,7 @@ def open_store(config: Any, device: str) -> NvmeStore | None:
     if "nvme" not in tiers.values():
         return None
     window = config.prefetch_bytes if isinstance(config.prefetch_bytes, int) else DEFAULT_WINDOW
-    return NvmeStore(config.offload_dir, window)
+    return NvmeStore(config.offload_dir, window, trim=not config.keep_host_memory)
 
 
 def describe(optimizer_tier: str | None, params_tier: str | None, store: NvmeStore | None) -> list[str]:
