@@ -8,8 +8,8 @@ the next node while all of these hold:
   with a backward one: that would keep it alive across the two);
 - the bucket's bytes (of the whole tensors) stay within ``Config.allgather_bucket_bytes`` (gathers) or
   ``Config.reduce_bucket_bytes`` (reductions); ``"auto"`` asks the cost model for the smallest size whose
-  latency is a tenth of its transfer time, and for reductions caps it at a quarter of all the gradient bytes
-  (``overlap_limit``), so that the buckets reduced first overlap the rest of backward;
+  latency is a tenth of its transfer time (at least ``MIN_AUTO_BYTES``), and for reductions caps it at a quarter
+  of all the gradient bytes (``overlap_limit``), so that the buckets reduced first overlap the rest of backward;
 - the merged collective has a legal place: every member's input is computed before the first use of any
   member's output.
 
@@ -34,8 +34,13 @@ from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, RELOAD, UNSHARD
 from zgraph.passes.graph_utils import CASTS, SIMPLE_VIEWS
 from zgraph.passes.pipeline import PassContext
 
-MIN_AUTO_BYTES = 256 * 1024
+# "auto" sizes: never below MIN_AUTO_BYTES from the cost model. Below a few MiB each collective's fixed host-side
+# costs (issue, pack, wait, unpack) outweigh what smaller buckets gain: on gloo (2 ranks, bench GPT, alternated
+# steps) ZeRO-1 ran 1.16x DDP with 1 MiB buckets, 1.08x with 4 MiB and 16 MiB (benchmarks/README.md); NCCL's
+# cost model asks for more than this anyway.
+MIN_AUTO_BYTES = 4 * 1024 * 1024
 MAX_AUTO_BYTES = 256 * 1024 * 1024
+MIN_OVERLAP_BYTES = 256 * 1024  # the smallest reduction bucket overlap_limit splits into
 REDUCTION_BUCKETS = 4  # "auto" gradient reductions: at least this many buckets where they are big enough
 
 
@@ -69,10 +74,10 @@ def bucket_limit(value: int | str, target: object, cost_model: CostModel | None)
 
 def overlap_limit(gm: fx.GraphModule, target: object, limit: int) -> int:
     """An ``"auto"`` gradient-reduction bucket size no larger than a ``REDUCTION_BUCKETS``-th of all the graph's
-    ``target`` reductions (never below ``MIN_AUTO_BYTES``): one bucket of every gradient could only be issued
+    ``target`` reductions (never below ``MIN_OVERLAP_BYTES``): one bucket of every gradient could only be issued
     once backward has produced the last of them, so none of its transfer would overlap backward."""
     total = sum(_nbytes(n) for n in gm.graph.nodes if n.target is target)
-    return min(limit, max(MIN_AUTO_BYTES, -(-total // REDUCTION_BUCKETS)))
+    return min(limit, max(MIN_OVERLAP_BYTES, -(-total // REDUCTION_BUCKETS)))
 
 
 # Cheap ops that only re-view or re-type one value: they can follow a merged collective wherever it lands.

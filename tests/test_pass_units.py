@@ -37,7 +37,7 @@ from zgraph.ops import (
     WRITE_BACK,
 )
 from zgraph.passes import Pass, PassContext, run_pipeline
-from zgraph.passes.bucket import MIN_AUTO_BYTES, bucket, overlap_limit
+from zgraph.passes.bucket import MIN_OVERLAP_BYTES, bucket, overlap_limit
 from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
@@ -114,15 +114,15 @@ def test_bucket_gathers_and_all_reduces():
 
 def test_auto_reduction_buckets_leave_backward_something_to_overlap():
     """``"auto"``: gradient reductions are split into at least a quarter of their bytes each (never below
-    ``MIN_AUTO_BYTES``), so all but the last bucket can be issued while backward still runs; gathers keep the
+    ``MIN_OVERLAP_BYTES``), so all but the last bucket can be issued while backward still runs; gathers keep the
     cost model's size."""
     b = Builder()
     grads = [b.input(f"g{i}", (128, 128), "grad", i) for i in range(8)]  # 64 KiB each, 512 KiB in all
     outs = [b.op(aten.mul.Tensor, b.op(REDUCE, g, 2, GROUP, phase=BACKWARD), 2.0, phase=BACKWARD) for g in grads]
     gm = bucket(b.finish([(o, _user(o)) for o in outs]), context(), allgather_bytes="auto", reduce_bytes="auto")
     merged = [n.meta[BUCKET]["bytes"] for n in gm.graph.nodes if n.target is REDUCE_BUCKET]
-    assert merged == [MIN_AUTO_BYTES, MIN_AUTO_BYTES] and count(gm, REDUCE) == 0
-    assert overlap_limit(gm, REDUCE, 16 << 20) == MIN_AUTO_BYTES  # nothing left to reduce: the floor
+    assert merged == [MIN_OVERLAP_BYTES, MIN_OVERLAP_BYTES] and count(gm, REDUCE) == 0
+    assert overlap_limit(gm, REDUCE, 16 << 20) == MIN_OVERLAP_BYTES  # nothing left to reduce: the floor
 
 
 def test_bucket_is_a_no_op_without_process_group():
