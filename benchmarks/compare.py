@@ -43,6 +43,7 @@ MICRO_BATCH = 8
 GLOBAL_BATCH = WORLD_SIZE * MICRO_BATCH
 SINGLE_PROCESS = "eager-1proc"
 DEEPSPEED_SYSTEMS = ("deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
+COMPILED_PEERS = ("ddp-compiled", "fsdp2-compiled")  # the peers with torch.compile (inductor) on the model
 CONTROL = "ddp-control"  # benchmarks.control_ddp: a plain DDP script, the harness's control (issue 17)
 SYSTEMS = (
     SINGLE_PROCESS,
@@ -54,7 +55,9 @@ SYSTEMS = (
     "zgraph-z1",
     "zgraph-z2",
     "zgraph-z3",
+    *COMPILED_PEERS,
 )
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in COMPILED_PEERS)  # --systems all adds the compiled peers
 MODELS: dict[str, tuple[str, GPTConfig]] = {"bench": ("bench GPT", BENCH_GPT), "100m": ("GPT 100M", GPT_100M)}
 LOSS_RTOL = 1e-3
 FOREIGN_LOAD_WARN = 0.05  # share of the machine's CPU time used by other processes that makes a run suspect
@@ -654,7 +657,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (zgraph captures on the first)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="times the whole list of systems is run")
-    parser.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), help="'all' or a comma list")
+    parser.add_argument("--systems", type=parse_systems, default=list(DEFAULT_SYSTEMS), help="'all' or a comma list")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run of one system may take")
     parser.add_argument(
         "--wait-idle",

@@ -107,6 +107,20 @@ def build_fsdp2(model: nn.Module, lr: float, args: argparse.Namespace) -> System
     return System(lambda idx, tgt: train_step(model, opt, idx, tgt), [model, opt])
 
 
+def build_compiled(model: nn.Module, lr: float, args: argparse.Namespace, peer: str) -> System:
+    """``ddp`` or ``fsdp2`` with ``torch.compile`` (inductor, default options) on the wrapped model, as their docs
+    show it: DDP's compiled graph split at its buckets (DDPOptimizer), FSDP2's traced with its hooks; the
+    optimizer step stays eager."""
+    if peer == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        opt = adamw(wrapped, lr)
+    else:
+        opt = build_fsdp2(model, lr, args).state_roots[1]
+        wrapped = model
+    compiled = torch.compile(wrapped)
+    return System(lambda idx, tgt: train_step(compiled, opt, idx, tgt), [model, opt])
+
+
 def build_zgraph(model: nn.Module, lr: float, args: argparse.Namespace, stage: int) -> System:
     """``zgraph.distribute(Config(stage, backend))(train_step)``; zgraph starts the process group itself."""
     import zgraph
@@ -159,6 +173,8 @@ def build_system(name: str, model: nn.Module, args: argparse.Namespace) -> Syste
         return build_ddp(model, args.lr, args)
     if name == "fsdp2":
         return build_fsdp2(model, args.lr, args)
+    if name.endswith("-compiled"):
+        return build_compiled(model, args.lr, args, name.removesuffix("-compiled"))
     match = re.fullmatch(r"(zgraph|deepspeed)-z([0-3])", name)
     if match is None:
         raise ValueError(f"unknown system {name!r}")
