@@ -249,3 +249,40 @@ def test_offloaded_params_with_inductor(tmp_path):
 
 def test_offloaded_params_two_graphs_share_the_files(tmp_path):
     run_ranks(1, "offload_cases.params_recapture_ranks", str(tmp_path), timeout=300)
+
+
+_RSS_RUN = """
+import sys, torch, zgraph
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(4)])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+config = zgraph.Config(stage=1, backend="eager", measure_collectives=False, offload_optimizer="nvme",
+                       offload_dir=sys.argv[1], keep_host_memory=sys.argv[2] == "keep")
+step = zgraph.distribute(config)(lambda m, o, x: (m(x).square().mean().backward(), o.step(), o.zero_grad()))
+x = torch.randn(64, 1024)
+for _ in range(3):
+    step(model, opt, x)
+print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) * 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_offloaded_states_leave_the_resident_set_between_steps(tmp_path):
+    """The store gives freed host memory back after each step: the 32 MiB of AdamW states in files are out of the
+    resident set, not only out of the live tensors. Both runs get glibc tunables that never trim on their own, so
+    the difference is the store's ``malloc_trim``; ``keep_host_memory=True`` asks to keep the memory (no trim)."""
+    import subprocess
+    import sys
+
+    from zgraph.runtime.host_memory import GLIBC_TUNABLES
+
+    env = {**os.environ, "GLIBC_TUNABLES": GLIBC_TUNABLES, "OMP_NUM_THREADS": "1"}
+    rss = {}
+    for mode in ("trim", "keep"):
+        run = [sys.executable, "-c", _RSS_RUN, str(tmp_path), mode]
+        done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rss[mode] = int(done.stdout.split()[-1])
+    states = 2 * 4 * 1024 * 1024 * 4  # exp_avg and exp_avg_sq of four 1024 x 1024 fp32 weights
+    assert rss["trim"] < rss["keep"] - states // 2, {k: v / 2**20 for k, v in rss.items()}
