@@ -201,7 +201,7 @@ def sync() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def _status_kib(field_name: str) -> int:
+def status_kib(field_name: str) -> int:
     with open("/proc/self/status") as f:
         match = re.search(rf"^{field_name}:\s+(\d+) kB", f.read(), re.MULTILINE)
     return int(match.group(1)) if match else -1
@@ -215,12 +215,12 @@ def reset_peak_rss() -> None:
 
 def peak_rss_mib() -> float:
     """VmHWM (peak resident set since the last reset) in MiB."""
-    return _status_kib("VmHWM") / 1024
+    return status_kib("VmHWM") / 1024
 
 
 def rss_mib() -> float:
     """Current resident set in MiB."""
-    return _status_kib("VmRSS") / 1024
+    return status_kib("VmRSS") / 1024
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[Tensor]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zgraph
+from benchmarks.compare_worker import reset_peak_rss, status_kib
 from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
@@ -50,12 +51,6 @@ def _step(model, opt, idx, tgt):
     opt.step()
     opt.zero_grad()
     return loss.detach()
-
-
-def _vm_bytes(field: str) -> int:
-    """A ``/proc/self/status`` size (``VmHWM``, ``VmRSS``) in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, names: list[str], out: str) -> None:
@@ -80,9 +75,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, names: lis
     rss = [0, 0]  # VmRSS before the first timed call, VmHWM over the timed calls
     for i in range(args.steps + 2):  # two warm-up calls each (capture)
         if i == 2:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            rss[0] = _vm_bytes("VmRSS")
+            reset_peak_rss()
+            rss[0] = status_kib("VmRSS") * 1024
         for name in models:
             held = state_bytes(models[name], opts[name])["total"]
             dist.barrier()
@@ -97,10 +91,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, names: lis
     parts = {k: state_bytes(models[k], opts[k]) for k in models}
     held = {k: v["total"] for k, v in parts.items()}
     params = {k: v["params"] for k, v in parts.items()}
-    rss[1] = _vm_bytes("VmHWM")
+    rss[1] = status_kib("VmHWM") * 1024
     mine = torch.tensor([*held.values(), *peaks.values(), *params.values(), *rss], dtype=torch.int64)
     gathered = torch.empty(world * len(mine), dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, mine)
+    dist.all_gather_single(gathered, mine)
     n = len(models)
     everyone = [
         {
