@@ -56,6 +56,9 @@ GLOBAL_BATCH = WORLD_SIZE * MICRO_BATCH
 SINGLE_PROCESS = "eager-1proc"
 DEEPSPEED_SYSTEMS = ("deepspeed-z1", "deepspeed-z2", "deepspeed-z3")
 COMPILED_PEERS = ("ddp-compiled", "fsdp2-compiled")  # the peers with torch.compile (inductor) on the model
+# stage 3 with parameters gathered once per step (held from forward to backward): FSDP2's
+# reshard_after_forward=False, zgraph's max_reuse_distance as large as the model (DeepSpeed's default reuse)
+GATHERED_ONCE = ("fsdp2-keep", "zgraph-z3-keep")
 CONTROL = "ddp-control"  # benchmarks.control_ddp: a plain DDP script, the harness's control (issue 17)
 SYSTEMS = (
     SINGLE_PROCESS,
@@ -67,9 +70,10 @@ SYSTEMS = (
     "zgraph-z1",
     "zgraph-z2",
     "zgraph-z3",
+    *GATHERED_ONCE,
     *COMPILED_PEERS,
 )
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in COMPILED_PEERS)  # --systems all adds the compiled peers
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in COMPILED_PEERS + GATHERED_ONCE)  # --systems all adds them
 MODELS: dict[str, tuple[str, GPTConfig]] = {"bench": ("bench GPT", BENCH_GPT), "100m": ("GPT 100M", GPT_100M)}
 LOSS_RTOL = 1e-3
 

@@ -94,14 +94,15 @@ def build_ddp(model: nn.Module, lr: float, args: argparse.Namespace) -> System:
     return System(lambda idx, tgt: train_step(ddp, opt, idx, tgt), [model, opt])
 
 
-def build_fsdp2(model: nn.Module, lr: float, args: argparse.Namespace) -> System:
-    """FSDP2 (``fully_shard``) on every transformer block, then on the root, over a CPU gloo mesh."""
+def build_fsdp2(model: nn.Module, lr: float, args: argparse.Namespace, reshard: bool = True) -> System:
+    """FSDP2 (``fully_shard``) on every transformer block, then on the root, over a CPU gloo mesh;
+    ``reshard``: its ``reshard_after_forward`` (False: each block's parameters gathered once per step)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
     opt = adamw(model, lr)
     return System(lambda idx, tgt: train_step(model, opt, idx, tgt), [model, opt])
@@ -121,12 +122,14 @@ def build_compiled(model: nn.Module, lr: float, args: argparse.Namespace, peer: 
     return System(lambda idx, tgt: train_step(compiled, opt, idx, tgt), [model, opt])
 
 
-def build_zgraph(model: nn.Module, lr: float, args: argparse.Namespace, stage: int) -> System:
-    """``zgraph.distribute(Config(stage, backend))(train_step)``; zgraph starts the process group itself."""
+def build_zgraph(model: nn.Module, lr: float, args: argparse.Namespace, stage: int, keep: bool = False) -> System:
+    """``zgraph.distribute(Config(stage, backend))(train_step)``; zgraph starts the process group itself.
+    ``keep``: ``max_reuse_distance`` of a billion elements (DeepSpeed's default): gathered once per step."""
     import zgraph
 
     opt = adamw(model, lr)
-    step = zgraph.distribute(zgraph.Config(stage=stage, backend=args.backend))(train_step)
+    config = zgraph.Config(stage=stage, backend=args.backend, max_reuse_distance=10**9 if keep else 0)
+    step = zgraph.distribute(config)(train_step)
     return System(lambda idx, tgt: step(model, opt, idx, tgt), [model, opt])
 
 
@@ -171,8 +174,10 @@ def build_system(name: str, model: nn.Module, args: argparse.Namespace) -> Syste
         return build_eager(model, args.lr, args)
     if name == "ddp":
         return build_ddp(model, args.lr, args)
-    if name == "fsdp2":
-        return build_fsdp2(model, args.lr, args)
+    if name in ("fsdp2", "fsdp2-keep"):
+        return build_fsdp2(model, args.lr, args, reshard=name == "fsdp2")
+    if name == "zgraph-z3-keep":
+        return build_zgraph(model, args.lr, args, 3, keep=True)
     if name.endswith("-compiled"):
         return build_compiled(model, args.lr, args, name.removesuffix("-compiled"))
     match = re.fullmatch(r"(zgraph|deepspeed)-z([0-3])", name)

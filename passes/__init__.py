@@ -36,6 +36,7 @@ from zgraph.passes.shard_params import shard_params
 def default_pipeline(
     *,
     stage: int = 0,
+    max_reuse_distance: int = 0,
     allgather_bucket_bytes: int | str = "auto",
     reduce_bucket_bytes: int | str = "auto",
     prefetch_bytes: int | str = "auto",
@@ -58,7 +59,11 @@ def default_pipeline(
             requires={"phases", "grad_markers"},
             provides={"grads_reduced"},
         ),
-        Pass("shard_params", bind(shard_params, stage=stage), requires={"phases"}),
+        Pass(
+            "shard_params",
+            bind(shard_params, stage=stage, max_reuse_distance=max_reuse_distance),
+            requires={"phases"},
+        ),
         Pass("cast", bind(cast, reduce_dtype=reduce_dtype), requires={"grads_reduced"}),
         Pass("clip_grad", clip_grad, requires={"grads_reduced"}),
         Pass("loss_scale", loss_scale, requires={"grads_reduced"}),

@@ -5,7 +5,8 @@ nodes (reduce-scatters), then the ``reduce`` nodes (all-reduces), each in graph 
 the next node while all of these hold:
 
 - same kind, process group, world size and dtype, and same phase (a forward gather never waits in a bucket
-  with a backward one: that would keep it alive across the two);
+  with a backward one: that would keep it alive across the two); for gathers also the same phase of the last
+  reader (a gather ``shard_params`` kept for the backward never holds a forward-only one alive with it);
 - the bucket's bytes (of the whole tensors) stay within ``Config.allgather_bucket_bytes`` (gathers) or
   ``Config.reduce_bucket_bytes`` (reductions); ``"auto"`` asks the cost model for the smallest size whose
   latency is a tenth of its transfer time (at least ``MIN_AUTO_BYTES``), and for reductions caps it at a quarter
@@ -136,10 +137,16 @@ def plan_buckets(gm: fx.GraphModule, limits: dict[object, int]) -> list[Bucket]:
     def first_use(node: fx.Node) -> int:
         return min((first_use(u) if _follows(u, node) else order[u] for u in node.users), default=end)
 
+    def last_use(node: fx.Node) -> int:
+        return max((last_use(u) if _follows(u, node) else order[u] for u in node.users), default=-1)
+
+    nodes = list(order)
+
     def key(node: fx.Node) -> tuple:
         val = node.args[0].meta["val"]
         common = tuple(a for i, a in enumerate(node.args) if i > 1 or (i == 1 and node.target is not UNSHARD))
-        return (common, val.dtype, node.meta.get(PHASE))
+        held = nodes[last_use(node)].meta.get(PHASE) if node.target is UNSHARD and node.users else None
+        return (common, val.dtype, node.meta.get(PHASE), held)
 
     plans = []
     for target in (UNSHARD, REDUCE_SHARD, REDUCE):

@@ -12,8 +12,15 @@ from the backward gather instead of being kept alive across the two.
 
 Parameters that stay whole (``ParamInfo.persistent``, 0-d) are not touched.
 
+``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``): a parameter's gather is kept for its next
+region, instead of gathering it again, when at most this many elements of other parameters are gathered between
+the last read of the one (through its views, too) and the other — the last layers' parameters from the end of the
+forward into the start of the backward, or, with a distance as large as the model, every parameter (one
+all-gather per step instead of two; each is then held from its forward use to its backward use, as FSDP2's
+``reshard_after_forward=False``). 0 (the default): every region gathers its own.
+
 Later passes may rely on: every ``zgraph::unshard`` of a parameter placeholder sits right before the first use
-of its region and has no users outside that region.
+of its region and has no users outside that region (a kept gather's region runs on to its last reader).
 """
 
 from __future__ import annotations
@@ -65,10 +72,13 @@ _RECOMPUTABLE = (
 )
 
 
-def shard_params(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:
+def shard_params(
+    gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0, max_reuse_distance: int = 0
+) -> fx.GraphModule:
     """Stage 3: parameters enter sharded, are all-gathered per use region and freed after it.
 
-    ``stage``: ``Config.stage`` (below 3 the pass does nothing)."""
+    ``stage``: ``Config.stage`` (below 3 the pass does nothing). ``max_reuse_distance``:
+    ``Config.max_reuse_distance``, in elements (see the module's docstring)."""
     if stage < 3 or not ctx.distributed:
         return gm
     mode = fake_mode(gm)
@@ -92,6 +102,8 @@ def shard_params(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.
         wholes = insert_per_region(gm, node, regions, UNSHARD, (node, info.shape[0], world, group))
         gathers = [(order[region[0]] - 0.5, whole) for region, whole in zip(regions, wholes)]
         _recompute_views_in_backward(gm, gathers, order, mode)
+    if max_reuse_distance > 0:
+        _keep_gathers_for_reuse(gm, max_reuse_distance)
     items = []
     for value, role in outputs(gm):
         if role.kind == "param" and role.index in sharded:
@@ -144,3 +156,38 @@ def _copy_view(gm: fx.GraphModule, node: fx.Node, memo: dict[fx.Node, fx.Node], 
         args = tuple(source_copy if a is source else a for a in node.args)
         memo[node] = insert(gm, node.target, args, dict(node.kwargs), after=source_copy, phase=BACKWARD, mode=mode)
     return memo[node]
+
+
+def _last_read(node: fx.Node, order: dict[fx.Node, int]) -> int:
+    """Position of the last reader of ``node``, through the views and casts that read it."""
+    last = order[node]
+    for user in node.users:
+        last = max(last, _last_read(user, order) if user.target in _RECOMPUTABLE else order[user])
+    return last
+
+
+def _keep_gathers_for_reuse(gm: fx.GraphModule, distance: int) -> None:
+    """Where at most ``distance`` elements of other parameters are gathered between the last read of one gather
+    of a parameter and its next gather, the next one's readers read the earlier gather instead (it is erased)."""
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    gathers = [n for n in nodes if n.target is UNSHARD and n.args[0].op == "placeholder"]
+    by_param: dict[fx.Node, list[fx.Node]] = {}
+    for gather in gathers:
+        by_param.setdefault(gather.args[0], []).append(gather)
+    erased = set()
+    for param, own in by_param.items():
+        kept = own[0]
+        for gather in own[1:]:
+            start, end = _last_read(kept, order), order[gather]
+            between = {
+                g.args[0]: g.meta[VAL].numel()
+                for g in gathers
+                if start < order[g] < end and g.args[0] is not param and g not in erased
+            }
+            if sum(between.values()) <= distance:
+                gather.replace_all_uses_with(kept)
+                gm.graph.erase_node(gather)
+                erased.add(gather)
+            else:
+                kept = gather

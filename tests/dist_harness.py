@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import io
 import os
@@ -37,6 +38,9 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    # a crash in native code (SIGSEGV, or SIGABRT from glibc's heap checks) prints every thread's Python stack,
+    # so a failure names where it happened
+    faulthandler.enable(all_threads=True)
     if init_group:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
     module_name, fn_name = target.rsplit(".", 1)

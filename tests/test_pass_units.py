@@ -104,8 +104,8 @@ def test_bucket_gathers_and_all_reduces():
     b = Builder()
     p0, p1 = b.input("p0", (4, 4), "param", 0), b.input("p1", (4, 4), "param", 1)
     w0, w1 = b.op(UNSHARD, p0, 8, 2, GROUP), b.op(UNSHARD, p1, 8, 2, GROUP)
-    s = b.op(aten.add.Tensor, w0, w1)
-    r0, r1 = b.op(REDUCE, s, 2, GROUP, phase=BACKWARD), b.op(REDUCE, w0, 2, GROUP, phase=BACKWARD)
+    s, m = b.op(aten.add.Tensor, w0, w1), b.op(aten.mul.Tensor, w0, w1)  # both gathers read in forward only
+    r0, r1 = b.op(REDUCE, s, 2, GROUP, phase=BACKWARD), b.op(REDUCE, m, 2, GROUP, phase=BACKWARD)
     t = b.op(aten.add.Tensor, r0, r1, phase=BACKWARD)
     gm = _bucket(b.finish([(t, _user(t))]))
     assert count(gm, UNSHARD_BUCKET) == 1 and count(gm, REDUCE_BUCKET) == 1

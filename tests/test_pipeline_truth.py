@@ -41,7 +41,7 @@ def test_pass_options_are_bound_and_default_to_configs():
     passes = {p.name: p for p in default_pipeline(stage=3, allgather_bucket_bytes=123, reduce_dtype=torch.bfloat16)}
     assert isinstance(passes["bucket"].fn, functools.partial)
     assert passes["bucket"].fn.keywords["allgather_bytes"] == 123
-    assert passes["shard_params"].fn.keywords == {"stage": 3}
+    assert passes["shard_params"].fn.keywords == {"stage": 3, "max_reuse_distance": 0}
     assert passes["cast"].fn.keywords == {"reduce_dtype": torch.bfloat16}
     # a pass's signature names its options; the context carries no config
     assert "reduce_dtype" in inspect.signature(passes["cast"].fn.func).parameters

@@ -336,11 +336,12 @@ def _rotate_ranks(t: object, world: int) -> object:
     return torch.cat([*chunks[1:], chunks[0]])
 
 
-def run_case(case: Case, stage: int, rank: int, world: int, backend: str = "eager") -> dict:
-    """The case under zgraph on this rank; returns (on every rank) the averaged losses and whole state."""
+def run_case(case: Case, stage: int, rank: int, world: int, backend: str = "eager", **fields: Any) -> dict:
+    """The case under zgraph on this rank (``fields``: more ``zgraph.Config`` fields); returns (on every rank)
+    the averaged losses and whole state."""
     state = case.make(world)
     # every parameter sharded in stage 3, however small: the cases check sharding, not the threshold
-    config = zgraph.Config(stage=stage, backend=backend, param_persistence_threshold=0)
+    config = zgraph.Config(stage=stage, backend=backend, param_persistence_threshold=0, **fields)
     step = zgraph.distribute(config)(case.step)
     losses = []
     for batch in case.batches():

@@ -50,6 +50,12 @@ class Config:
         param_persistence_threshold: stage 3: parameters with at most this many elements are not sharded; they
             stay whole on every rank and need no all-gather (DeepSpeed's
             ``stage3_param_persistence_threshold``, same default: 100000).
+        max_reuse_distance: stage 3: a parameter gathered for one use region (the forward's, say) stays gathered
+            for its next one (the backward's) instead of being gathered again, when at most this many elements of
+            other parameters are gathered in between. 0 (default): gathered again for every region, the least
+            memory (FSDP2's ``reshard_after_forward=True``). The number of parameters in the model: gathered once
+            per step (as ``reshard_after_forward=False``, and as DeepSpeed on a model under its default of 1e9).
+            DeepSpeed's ``stage3_max_reuse_distance``, mapped when a DeepSpeed config sets it.
         measure_collectives: fit the collective cost model (latency + bytes / bandwidth) by a short
             measurement on the first call, cached per machine and world size; False uses an analytical model.
         param_dtype: dtype parameters are used in by forward and backward (the compute dtype); in stage 3 they
@@ -122,6 +128,7 @@ class Config:
     reduce_bucket_bytes: int | str = "auto"
     prefetch_bytes: int | str = "auto"
     param_persistence_threshold: int = 100_000
+    max_reuse_distance: int = 0
     measure_collectives: bool = True
     param_dtype: torch.dtype | None = None
     keep_fp32_modules: tuple[type[nn.Module], ...] = NORM_MODULES
@@ -144,6 +151,7 @@ class Config:
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             _check_size(name, getattr(self, name), allow_auto=True)
         _check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
+        _check_size("max_reuse_distance", self.max_reuse_distance, allow_auto=False)
         for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype", "autocast_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:
@@ -174,6 +182,7 @@ class Config:
         """The options ``zgraph.passes.default_pipeline`` binds to its passes."""
         return dict(
             stage=self.stage,
+            max_reuse_distance=self.max_reuse_distance,
             allgather_bucket_bytes=self.allgather_bucket_bytes,
             reduce_bucket_bytes=self.reduce_bucket_bytes,
             prefetch_bytes=self.prefetch_bytes,

@@ -14,7 +14,9 @@ Mapping (DeepSpeed → zgraph):
   ``prefetch_bucket_size`` (DeepSpeed counts elements) → ``reduce_bucket_bytes``, ``allgather_bucket_bytes``,
   ``prefetch_bytes`` (bytes: elements × the size of the dtype that moves); ``param_persistence_threshold`` →
   ``param_persistence_threshold`` (same default, 100000). Each ``stage3_``-prefixed name is DeepSpeed's alias of
-  the same field. Bucket sizes left out are zgraph's ``"auto"`` (DeepSpeed's fixed defaults, 5e8 / 5e8 / 5e7
+  the same field. ``max_reuse_distance`` → ``max_reuse_distance`` (elements; left out, DeepSpeed's default
+  1e9, ``DEEPSPEED_MAX_REUSE_DISTANCE``: a model under a billion parameters is gathered once per step). Bucket
+  sizes left out are zgraph's ``"auto"`` (DeepSpeed's fixed defaults, 5e8 / 5e8 / 5e7
   elements, are tuned for its own engine; they change speed, not results).
 - ``bf16.enabled`` (or the old ``bfloat16`` section) → ``param_dtype=torch.bfloat16`` (compute in bf16, fp32
   master weights), unless ``torch_autocast`` is enabled (then autocast picks compute dtypes and the parameters
@@ -53,6 +55,9 @@ import torch
 
 from zgraph import deepspeed_keys as keys
 from zgraph.deepspeed_values import boolean, choice, dtype, integer, is_auto, number, section, unknown
+
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
+"""DeepSpeed's default ``stage3_max_reuse_distance`` (elements), applied when a DeepSpeed config leaves it out."""
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -197,8 +202,10 @@ def _read_zero(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
         "allgather_bucket_size": ("allgather_bucket_bytes", gathered, 0),
         "prefetch_bucket_size": ("prefetch_bytes", gathered, 0),
         "param_persistence_threshold": ("param_persistence_threshold", 1, 0),
+        "max_reuse_distance": ("max_reuse_distance", 1, 0),
     }
     for key, (field, size, minimum) in sizes.items():
         if key in zero and not is_auto(zero[key]):
             fields[field] = integer(f"zero_optimization.{key}", zero[key], minimum=minimum) * size
+    fields.setdefault("max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE)
     fields.update(keys.offload_fields(zero))

@@ -107,7 +107,7 @@ ZERO_ALIASES = {
     "stage3_allgather_sequential": "allgather_sequential",
 }
 ZERO_MAPPED = {"stage", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-               "param_persistence_threshold"}  # fmt: skip
+               "param_persistence_threshold", "max_reuse_distance"}  # fmt: skip
 # Booleans with no effect for zgraph: it overlaps, buckets and schedules communication itself, and keeps the
 # shards of one flat layout; the rest concern DeepSpeed's checkpoint files or its module hooks.
 ZERO_ACCEPTED_BOOLS = {
@@ -137,7 +137,7 @@ ZERO_ACCEPTED_BOOLS = {
 }
 # Counts with no effect for zgraph: its schedule pass decides what stays gathered (within prefetch_bytes).
 ZERO_ACCEPTED_COUNTS = {"sub_group_size", "model_persistence_threshold", "max_live_parameters",
-                        "max_reuse_distance", "module_granularity_threshold"}  # fmt: skip
+                        "module_granularity_threshold"}  # fmt: skip
 ZERO_ACCEPTED_OTHER = {"leaf_module"}  # ZeRO-3 hook granularity; zgraph captures the whole step as one graph
 # Accepted while false; true asks for a feature zgraph does not have.
 ZERO_FALSE_ONLY = {

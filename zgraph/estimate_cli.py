@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3 (default 3)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument(
+        "--max-reuse-distance",
+        type=int,
+        default=0,
+        help="stage 3: Config.max_reuse_distance, elements (DeepSpeed's stage3_max_reuse_distance; default 0)",
+    )
     for flag in ("param-dtype", "master-dtype", "optimizer-state-dtype", "autocast"):
         parser.add_argument(f"--{flag}", choices=sorted(DTYPES), default=None)
     parser.add_argument("--budget", default=None, help="memory per rank, e.g. 80GiB: the largest micro-batch that fits")
@@ -80,6 +86,7 @@ class Setting:
     stage: int
     seq: int
     dtypes: tuple[tuple[str, str | None], ...]
+    max_reuse_distance: int = 0
 
     def config(self) -> Config:
         d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
@@ -90,11 +97,13 @@ class Setting:
             master_dtype=d["master_dtype"],
             optimizer_state_dtype=d["optimizer_state_dtype"],
             autocast_dtype=d["autocast"],
+            max_reuse_distance=self.max_reuse_distance,
         )
 
     def describe(self) -> str:
         chosen = [f"{k}={v}" for k, v in self.dtypes if v]
-        return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32")
+        reuse = f", max_reuse_distance={self.max_reuse_distance}" if self.max_reuse_distance and self.stage == 3 else ""
+        return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32") + reuse
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targets: Tensor) -> Tensor:
@@ -146,7 +155,7 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     if seq < 1:
         raise EstimateInputError(f"--seq must be at least 1, got {seq}")
     dtypes = tuple((k, getattr(args, k)) for k in ("param_dtype", "master_dtype", "optimizer_state_dtype", "autocast"))
-    setting = Setting(args.model, args.world, args.stage, seq, dtypes)
+    setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance)
     try:
         setting.config()
     except ValueError as error:
@@ -231,7 +240,7 @@ def alternatives(setting: Setting, micro_batch: int, budget: int) -> list[tuple[
     candidates = []
     for stage in range(setting.stage, 4):
         for dtypes in (setting.dtypes, recipe):
-            candidate = Setting(setting.model, setting.world, stage, setting.seq, dtypes)
+            candidate = Setting(setting.model, setting.world, stage, setting.seq, dtypes, setting.max_reuse_distance)
             if candidate != setting and candidate not in candidates:
                 candidates.append(candidate)
     fitting = []

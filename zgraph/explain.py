@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
-from zgraph.graph import COLLECTIVE, COLLECTIVE_KINDS, MADE_BY, ParamInfo, collective_bytes, collective_kind
+from zgraph.graph import (
+    COLLECTIVE,
+    COLLECTIVE_KINDS,
+    MADE_BY,
+    PHASE,
+    ParamInfo,
+    collective_bytes,
+    collective_kind,
+)
+from zgraph.ops import UNSHARD
 from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import estimate
 
@@ -81,6 +90,7 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     lines += [fmt(row).rstrip() for row in table]
     lines += _bucket_lines(compiled.final)
     lines += _sharding_lines(compiled.params, config)
+    lines += _reuse_lines(compiled, config)
     lines += _timeline_lines(compiled)
     lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
     return "\n".join(lines)
@@ -97,6 +107,31 @@ def _sharding_lines(params: tuple[ParamInfo, ...], config: Any) -> list[str]:
         f"parameters: {len(sharded)} sharded ({size(sharded)}), {len(whole)} whole on every rank ({size(whole)}; "
         f"param_persistence_threshold={config.param_persistence_threshold} elements)"
     ]
+
+
+def _reuse_lines(compiled: CompiledStep, config: Any) -> list[str]:
+    """Stage 3 with ``max_reuse_distance``: how many parameters ``shard_params`` kept gathered from one use
+    region into the next."""
+    record = next((r for r in compiled.records if r.name == "shard_params"), None)
+    if config.stage < 3 or not config.max_reuse_distance or record is None:
+        return []
+    gathers = [n for n in record.gm.graph.nodes if n.target is UNSHARD and n.args[0].op == "placeholder"]
+    kept = {g.args[0] for g in gathers if len(_reader_phases(g)) > 1}
+    return [
+        f"max_reuse_distance={config.max_reuse_distance} elements: {len(kept)} of "
+        f"{len({g.args[0] for g in gathers})} sharded parameters stay gathered from one phase into the next"
+    ]
+
+
+def _reader_phases(node: fx.Node) -> set[str]:
+    """The phases of ``node`` and of what reads it, through the single-input ops (views, casts) that read it."""
+    phases, todo = {node.meta.get(PHASE)}, [node]
+    while todo:
+        for user in todo.pop().users:
+            phases.add(user.meta.get(PHASE))
+            if len(user.all_input_nodes) == 1:
+                todo.append(user)
+    return phases - {None}
 
 
 def _bucket_lines(gm: fx.GraphModule) -> list[str]:
