@@ -54,8 +54,9 @@ class Config:
             for its next one (the backward's) instead of being gathered again, when at most this many elements of
             other parameters are gathered in between. 0 (default): gathered again for every region, the least
             memory (FSDP2's ``reshard_after_forward=True``). The number of parameters in the model: gathered once
-            per step (as ``reshard_after_forward=False``, and as DeepSpeed on a model under its default of 1e9).
-            DeepSpeed's ``stage3_max_reuse_distance``, mapped when a DeepSpeed config sets it.
+            per step (as ``reshard_after_forward=False``). DeepSpeed's ``stage3_max_reuse_distance`` (DeepSpeed
+            counts every module's parameters it passes, zgraph each other parameter once); ``from_deepspeed``
+            maps it, and a DeepSpeed config that leaves it out gets DeepSpeed's default, 1e9.
         measure_collectives: fit the collective cost model (latency + bytes / bandwidth) by a short
             measurement on the first call, cached per machine and world size; False uses an analytical model.
         param_dtype: dtype parameters are used in by forward and backward (the compute dtype); in stage 3 they

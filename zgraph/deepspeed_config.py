@@ -15,7 +15,7 @@ Mapping (DeepSpeed → zgraph):
   ``prefetch_bytes`` (bytes: elements × the size of the dtype that moves); ``param_persistence_threshold`` →
   ``param_persistence_threshold`` (same default, 100000). Each ``stage3_``-prefixed name is DeepSpeed's alias of
   the same field. ``max_reuse_distance`` → ``max_reuse_distance`` (elements; left out, DeepSpeed's default
-  1e9, ``DEEPSPEED_MAX_REUSE_DISTANCE``: a model under a billion parameters is gathered once per step). Bucket
+  1e9, ``DEEPSPEED_MAX_REUSE_DISTANCE``: every parameter of a model under a billion is gathered once per step). Bucket
   sizes left out are zgraph's ``"auto"`` (DeepSpeed's fixed defaults, 5e8 / 5e8 / 5e7
   elements, are tuned for its own engine; they change speed, not results).
 - ``bf16.enabled`` (or the old ``bfloat16`` section) → ``param_dtype=torch.bfloat16`` (compute in bf16, fp32
