@@ -65,6 +65,19 @@ def _scalar(t: Tensor) -> float:
     return t.item()
 
 
+class _GroupScalars:
+    """The graph scalars of one parameter group's hyper-parameters, each read (``item()``) once for the whole
+    group, on first use: every ``item()`` is a node and a symbol of its own in the traced graph."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, float] = {}
+
+    def get(self, name: str, make: Callable[[], Tensor]) -> float:
+        if name not in self._values:
+            self._values[name] = _scalar(make())
+        return self._values[name]
+
+
 def _lerp_(t: Tensor, end: Tensor, weight: Tensor) -> None:
     """``t.lerp_(end, weight)`` with ``weight`` a 0-d float64 graph input, as eager's ``lerp_`` with a Python
     float: a tensor weight (a scalar one from ``item()`` makes inductor branch on its value), and for a 16-bit
@@ -124,20 +137,21 @@ def _sgd_update(
     opmath: bool = False,
 ) -> None:
     momentum_on, decay_on, nesterov, maximize, _ = _sgd_structure(group)
+    scalars = _GroupScalars()
 
     def update(param: Tensor, grad: Tensor, state: dict) -> None:
         grad = grad if not maximize else -grad
         if decay_on:
-            grad = grad.add(param, alpha=_scalar(hp["weight_decay"]))
+            grad = grad.add(param, alpha=scalars.get("weight_decay", lambda: hp["weight_decay"]))
         if momentum_on:
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = torch.clone(grad).detach()
                 state["momentum_buffer"] = buf
             else:
-                buf.mul_(hp["momentum"]).add_(grad, alpha=_scalar(1 - hp["dampening"]))
-            grad = grad.add(buf, alpha=_scalar(hp["momentum"])) if nesterov else buf
-        param.add_(grad, alpha=_scalar(-hp["lr"]))
+                buf.mul_(hp["momentum"]).add_(grad, alpha=scalars.get("1-dampening", lambda: 1 - hp["dampening"]))
+            grad = grad.add(buf, alpha=scalars.get("momentum", lambda: hp["momentum"])) if nesterov else buf
+        param.add_(grad, alpha=scalars.get("-lr", lambda: -hp["lr"]))
 
     _update_each(params, grads, states, state_dtype, opmath, update)
 
@@ -190,6 +204,7 @@ def _adam_update(
 ) -> None:
     decay_on, decoupled, amsgrad, maximize, _ = _adam_structure(group)
     lr, beta1, beta2, eps, weight_decay = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+    scalars = _GroupScalars()
 
     def update(param: Tensor, grad: Tensor, state: dict) -> None:
         grad = grad if not maximize else -grad
@@ -199,9 +214,9 @@ def _adam_update(
             if decoupled:
                 param.mul_(1 - lr * weight_decay)
             else:
-                grad = grad.add(param, alpha=_scalar(weight_decay))
+                grad = grad.add(param, alpha=scalars.get("weight_decay", lambda: weight_decay))
         _lerp_(exp_avg, grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=_scalar(1 - beta2))
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=scalars.get("1-beta2", lambda: 1 - beta2))
         step = step_t.to(torch.float64)
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
