@@ -228,3 +228,29 @@ def _unalias(outputs: list, inputs: list, updated_inputs: frozenset[int] = froze
         if overlaps(value):
             outputs[i] = value = value.clone()
         take(value)
+
+
+def pass_context(binding: Binding) -> PassContext:
+    """What the passes know of a bound step: its parameters (shape, dtype, shard spec, persistence), its process
+    group and the cost model."""
+    plan = binding.plan
+    params = tuple(
+        ParamInfo(
+            r.index,
+            tuple(r.names),
+            tuple(r.tensor.shape),
+            r.tensor.dtype,
+            r.tensor.requires_grad,
+            shard=plan.specs[r.index],
+            persistent=plan.persistent[r.index],
+        )
+        for r in binding.params
+    )
+    group = plan.group
+    return PassContext(
+        world_size=group.world_size,
+        rank=group.rank,
+        group_name=group.group_name,
+        params=params,
+        cost_model=binding.cost_model,
+    )

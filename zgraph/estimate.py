@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zgraph.capture import CapturedGraph, finish, trace_step
+from zgraph.compiled import pass_context
 from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
@@ -136,7 +137,7 @@ def estimate_step(
     binding.cost_model = cost_model or _cost_model(config, group, device)
     user_tensors = step._user_tensors(binding, shadow_args, shadow_kwargs)
     captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, config, device)
-    ctx = step._context(binding)
+    ctx = pass_context(binding)
     records = run_pipeline(captured.gm, ctx, step._pipeline, keep=False)  # only the final graph is read
     transformed = records[-1].gm if records else captured.gm
     from zgraph.compiled import lower  # the eager backend's rewrites: the graph that runs op by op

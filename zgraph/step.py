@@ -26,15 +26,15 @@ from torch import Tensor
 
 from zgraph import optimizers as zopt
 from zgraph.capture import CapturedGraph, UnboundState, finish, trace_step
-from zgraph.compiled import CompiledStep, lower, reserve_offload, run
+from zgraph.compiled import CompiledStep, lower, pass_context, reserve_offload, run
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.estimate import Estimate, estimate_step
 from zgraph.explain import dump_graphs, explain_table
-from zgraph.graph import ParamInfo, input_specs, output_roles
+from zgraph.graph import input_specs, output_roles
 from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
 from zgraph.locate import Locator, Slot, locate
-from zgraph.passes import PassContext, build_pipeline, default_pipeline, run_pipeline
+from zgraph.passes import build_pipeline, default_pipeline, run_pipeline
 from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
@@ -56,7 +56,7 @@ from zgraph.runtime.state import Binding
 from zgraph.split import needs_split, trace_joint
 from zgraph.split_run import lower_split, run_split
 from zgraph.trace_env import traced_arguments
-from zgraph.trace_optim import create_first_state
+from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates
 from zgraph.tree import iter_leaves
 
 
@@ -320,17 +320,32 @@ class DistributedStep:
         self, binding: Binding, args: tuple, kwargs: dict, user_tensors: list, located: Sequence
     ) -> CapturedGraph | str:
         """Trace the step and finish its graph; or, when the trace found state zgraph must bind first (modules,
-        optimizers, tensors read outside the arguments), bind it and return what it found. A first optimizer
-        step's state is created for real and the step traced once more with it as graph inputs."""
-        materialized = False
+        optimizers, tensors read outside the arguments), bind it and return what it found.
+
+        A first optimizer step's state is created for real, as torch.optim creates it, and traced as graph
+        inputs. It is guessed first (every parameter that requires grad gets a gradient) and created before the
+        trace: when the step updates all of it, that one trace is the step's. Otherwise (or when the trace
+        fails, or finds more to bind) the guessed state is removed again, and the step traced without it, its
+        first step's state created from what that trace created, and traced once more with it."""
+        materialized = guess = False
         swaps = [(slot, t) for _, slot, t in located]
         while True:
-            traced = trace_step(self._fn, args, kwargs, binding, user_tensors, self.config, swaps)
+            guessed = self._guess_first_state(binding) if not (guess or materialized) else []
+            guess = True
+            try:
+                traced = trace_step(self._fn, args, kwargs, binding, user_tensors, self.config, swaps)
+            except BaseException:
+                drop_state(binding, guessed)
+                raise
+            if guessed and (traced.unbound is not None or not set(guessed) <= set(traced.captured.updated_state)):
+                drop_state(binding, guessed)  # a parameter got no gradient (or more to bind): as it was
+                continue
             if traced.unbound is not None:
                 self._observe(traced.unbound, args, kwargs)
                 return f"modules / optimizers reached while tracing: {self._observed}"
             found = self._check_constants(binding, args, kwargs, traced.constants)
             if found is not None:
+                drop_state(binding, guessed)
                 return found
             if not materialized and traced.captured.created_state:
                 materialized = True
@@ -359,7 +374,7 @@ class DistributedStep:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        ctx = self._context(binding)
+        ctx = pass_context(binding)
         records = run_pipeline(captured.gm, ctx, self._pipeline)
         transformed = records[-1].gm if records else captured.gm
         split = None
@@ -385,35 +400,20 @@ class DistributedStep:
             split,
         )
 
+    def _guess_first_state(self, binding: Binding) -> list[tuple[int, int]]:
+        """Create the state a first optimizer step would create if every parameter that requires grad got a
+        gradient (as ``_materialize_created_state`` does); the ``(optimizer, param)`` pairs created."""
+        guessed = first_state_candidates(binding)
+        if guessed and create_first_state(binding, guessed, self.config.optimizer_state_dtype):
+            normalize_state(binding.plan, binding)
+        return guessed
+
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
         """Create, eagerly and exactly as torch.optim would, the optimizer state a first step creates; True if
         any was created (the step is then captured again with that state as inputs)."""
         created = create_first_state(binding, captured.created_state, self.config.optimizer_state_dtype)
         normalize_state(binding.plan, binding)
         return created
-
-    def _context(self, binding: Binding) -> PassContext:
-        plan = binding.plan
-        params = tuple(
-            ParamInfo(
-                r.index,
-                tuple(r.names),
-                tuple(r.tensor.shape),
-                r.tensor.dtype,
-                r.tensor.requires_grad,
-                shard=plan.specs[r.index],
-                persistent=plan.persistent[r.index],
-            )
-            for r in binding.params
-        )
-        group = plan.group
-        return PassContext(
-            world_size=group.world_size,
-            rank=group.rank,
-            group_name=group.group_name,
-            params=params,
-            cost_model=binding.cost_model,
-        )
 
     # ------------------------------------------------------------------------------------------ inspection
     def _compiled(self) -> CompiledStep:

@@ -1,0 +1,80 @@
+"""A first call creates the optimizer state torch.optim's first step creates, guessed before the trace so that the
+step is traced once; where the guess is wrong (a parameter gets no gradient) or the trace fails, the guessed
+state is removed again: the optimizer ends as eager PyTorch leaves it."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+import zgraph
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _square_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _count_traces(monkeypatch) -> list:
+    module = importlib.import_module("zgraph.step")
+    traces: list = []
+    trace_step = module.trace_step
+    monkeypatch.setattr(module, "trace_step", lambda *a, **k: traces.append(1) or trace_step(*a, **k))
+    return traces
+
+
+@pytest.mark.parametrize("unused", [False, True])
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+def test_first_call_state_equals_eager_and_one_trace_suffices(monkeypatch, unused, optimizer):
+    traces = _count_traces(monkeypatch)
+    model = _WithUnused() if unused else torch.nn.Sequential(torch.nn.Linear(8, 8))
+    eager_model = copy.deepcopy(model)
+    kw = {"lr": 0.1, "momentum": 0.9} if optimizer is torch.optim.SGD else {"lr": 0.1}
+    opt, eager_opt = optimizer(model.parameters(), **kw), optimizer(eager_model.parameters(), **kw)
+    step = zgraph.distribute(stage=0, backend="eager")(_square_step)
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        assert torch.equal(step(model, opt, x), _square_step(eager_model, eager_opt, x))
+    if optimizer is torch.optim.SGD:  # its momentum buffer is the first gradient, made in the first call's graph:
+        assert len(traces) == 2  # an input from the second call on, which is traced again
+    else:  # guessed; or guessed, then without the guess, then with the state that trace created
+        assert len(traces) == (3 if unused else 1)
+    got, want = opt.state_dict(), eager_opt.state_dict()
+    assert got["state"].keys() == want["state"].keys()
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+    for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_failing_first_trace_leaves_no_guessed_state():
+    def failing(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        raise ValueError("the user's own error")
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    step = zgraph.distribute(stage=0, backend="eager")(failing)
+    with pytest.raises(Exception, match="the user's own error"):
+        step(model, opt, torch.randn(4, 8))
+    assert not opt.state
