@@ -21,6 +21,27 @@ def train_step(model, opt, x, y):
     return loss
 
 
+class WithUnused(nn.Module):
+    """A linear layer and a parameter the forward never reads (it gets no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.unused = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x)
+
+
+def square_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor) -> Tensor:
+    """Mean of the squared output, backward, optimizer step, zero_grad; returns the detached loss."""
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def assert_close(actual: Any, expected: Any, *, bitwise: bool, what: str, rtol: float = 1e-6) -> None:
     """Compare tensors (or nested containers of them, or None). ``bitwise``: exact equality."""
     if isinstance(expected, Tensor):

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from dist_harness import run_ranks
 from estimate_cases import compare, train_step
+from parity import WithUnused, square_step
 
 import zgraph
 from zgraph.graph import shard_rows
@@ -181,24 +182,6 @@ def test_cli_bad_input_is_one_line_and_status_1(argv, says):
     assert not done.stdout
 
 
-class _WithUnused(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = torch.nn.Linear(8, 8)
-        self.unused = torch.nn.Parameter(torch.zeros(16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-def _square_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
-    loss = model(x).square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
 @pytest.mark.parametrize("unused", [False, True])
 def test_estimate_traces_once_unless_a_parameter_gets_no_gradient(monkeypatch, unused):
     """The first step's optimizer state is guessed before the trace (one trace); a parameter without a gradient
@@ -207,9 +190,9 @@ def test_estimate_traces_once_unless_a_parameter_gets_no_gradient(monkeypatch, u
     traces = []
     trace_step = module.trace_step
     monkeypatch.setattr(module, "trace_step", lambda *a, **k: traces.append(1) or trace_step(*a, **k))
-    model = _WithUnused() if unused else torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model = WithUnused() if unused else torch.nn.Sequential(torch.nn.Linear(8, 8))
     opt = torch.optim.AdamW(model.parameters())
-    step = zgraph.distribute(stage=0, backend="eager")(_square_step)
+    step = zgraph.distribute(stage=0, backend="eager")(square_step)
     e = step.estimate(model, opt, torch.randn(4, 8))
     used = [p for name, p in model.named_parameters() if name != "unused"]
     assert e.model_state_bytes["optimizer"] == sum(2 * p.numel() * 4 + 4 for p in used)  # moments + step counter

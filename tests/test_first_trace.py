@@ -9,27 +9,9 @@ import importlib
 
 import pytest
 import torch
+from parity import WithUnused, square_step
 
 import zgraph
-
-
-class _WithUnused(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.used = torch.nn.Linear(8, 8)
-        self.unused = torch.nn.Parameter(torch.zeros(16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-def _square_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
-    loss = model(x).square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
 
 
 def _count_traces(monkeypatch) -> list:
@@ -44,14 +26,14 @@ def _count_traces(monkeypatch) -> list:
 @pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
 def test_first_call_state_equals_eager_and_one_trace_suffices(monkeypatch, unused, optimizer):
     traces = _count_traces(monkeypatch)
-    model = _WithUnused() if unused else torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model = WithUnused() if unused else torch.nn.Sequential(torch.nn.Linear(8, 8))
     eager_model = copy.deepcopy(model)
     kw = {"lr": 0.1, "momentum": 0.9} if optimizer is torch.optim.SGD else {"lr": 0.1}
     opt, eager_opt = optimizer(model.parameters(), **kw), optimizer(eager_model.parameters(), **kw)
-    step = zgraph.distribute(stage=0, backend="eager")(_square_step)
+    step = zgraph.distribute(stage=0, backend="eager")(square_step)
     for i in range(2):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
-        assert torch.equal(step(model, opt, x), _square_step(eager_model, eager_opt, x))
+        assert torch.equal(step(model, opt, x), square_step(eager_model, eager_opt, x))
     if optimizer is torch.optim.SGD:  # its momentum buffer is the first gradient, made in the first call's graph:
         assert len(traces) == 2  # an input from the second call on, which is traced again
     else:  # guessed; or guessed, then without the guess, then with the state that trace created
