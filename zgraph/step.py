@@ -334,19 +334,20 @@ class DistributedStep:
             guess = True
             try:
                 traced = trace_step(self._fn, args, kwargs, binding, user_tensors, self.config, swaps)
+                if traced.unbound is not None:
+                    self._observe(traced.unbound, args, kwargs)
+                    found = f"modules / optimizers reached while tracing: {self._observed}"
+                else:
+                    found = self._check_constants(binding, args, kwargs, traced.constants)
             except BaseException:
                 drop_state(binding, guessed)
                 raise
-            if guessed and (traced.unbound is not None or not set(guessed) <= set(traced.captured.updated_state)):
-                drop_state(binding, guessed)  # a parameter got no gradient (or more to bind): as it was
-                continue
-            if traced.unbound is not None:
-                self._observe(traced.unbound, args, kwargs)
-                return f"modules / optimizers reached while tracing: {self._observed}"
-            found = self._check_constants(binding, args, kwargs, traced.constants)
-            if found is not None:
+            if found is not None:  # more to bind first: the state as it was
                 drop_state(binding, guessed)
                 return found
+            if not set(guessed) <= set(traced.captured.updated_state):
+                drop_state(binding, guessed)  # a parameter got no gradient: trace again without the guess
+                continue
             if not materialized and traced.captured.created_state:
                 materialized = True
                 if self._materialize_created_state(binding, traced.captured):
