@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zgraph.capture import CapturedGraph, finish, trace_step
-from zgraph.compiled import pass_context
+from zgraph.compiled import lower, pass_context
 from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
@@ -140,9 +140,8 @@ def estimate_step(
     ctx = pass_context(binding)
     records = run_pipeline(captured.gm, ctx, step._pipeline, keep=False)  # only the final graph is read
     transformed = records[-1].gm if records else captured.gm
-    from zgraph.compiled import lower  # the eager backend's rewrites: the graph that runs op by op
 
-    backend_records, _ = lower(transformed, ctx, "eager", keep=False)
+    backend_records, _ = lower(transformed, ctx, "eager", keep=False)  # the eager backend's rewrites: what runs
     final = backend_records[-1].gm
     live = liveness(final)
     counts: dict[str, int] = {}
