@@ -159,8 +159,9 @@ def _copy_view(gm: fx.GraphModule, node: fx.Node, memo: dict[fx.Node, fx.Node], 
 
 
 def _last_read(node: fx.Node, order: dict[fx.Node, int]) -> int:
-    """Position of the last reader of ``node``, through the views and casts that read it."""
-    last = order[node]
+    """Position of the last reader of ``node``, through the views and casts that read it (a view nothing reads,
+    such as a backward view whose readers now read the backward gather's copy, reads nothing); -1 if none."""
+    last = -1
     for user in node.users:
         last = max(last, _last_read(user, order) if user.target in _RECOMPUTABLE else order[user])
     return last
@@ -179,7 +180,7 @@ def _keep_gathers_for_reuse(gm: fx.GraphModule, distance: int) -> None:
     for param, own in by_param.items():
         kept = own[0]
         for gather in own[1:]:
-            start, end = _last_read(kept, order), order[gather]
+            start, end = max(order[kept], _last_read(kept, order)), order[gather]
             between = {
                 g.args[0]: g.meta[VAL].numel()
                 for g in gathers
