@@ -5,7 +5,10 @@
 - ``unshard(x)`` → ``all_gather_into_tensor`` + ``wait_tensor``, then a slice dropping the padding rows;
 - ``reduce(x)`` → ``all_reduce(avg)`` + ``wait_tensor`` (also for 0-d tensors, which are never sharded);
 - ``reduce_shard(x)`` → ``reduce_scatter_tensor(avg)`` + ``wait_tensor``, the input packed (zero-padded to
-  whole shards, made contiguous) by ``aten._chunk_cat`` in one copy where needed.
+  whole shards, made contiguous) by ``aten._chunk_cat`` in one copy where needed. On gloo
+  (``reduce_scatter_by_all_to_all``) the reduce-scatter is ``all_to_all_single`` + ``wait_tensor``, then the sum of
+  the W received chunks divided by W: the same values (bit for bit on 2 ranks) for half the bytes gloo's
+  reduce-scatter moves.
 
 Buckets: an ``unshard`` bucket becomes one ``all_gather_into_tensor_coalesced`` (each shard gathered straight
 into its whole tensor: no copy in, no copy out); ``reduce_shard`` and ``reduce`` buckets pack their gradients
@@ -29,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import COLLECTIVE, PHASE, fake_mode, insert, shard_rows
+from zgraph.graph import COLLECTIVE, PHASE, fake_mode, insert, reduce_scatter_by_all_to_all, shard_rows
 from zgraph.ops import (
     COMBINE,
     GRAD_NORM,
@@ -56,6 +59,22 @@ def _collective(gm: fx.GraphModule, target: object, args: tuple, moves: tuple, a
     return insert(gm, c10d.wait_tensor.default, (issued,), **at)
 
 
+def _reduce_scatter(
+    gm: fx.GraphModule, source: fx.Node, world: int, group: str, moves: tuple, at: dict, by_all_to_all: bool
+) -> fx.Node:
+    """The averaged rank's chunk (dim 0) of ``source``, a contiguous tensor of ``world`` equal chunks, waited for:
+    ``reduce_scatter_tensor``, or (``by_all_to_all``) every rank's copy of this rank's chunk by one
+    ``all_to_all_single``, summed and divided by ``world``."""
+    if not by_all_to_all:
+        return _collective(gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), moves, at)
+    shape = list(source.meta["val"].shape)
+    splits = [shape[0] // world] * world
+    received = _collective(gm, c10d.all_to_all_single.default, (source, splits, splits, group), moves, at)
+    table = insert(gm, aten.view.default, (received, [world, shape[0] // world, *shape[1:]]), **at)
+    total = insert(gm, aten.sum.dim_IntList, (table, [0]), **at)
+    return insert(gm, aten.div.Tensor, (total, world), **at)
+
+
 def _pad_arg(ndim: int, extra_rows: int) -> list[int]:
     # constant_pad_nd pads from the last dim backwards: (last_lo, last_hi, ..., dim0_lo, dim0_hi)
     return [0, 0] * (ndim - 1) + [0, extra_rows]
@@ -70,6 +89,7 @@ def _contiguous(gm: fx.GraphModule, x: fx.Node, before: fx.Node, mode: object, p
 def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace shard/unshard/reduce/reduce_shard by slices and functional collectives with their waits."""
     mode = fake_mode(gm)
+    by_all_to_all = reduce_scatter_by_all_to_all(ctx.backend)
     for node in list(gm.graph.nodes):
         if node.target in (GRAD_NORM, NONFINITE):
             _lower_reduction(gm, node, mode)
@@ -77,7 +97,7 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.target not in LAYOUT_OPS:
             continue
         if node.target in (UNSHARD_BUCKET, REDUCE_SHARD_BUCKET, REDUCE_BUCKET):
-            _lower_bucket(gm, node, mode)
+            _lower_bucket(gm, node, mode, by_all_to_all)
             continue
         phase = node.meta.get(PHASE)
         at = dict(before=node, phase=phase, mode=mode)
@@ -117,9 +137,7 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 source = insert(gm, aten.view.default, (table, [rows * world, *val.shape[1:]]), **at)
             else:
                 source = x
-            out = _collective(
-                gm, c10d.reduce_scatter_tensor.default, (source, "avg", world, group), ("reduce_scatter", x), at
-            )
+            out = _reduce_scatter(gm, source, world, group, ("reduce_scatter", x), at, by_all_to_all)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
@@ -150,7 +168,7 @@ def _numel(val: torch.Tensor) -> int:
     return val.numel()
 
 
-def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
+def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object, by_all_to_all: bool) -> None:
     """One collective for a bucket: a coalesced all-gather (no copies), or a reduction of one flat buffer
     packed by a single ``_chunk_cat`` copy, each member's result a view of it."""
     phase = node.meta.get(PHASE)
@@ -176,9 +194,7 @@ def _lower_bucket(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
         # one copy: each gradient's rank-r rows (zero-padded to equal rows) land in row r of the table
         table = insert(gm, aten._chunk_cat.default, (list(xs), 0, world), **at)
         flat = insert(gm, aten.view.default, (table, [-1]), **at)
-        done = _collective(
-            gm, c10d.reduce_scatter_tensor.default, (flat, "avg", world, group), ("reduce_scatter", xs), at
-        )
+        done = _reduce_scatter(gm, flat, world, group, ("reduce_scatter", xs), at, by_all_to_all)
         shard_shapes = [(shard_rows(v.shape[0], world), *v.shape[1:]) for v in vals]
         sizes = [_numel(v) // v.shape[0] * s[0] if v.shape[0] else 0 for v, s in zip(vals, shard_shapes)]
         pieces = insert(gm, aten.split_with_sizes.default, (done, sizes), **at)

@@ -53,10 +53,12 @@ _PACKING = (
     }
 )
 _EPS = 1e-3
-_REDUCTIONS = (
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_reduce.default,
-)
+_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+_REDUCTIONS = (torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_reduce.default)
+_REDUCTIONS += (_ALL_TO_ALL,)  # a reduce-scatter on gloo (``reduce_scatter_by_all_to_all``)
+# after an all-to-all's wait, the sum of the received chunks and its division by the world size finish the
+# reduce-scatter: they move with the wait
+_ALL_TO_ALL_UNPACKING = frozenset({aten.sum.dim_IntList, aten.div.Tensor})
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -84,13 +86,13 @@ def _packing_inputs(start: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _unpacking(first: fx.Node) -> list[fx.Node]:
-    """``first`` (a wait, or the getitem a wait reads) and the waits/views/copies that only unpack its result,
-    in graph order."""
+def _unpacking(first: fx.Node, also: frozenset = frozenset()) -> list[fx.Node]:
+    """``first`` (a wait, or the getitem a wait reads) and the waits/views/copies (and ops in ``also``) that only
+    unpack its result, in graph order."""
     chain = [first]
     for node in chain:
         for user in node.users:
-            unpacks = user.target in _PACKING or user.target is WAIT
+            unpacks = user.target in _PACKING or user.target is WAIT or user.target in also
             if unpacks and user not in chain and all(a in chain for a in user.all_input_nodes):
                 chain.append(user)
     return chain
@@ -100,9 +102,10 @@ def _completions(start: fx.Node) -> list[list[fx.Node]]:
     """One chain per result of a collective: its wait and what unpacks it (a coalesced collective has one per
     tensor, reached through ``getitem``)."""
     chains = []
+    also = _ALL_TO_ALL_UNPACKING if start.target is _ALL_TO_ALL else frozenset()
     for user in start.users:
         if user.target is WAIT or user.target is operator.getitem:
-            chains.append(_unpacking(user))
+            chains.append(_unpacking(user, also))
     return chains
 
 
@@ -158,14 +161,17 @@ def schedule(
     issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
     _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx, prefetch_bytes, allgather_bytes))
     _monotone(nodes, anchor)
-    # wait late: each wait and its unpacking right before the first reader of that result
+    # wait late: each wait and its unpacking right before the first reader of that result; an all-to-all's (a
+    # reduce-scatter on gloo: its input and its W chunks are held until the wait) before the next is issued
+    all_to_alls = sorted((s for s in starts if s.target is _ALL_TO_ALL), key=anchor.__getitem__)
+    next_issue = {s: [anchor[t]] for s, t in zip(all_to_alls, all_to_alls[1:])}
     for start in reversed(starts):
         for chain in unpacking[start]:
             group = set(chain)
             readers = [anchor[u] for n in chain for u in n.users if u not in group]
             if readers:
                 for i, node in enumerate(chain):
-                    anchor[node] = min(readers) - _EPS * (len(chain) - i)
+                    anchor[node] = min(readers + next_issue.get(start, [])) - _EPS * (len(chain) - i)
     _monotone(nodes, anchor)
     ordered = sorted(nodes, key=lambda n: (anchor[n], index[n]))
     _reorder(gm.graph, ordered)

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from zgraph.graph import reduce_scatter_by_all_to_all
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.process_group import ProcessGroupInfo
 
@@ -97,7 +98,7 @@ def analytical_cost_model(backend: str | None) -> CostModel:
     return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical")
 
 
-_CACHE_VERSION = 3  # bumped when the measurement changes: older files are not read
+_CACHE_VERSION = 4  # bumped when the measurement changes: older files are not read
 
 
 def _cache_path(group: ProcessGroupInfo, device: str) -> str:
@@ -142,6 +143,10 @@ def _collective(kind: str, nbytes: int, group: ProcessGroupInfo, device: torch.d
     shard = whole[: whole.numel() // world].clone()
     if kind == "all_gather_into_tensor":
         return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, name))
+    if kind == "reduce_scatter_tensor" and reduce_scatter_by_all_to_all(group.backend):  # as the graph runs it
+        splits = [whole.numel() // world] * world
+        table = whole[: splits[0] * world]
+        return lambda: c10d.wait_tensor(c10d.all_to_all_single(table, splits, splits, name)).view(world, -1).sum(0)
     if kind == "reduce_scatter_tensor":
         return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(whole, "avg", world, name))
     return lambda: c10d.wait_tensor(c10d.all_reduce(whole, "avg", name))

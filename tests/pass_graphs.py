@@ -58,8 +58,10 @@ def param(index: int, shape: tuple, world: int = 2, dtype: torch.dtype = torch.f
     return ParamInfo(index, (f"p{index}",), tuple(shape), dtype, True, shard=ShardSpec(tuple(shape), world), **kw)
 
 
-def context(params: tuple[ParamInfo, ...] = (), world: int = 2, rank: int = 0) -> PassContext:
-    return PassContext(world_size=world, rank=rank, group_name=GROUP, params=params)
+def context(
+    params: tuple[ParamInfo, ...] = (), world: int = 2, rank: int = 0, group: str = GROUP, backend: str | None = None
+) -> PassContext:
+    return PassContext(world_size=world, rank=rank, group_name=group, params=params, backend=backend)
 
 
 def targets(gm: fx.GraphModule) -> list:

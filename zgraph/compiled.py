@@ -251,6 +251,7 @@ def pass_context(binding: Binding) -> PassContext:
         world_size=group.world_size,
         rank=group.rank,
         group_name=group.group_name,
+        backend=group.backend,
         params=params,
         cost_model=binding.cost_model,
     )

@@ -126,9 +126,9 @@ def estimate_step(
     backend the device would use)."""
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    group = _group(world_size)
     config = step.config
     shadow_args, shadow_kwargs, device = _shadow(step._fn, args, kwargs)
+    group = _group(world_size, device)
     modules, optimizers = discover(step._fn, shadow_args, shadow_kwargs)
     binding = Binding(modules, optimizers)
     convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
@@ -172,22 +172,22 @@ def estimate_step(
     )
 
 
-def _group(world_size: int | None) -> ProcessGroupInfo:
+def _group(world_size: int | None, device: torch.device) -> ProcessGroupInfo:
     """The group an estimate plans for: the current one, or ``world_size`` ranks (rank 0; every rank's graph has
-    the same shapes)."""
+    the same shapes), with the backend the real step would use (the passes lower collectives for it)."""
     current = ensure_process_group()
+    backend = current.backend if current.distributed else ("nccl" if device.type == "cuda" else "gloo")
     if world_size is None or world_size == current.world_size:
         if not current.distributed:
             return SINGLE_PROCESS
-        return ProcessGroupInfo(current.rank, current.world_size, ESTIMATE_GROUP, "fake")
-    return ProcessGroupInfo(0, world_size, ESTIMATE_GROUP, "fake")
+        return ProcessGroupInfo(current.rank, current.world_size, ESTIMATE_GROUP, backend)
+    return ProcessGroupInfo(0, world_size, ESTIMATE_GROUP, backend)
 
 
 def _cost_model(config: Any, group: ProcessGroupInfo, device: torch.device) -> CostModel:
     """The cost model the real step would plan with: its cached measurement for this world size (when it measures
     collectives), else the analytical model of the backend it would use."""
-    current = ensure_process_group()
-    backend = current.backend if current.distributed else ("nccl" if device.type == "cuda" else "gloo")
+    backend = group.backend
     if not group.distributed:
         return analytical_cost_model(None)
     if config.measure_collectives:

@@ -2,12 +2,12 @@
 
 The eager backend runs the final graph as FX's generated Python, which drops each value after its last use. So a
 storage is allocated by the node that makes it and freed after the last node that reads it, or any view or in-place
-result of it (an op's schema says which results alias which arguments). A functional all-gather's work holds its
-inputs until the last ``wait_tensor`` on its results, so they live at least until then (gloo; its reduce-scatters
-and all-reduces copy their input first and drop it at once). Graph inputs (parameters, state, the batch) and outputs
-are held by the caller for the whole step, except inputs read only through ``zgraph::reload`` (offloaded: the caller
-holds them in the offload tier, not in memory; each reload allocates its own copy). Sizes come from the nodes' fake
-values: no memory is touched, so this works on graphs traced at any scale.
+result of it (an op's schema says which results alias which arguments). A functional all-gather's or all-to-all's
+work holds its inputs until the last ``wait_tensor`` on its results, so they live at least until then (gloo; its
+reduce-scatters and all-reduces copy their input first and drop it at once). Graph inputs (parameters, state, the
+batch) and outputs are held by the caller for the whole step, except inputs read only through ``zgraph::reload``
+(offloaded: the caller holds them in the offload tier, not in memory; each reload allocates its own copy). Sizes come
+from the nodes' fake values: no memory is touched, so this works on graphs traced at any scale.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default, _WAIT)
 _HOLD_INPUTS = (
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
 )
 
 
