@@ -53,9 +53,12 @@ _PACKING = (
     }
 )
 _EPS = 1e-3
-_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
-_REDUCTIONS = (torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_reduce.default)
-_REDUCTIONS += (_ALL_TO_ALL,)  # a reduce-scatter on gloo (``reduce_scatter_by_all_to_all``)
+_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # a reduce-scatter on gloo
+_REDUCTIONS = (
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    _ALL_TO_ALL,
+)
 # after an all-to-all's wait, the sum of the received chunks and its division by the world size finish the
 # reduce-scatter: they move with the wait
 _ALL_TO_ALL_UNPACKING = frozenset({aten.sum.dim_IntList, aten.div.Tensor})

@@ -146,7 +146,8 @@ def _collective(kind: str, nbytes: int, group: ProcessGroupInfo, device: torch.d
     if kind == "reduce_scatter_tensor" and reduce_scatter_by_all_to_all(group.backend):  # as the graph runs it
         splits = [whole.numel() // world] * world
         table = whole[: splits[0] * world]
-        return lambda: c10d.wait_tensor(c10d.all_to_all_single(table, splits, splits, name)).view(world, -1).sum(0)
+        chunks = lambda: c10d.wait_tensor(c10d.all_to_all_single(table, splits, splits, name)).view(world, -1)
+        return lambda: chunks().sum(0).div_(world)
     if kind == "reduce_scatter_tensor":
         return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(whole, "avg", world, name))
     return lambda: c10d.wait_tensor(c10d.all_reduce(whole, "avg", name))
