@@ -23,6 +23,15 @@ from zgraph.passes.shard_params import shard_params
 aten = torch.ops.aten
 
 
+def _updated(b: Builder, g0, w1, w2, shapes: tuple) -> tuple:
+    """Finish a two-layer graph: both parameters updated, ``g0`` returned; the graph and its pass context."""
+    new1 = b.op(aten.mul.Tensor, w1, 0.5, phase=OPTIMIZER)
+    new2 = b.op(aten.mul.Tensor, w2, 0.5, phase=OPTIMIZER)
+    outputs = [(g0, GraphOutput("user", "g0", 0))]
+    outputs += [(new1, GraphOutput("param", "w1", 0)), (new2, GraphOutput("param", "w2", 1))]
+    return b.finish(outputs), context(tuple(param(i, shape) for i, shape in enumerate(shapes)))
+
+
 def _two_layers():
     """``x @ w1 @ w2`` forward, its backward through ``t(w2)`` then ``t(w1)``, and both updates: w1 (32
     elements) has w2 (16) gathered between its forward and backward reads; w2 has nothing in between."""
@@ -34,16 +43,7 @@ def _two_layers():
     y2 = b.op(aten.mm.default, y1, w2)
     g1 = b.op(aten.mm.default, y2, b.op(aten.t.default, w2, phase=BACKWARD), phase=BACKWARD)
     g0 = b.op(aten.mm.default, g1, b.op(aten.t.default, w1, phase=BACKWARD), phase=BACKWARD)
-    new1 = b.op(aten.mul.Tensor, w1, 0.5, phase=OPTIMIZER)
-    new2 = b.op(aten.mul.Tensor, w2, 0.5, phase=OPTIMIZER)
-    gm = b.finish(
-        [
-            (g0, GraphOutput("user", "g0", 0)),
-            (new1, GraphOutput("param", "w1", 0)),
-            (new2, GraphOutput("param", "w2", 1)),
-        ]
-    )
-    return gm, context((param(0, (8, 4)), param(1, (4, 4))))
+    return _updated(b, g0, w1, w2, ((8, 4), (4, 4)))
 
 
 def _two_linear_layers():
@@ -58,16 +58,7 @@ def _two_linear_layers():
     y2 = b.op(aten.mm.default, b.op(aten.mm.default, x, t1), t2)
     g1 = b.op(aten.mm.default, y2, b.op(aten.t.default, t2, phase=BACKWARD), phase=BACKWARD)
     g0 = b.op(aten.mm.default, g1, b.op(aten.t.default, t1, phase=BACKWARD), phase=BACKWARD)
-    new1 = b.op(aten.mul.Tensor, w1, 0.5, phase=OPTIMIZER)
-    new2 = b.op(aten.mul.Tensor, w2, 0.5, phase=OPTIMIZER)
-    gm = b.finish(
-        [
-            (g0, GraphOutput("user", "g0", 0)),
-            (new1, GraphOutput("param", "w1", 0)),
-            (new2, GraphOutput("param", "w2", 1)),
-        ]
-    )
-    return gm, context((param(0, (4, 8)), param(1, (4, 4))))
+    return _updated(b, g0, w1, w2, ((4, 8), (4, 4)))
 
 
 def _gathers(gm) -> dict[str, list[str]]:
