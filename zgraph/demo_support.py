@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -85,7 +86,9 @@ def _rank_main(
     port: int,
     summary_path: str,
 ) -> None:
-    """Body of a spawned rank: torchrun's environment, one thread, ``target``; the rank with a summary writes it."""
+    """Body of a spawned rank: torchrun's environment, one thread, ``target``; the rank with a summary writes it.
+    A fatal signal in the rank (native code) prints every thread's Python stack before the rank dies."""
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
