@@ -42,11 +42,15 @@ def _ways(n: int, rank: int) -> dict:
         recv.wait()
         half.add_(x.view(2, -1)[rank])
 
+    def all_to_all_and_sum() -> None:
+        dist.all_to_all_single(whole, x)
+        whole.view(2, -1).sum(0)
+
     return {
         "all_reduce": lambda: dist.all_reduce(x),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(half, x),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(whole, half),
-        "all_to_all_single + sum": lambda: dist.all_to_all_single(whole, x) or whole.view(2, -1).sum(0),
+        "all_to_all_single + sum": all_to_all_and_sum,
         "isend/irecv + add": point_to_point,
     }
 
