@@ -1,5 +1,6 @@
-"""``offload``: optimizer states (``Config.offload_optimizer="nvme"``) and stage-3 parameter shards
-(``Config.offload_params="nvme"``) live in the offload tier, not in memory.
+"""``offload``: optimizer states (``Config.offload_optimizer``) and stage-3 parameter shards
+(``Config.offload_params``) live in the offload tier, not in the memory of the state's device: ``"nvme"`` (files),
+or ``"cpu"`` when the state is on a device (host memory; on the CPU ``"cpu"`` is the identity).
 
 Plan:
 
@@ -22,8 +23,8 @@ Rewrite, for each planned input (``slot``: its input position):
 
 Safety rules: only ``opt_state`` and sharded ``param`` inputs move; an input the graph does not read is left
 alone (nothing to reload); one read but not updated gets no write_back. Nothing else changes: the arithmetic is
-the same, so training is bitwise the same as without offload. A tier other than ``"nvme"`` (``None``; ``"cpu"``
-on the CPU, the identity) leaves its inputs as they are.
+the same, so training is bitwise the same as without offload. No tier, or ``"cpu"`` with the state on the CPU
+(the identity), leaves its inputs as they are.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def offload(
     their update.
 
     ``tier``: ``Config.offload_optimizer``; ``fraction``: ``Config.offload_fraction``; ``params``:
-    ``Config.offload_params`` (only ``"nvme"`` changes the graph)."""
-    chosen = plan_offload(gm, fraction) if tier == "nvme" else []
-    chosen += plan_param_offload(gm) if params == "nvme" else []
+    ``Config.offload_params`` (``"cpu"`` changes the graph only when ``ctx.device_type`` is not the CPU)."""
+    moves = lambda t: t == "nvme" or (t == "cpu" and ctx.device_type != "cpu")
+    chosen = plan_offload(gm, fraction) if moves(tier) else []
+    chosen += plan_param_offload(gm) if moves(params) else []
     if not chosen:
         return gm
     slots = {node: i for i, node in enumerate(placeholders(gm))}

@@ -38,7 +38,9 @@ class PassContext:
         world_size: ranks taking part (1 without a process group).
         rank: this rank.
         group_name: name of the process group collectives run on; None when there is none (single process).
-        backend: that group's ``torch.distributed`` backend (``"gloo"``, ``"nccl"``); None without a group.
+        backend: the ``torch.distributed`` backend that serves the state's device in that group (``"gloo"``,
+            ``"nccl"``); None without a group.
+        device_type: the device type the training state lives on (``"cpu"``, ``"cuda"``).
         params: per-parameter information, indexed like the graph's parameter inputs.
         cost_model: collective latency and bandwidth, compute speed (``zgraph.runtime.cost_model.CostModel``),
             identical on every rank; None where planning must not depend on one.
@@ -48,6 +50,7 @@ class PassContext:
     rank: int = 0
     group_name: str | None = None
     backend: str | None = None
+    device_type: str = "cpu"
     params: tuple[ParamInfo, ...] = ()
     cost_model: CostModel | None = None
 

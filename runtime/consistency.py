@@ -2,10 +2,12 @@
 
 Before a step's graph runs, each rank contributes a 64-bit digest of the graph it is about to run — the
 captured graph, and the sequence of collectives the transformed graph issues — (one tiny all-gather of int64s,
-the first collective of the call). If the digests differ — different batch shapes, different Python branches, a
-rank whose capture failed — every rank sends a description of its graph (JSON text through the c10d store) and
-raises ``RankMismatchError`` naming the difference. No graph collective has run at that point, so nothing hangs;
-a rank that never arrives makes the others raise ``RankFailedError`` after ``Config.collective_timeout``.
+the first collective of the call, on a device the group's backend serves: the host on gloo, the rank's GPU on
+NCCL; see ``zgraph.runtime.devices.control_device``). If the digests differ — different batch shapes, different
+Python branches, a rank whose capture failed — every rank sends a description of its graph (JSON text through the
+c10d store) and raises ``RankMismatchError`` naming the difference. No graph collective has run at that point, so
+nothing hangs; a rank that never arrives makes the others raise ``RankFailedError`` after
+``Config.collective_timeout``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.fx as fx
 
 from zgraph.errors import RankMismatchError
 from zgraph.graph import PHASE, collective_bytes, collective_kind
+from zgraph.ops import host_read
 from zgraph.runtime.agreement import Channel
 
 
@@ -55,7 +58,13 @@ def digest(lines: list[str]) -> int:
 
 
 def check_same_graph(
-    channel: Channel, group_name: str, label: str, digest_value: int, lines: list[str], error: Exception | None = None
+    channel: Channel,
+    group_name: str,
+    label: str,
+    digest_value: int,
+    lines: list[str],
+    error: Exception | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Compare this rank's graph digest with every other rank's; raise on every rank if they differ.
 
@@ -63,22 +72,25 @@ def check_same_graph(
     timeout is ``Config.collective_timeout``); descriptions, only when something differs, as JSON through
     ``channel``. ``error``: this rank failed to build its graph; the other ranks are told so (they raise
     ``RankMismatchError`` naming it, read from the failure record it made first), then it is re-raised here.
+    ``device``: where the digests travel (``zgraph.runtime.devices.control_device``; default the host).
     """
     world = channel.world_size
-    mine = torch.tensor([digest_value, 0 if error is None else 1], dtype=torch.int64)
+    mine = torch.tensor([digest_value, 0 if error is None else 1], dtype=torch.int64, device=device)
     c10d = torch.ops._c10d_functional
     try:
-        everyone = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, world, group_name)).view(world, 2)
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(mine, world, group_name))
+        with host_read("graph fingerprints"):
+            everyone = gathered.view(world, 2).tolist()
     except RuntimeError as failure:
         raise channel.peer_failure(label, failure) from failure
     if error is not None:
         raise error
-    failed = [r for r in range(world) if bool(everyone[r, 1])]
+    failed = [r for r in range(world) if everyone[r][1]]
     if failed:  # their failure records are in the store already (recorded before this all-gather)
         records = channel.failures(wait=2.0)
         notes = [(records.get(r, "no record of the error") if r in failed else None, []) for r in range(world)]
         raise RankMismatchError(_explain(notes, channel.rank))
-    if bool((everyone[:, 0] == everyone[0, 0]).all()):
+    if all(row[0] == everyone[0][0] for row in everyone):
         return
     payload = json.dumps({"note": "", "lines": lines}).encode()
     descriptions = [_description(raw) for raw in channel.exchange(f"{label} (comparing graphs)", payload)]

@@ -7,9 +7,12 @@ The latency is measured, not fitted: it is the fastest call of a one-element col
 intercept over a few large sizes is dominated by their noise (on a 2-core machine it came out at or below zero,
 so every ``"auto"`` bucket fell to the minimum size); the bandwidth is then fitted through that latency
 (``seconds = latency + bytes / bandwidth``) at three sizes. It also times a
-matmul and a copy for compute and memory speed. The result is cached per machine, backend and world size
-(``$XDG_CACHE_HOME/zgraph``), so only the first run on a machine pays the second or so it takes. Rank 0's
-numbers are broadcast, so every rank plans identically.
+matmul and a copy for compute and memory speed. On CUDA every timed call ends with a device synchronisation
+(collectives and kernels are queued, not run, when the call returns; timing the call alone would measure kernel
+launches). The result is cached per machine, device type, the backend that serves that device (a mixed
+``cpu:gloo,cuda:nccl`` group is NCCL for CUDA state) and world size (``$XDG_CACHE_HOME/zgraph``), so only the
+first run on a machine pays the second or so it takes. Rank 0's numbers are broadcast, so every rank plans
+identically.
 ``analytical_cost_model`` gives fixed defaults where measuring is off or impossible.
 """
 
@@ -25,6 +28,7 @@ import torch
 
 from zgraph.graph import reduce_scatter_by_all_to_all
 from zgraph.runtime.agreement import Channel
+from zgraph.runtime.devices import served_backend, synchronize
 from zgraph.runtime.process_group import ProcessGroupInfo
 
 KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
@@ -98,12 +102,13 @@ def analytical_cost_model(backend: str | None) -> CostModel:
     return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical")
 
 
-_CACHE_VERSION = 4  # bumped when the measurement changes: older files are not read
+_CACHE_VERSION = 5  # bumped when the measurement changes: older files are not read
 
 
-def _cache_path(group: ProcessGroupInfo, device: str) -> str:
+def _cache_path(backend: str | None, device: str, world_size: int) -> str:
+    """The cache file of ``backend`` (the one that serves ``device``) on ``device`` with ``world_size`` ranks."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    name = f"cost-v{_CACHE_VERSION}-{group.backend}-{device}-w{group.world_size}-{socket.gethostname()}.json"
+    name = f"cost-v{_CACHE_VERSION}-{backend}-{device}-w{world_size}-{socket.gethostname()}.json"
     return os.path.join(root, "zgraph", name)
 
 
@@ -111,16 +116,18 @@ _SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)  # bytes of the whole tensor
 _REPEATS = 7
 
 
-def _fastest(fn: object, sync: object = None, repeats: int = _REPEATS) -> float:
+def _fastest(fn: object, device: torch.device, sync: object = None, repeats: int = _REPEATS) -> float:
     """Seconds of the fastest of ``repeats`` calls of ``fn`` (after one to warm up), each started together on
-    every rank (after ``sync``)."""
+    every rank (after ``sync``) and timed until ``device`` has finished the work it queued."""
     fn()
     best = float("inf")
     for _ in range(repeats):
         if sync is not None:
             sync()
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -143,7 +150,7 @@ def _collective(kind: str, nbytes: int, group: ProcessGroupInfo, device: torch.d
     shard = whole[: whole.numel() // world].clone()
     if kind == "all_gather_into_tensor":
         return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, name))
-    if kind == "reduce_scatter_tensor" and reduce_scatter_by_all_to_all(group.backend):  # as the graph runs it
+    if kind == "reduce_scatter_tensor" and reduce_scatter_by_all_to_all(served_backend(group.backend, device.type)):
         splits = [whole.numel() // world] * world
         table = whole[: splits[0] * world]
         chunks = lambda: c10d.wait_tensor(c10d.all_to_all_single(table, splits, splits, name)).view(world, -1)
@@ -159,13 +166,13 @@ def _measure(group: ProcessGroupInfo, device: torch.device) -> CostModel:
     sync = lambda: c10d.wait_tensor(c10d.all_reduce(flag, "sum", group.group_name))
     collectives = {}
     for kind in KINDS:
-        latency = _fastest(_collective(kind, 4 * group.world_size, group, device), sync)  # one float per rank
-        points = [(nbytes, _fastest(_collective(kind, nbytes, group, device), sync)) for nbytes in _SIZES]
+        latency = _fastest(_collective(kind, 4 * group.world_size, group, device), device, sync)  # a float per rank
+        points = [(nbytes, _fastest(_collective(kind, nbytes, group, device), device, sync)) for nbytes in _SIZES]
         collectives[kind] = _fit(latency, points)
     a = torch.randn(512, 512, device=device)
-    flops = 2 * 512**3 / _fastest(lambda: a @ a)
+    flops = 2 * 512**3 / _fastest(lambda: a @ a, device)
     big = torch.empty(8 * 1024 * 1024 // 4, device=device)
-    bytes_per_s = 2 * big.numel() * 4 / _fastest(lambda: big.clone())
+    bytes_per_s = 2 * big.numel() * 4 / _fastest(lambda: big.clone(), device)
     return CostModel(collectives, flops, bytes_per_s, "measured")
 
 
@@ -183,14 +190,15 @@ def fit_cost_model(
     key = (group.group_name, group.world_size, str(device), measure)
     if key in _FITTED:
         return _FITTED[key]
+    backend = served_backend(group.backend, device.type)
     if not group.distributed or not measure or channel is None:
-        model = analytical_cost_model(group.backend)
+        model = analytical_cost_model(backend)
     else:
-        cached = _read_cache(_cache_path(group, device.type)) if group.rank == 0 else None
+        path = _cache_path(backend, device.type, group.world_size)
+        cached = _read_cache(path) if group.rank == 0 else None
         decision = channel.broadcast("the collective cost model (cached?)", _encode(cached))
         model = _decode(decision, "cached")
         if model is None:
-            path = _cache_path(group, device.type)
             measured = _measure(group, device)
             model = _decode(channel.broadcast("the collective cost model (measured)", _encode(measured)), "measured")
             if group.rank == 0:
@@ -215,8 +223,7 @@ def _read_cache(path: str) -> CostModel | None:
 def known_cost_model(backend: str, device_type: str, world_size: int) -> CostModel:
     """The cost model a step on ``world_size`` ranks of ``backend`` would use on this machine, without measuring:
     the cached measurement when one exists, else the analytical model (for estimates)."""
-    group = ProcessGroupInfo(0, world_size, "estimate", backend)
-    return _read_cache(_cache_path(group, device_type)) or analytical_cost_model(backend)
+    return _read_cache(_cache_path(backend, device_type, world_size)) or analytical_cost_model(backend)
 
 
 def _encode(model: CostModel | None) -> bytes:

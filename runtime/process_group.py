@@ -1,21 +1,27 @@
 """Process groups: from torchrun's environment, an existing default group, or none (one process).
 
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (torchrun's variables) start the default group with
-NCCL when CUDA is available, else gloo. A group the user initialised first is used as it is. Without either,
-the step runs on one process and sharding is the identity.
+the backend that serves the model's device (``zgraph.runtime.devices.default_backend``: gloo for a CPU model even
+where CUDA exists, NCCL for a CUDA model, whose device becomes the rank's current CUDA device). A group the user
+initialised first is used as it is. Without either, the step runs on one process and sharding is the identity.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zgraph.errors import ZGraphError
+from zgraph.runtime.devices import default_backend, served_backend
 
 
 @dataclass(frozen=True)
@@ -36,13 +42,12 @@ class ProcessGroupInfo:
 SINGLE_PROCESS = ProcessGroupInfo(rank=0, world_size=1, group_name=None, backend=None)
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
-def ensure_process_group(process_group: dist.ProcessGroup | None = None) -> ProcessGroupInfo:
+def ensure_process_group(
+    process_group: dist.ProcessGroup | None = None, device_of: Callable[[], torch.device] | None = None
+) -> ProcessGroupInfo:
     """The group a step runs on: ``process_group`` when given (this rank must belong to it), else the default
-    group, started from torchrun's environment if it is set and no group exists yet."""
+    group, started from torchrun's environment if it is set and no group exists yet, with the backend for the
+    device ``device_of()`` names (the model's; asked only when a group is started; default CPU)."""
     if process_group is not None:
         return _given_group(process_group)
     if not dist.is_available():
@@ -50,9 +55,10 @@ def ensure_process_group(process_group: dist.ProcessGroup | None = None) -> Proc
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return SINGLE_PROCESS
-        backend = default_backend()
+        device = device_of() if device_of is not None else torch.device("cpu")
+        backend = default_backend(device)
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)  # NCCL's communicators use the current device: the model's
         dist.init_process_group(backend=backend)
     group = dist.group.WORLD
     return ProcessGroupInfo(
@@ -151,3 +157,32 @@ def end_finished_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def check_one_device_per_rank(channel: Any, backend: str | None, device: torch.device) -> None:
+    """On NCCL, every rank must hold its state on a GPU of its own (NCCL refuses two ranks on one device, and
+    does so deep inside its first collective): the ranks exchange which GPU of which host they use and raise,
+    before anything changes, naming the ranks that share one. A collective on every rank of ``channel``'s group
+    (through its store, no NCCL collective)."""
+    if served_backend(backend, device.type) != "nccl":
+        return
+    properties = torch.cuda.get_device_properties(device)
+    mine = f"{socket.gethostname()} {getattr(properties, 'uuid', device.index)}"
+    found = [raw.decode() for raw in channel.exchange("which GPU each rank uses", mine.encode())]
+    shared = duplicate_devices(found)
+    if shared:
+        ranks = " and ".join(str(r) for r in shared[0])
+        raise ZGraphError(
+            f"zgraph: ranks {ranks} hold their models on the same GPU ({device} here) of one host; NCCL needs one "
+            "GPU per rank. Start at most as many ranks per host as it has GPUs (torchrun --nproc-per-node), and "
+            "build each rank's model on its own GPU: torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) "
+            "before model.cuda() / model.to('cuda')."
+        )
+
+
+def duplicate_devices(devices: list[str]) -> list[tuple[int, ...]]:
+    """Groups of ranks (two or more) whose entries in ``devices`` (one per rank) are equal."""
+    by_device: dict[str, list[int]] = {}
+    for rank, device in enumerate(devices):
+        by_device.setdefault(device, []).append(rank)
+    return [tuple(ranks) for ranks in by_device.values() if len(ranks) > 1]

@@ -75,6 +75,8 @@ class Binding:
         self.plan: Any = None  # the ShardingPlan (zgraph.runtime.sharded_state), set when the step binds
         self.cost_model: Any = None  # the CostModel (zgraph.runtime.cost_model), set when the step binds
         self.loss_scale_state: dict[str, Tensor] = {}  # fp16 loss scale carried between calls (zgraph.precision)
+        self.device = torch.device("cpu")  # where the state lives (zgraph.runtime.devices.state_device)
+        self.backend: str | None = None  # the group's backend for that device; None: the group's own name
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}
@@ -149,3 +151,14 @@ class Binding:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def state_tensors(binding: Binding) -> list[Tensor]:
+    """The tensors that must be on the step's device: parameters, buffers and optimizer state of a parameter's
+    rank (0-d state such as ``step`` counters stays where torch.optim keeps it, on the host)."""
+    out = [r.tensor for r in binding.params]
+    out += [b for b in (r.get() for r in binding.buffers) if b is not None]
+    for o in binding.optimizers:
+        for state in o.optimizer.state.values():
+            out += [v for v in state.values() if isinstance(v, Tensor) and v.dim() > 0]
+    return out

@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init_group: bool) -> None:
+def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init_group: bool | str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -42,7 +42,10 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
     # so a failure names where it happened
     faulthandler.enable(all_threads=True)
     if init_group:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
+        backend = init_group if isinstance(init_group, str) else "gloo"
+        if backend == "standin":  # the stand-in accelerator (tests/standin.py)
+            importlib.import_module("standin").install()
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
     module_name, fn_name = target.rsplit(".", 1)
     fn = getattr(importlib.import_module(module_name), fn_name)
     try:
@@ -54,17 +57,20 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
         sys.stderr.flush()
         os._exit(1)
     if dist.is_initialized():
-        dist.barrier()
+        if dist.get_backend() != "standin":  # the stand-in's collectives move nothing: no one to wait for
+            dist.barrier()
         dist.destroy_process_group()
     end_finished_rank()
 
 
-def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool = True) -> None:
+def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool | str = True) -> None:
     """Run ``target(rank, world_size, *args)`` (``"module.function"``, importable from ``tests/``) on
     ``world_size`` spawned processes; raise if any fails (the others are ended at once) or the whole run exceeds
     ``timeout`` seconds (a hang becomes a failure naming the test).
 
-    ``init_group=False`` leaves the process group to zgraph (it starts one from torchrun's variables).
+    ``init_group=False`` leaves the process group to zgraph (it starts one from torchrun's variables); a string
+    names the backend of the default group (``"standin"``: the stand-in accelerator of ``tests/standin.py``;
+    default gloo).
     """
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)

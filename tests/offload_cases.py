@@ -186,6 +186,7 @@ def params_full_disk_ranks(rank: int, world: int, directory: str) -> None:
     """A full disk when the shards are first offloaded: a clear error, the parameters untouched; once space is
     free the same step goes on exactly as training without offload."""
     from zgraph.runtime import offload as runtime_offload
+    from zgraph.runtime import offload_nvme
 
     expected = train(stage3(), rank, world)
     model, opt = make()
@@ -195,15 +196,15 @@ def params_full_disk_ranks(rank: int, world: int, directory: str) -> None:
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    real = runtime_offload.os.posix_fallocate
-    runtime_offload.os.posix_fallocate = full
+    real = offload_nvme.os.posix_fallocate
+    offload_nvme.os.posix_fallocate = full
     try:
         step(model, opt, *data[0])
         raise AssertionError("a full disk was not reported")
     except runtime_offload.OffloadError as error:
         assert "disk under offload_dir full" in str(error) and "training state is intact" in str(error), error
     finally:
-        runtime_offload.os.posix_fallocate = real
+        offload_nvme.os.posix_fallocate = real
     untouched = make()[0].state_dict()
     assert same(zgraph.full_state_dict(model), untouched)
     assert not [f for _, _, files in os.walk(directory) for f in files]  # nothing half-reserved is left

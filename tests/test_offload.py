@@ -14,6 +14,7 @@ from offload_cases import batches, make, make_step, same, train
 
 import zgraph
 from zgraph.runtime import offload as runtime_offload
+from zgraph.runtime import offload_nvme
 
 BASE = zgraph.Config(stage=1, backend="eager", measure_collectives=False)
 
@@ -137,7 +138,7 @@ def test_full_disk_raises_and_keeps_the_state(tmp_path, monkeypatch):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(runtime_offload.os, "posix_fallocate", full)
+    monkeypatch.setattr(offload_nvme.os, "posix_fallocate", full)
     with pytest.raises(runtime_offload.OffloadError, match="disk under offload_dir full.*training state is intact"):
         step(model, opt, *data[0])
     monkeypatch.undo()

@@ -251,7 +251,8 @@ def pass_context(binding: Binding) -> PassContext:
         world_size=group.world_size,
         rank=group.rank,
         group_name=group.group_name,
-        backend=group.backend,
+        backend=binding.backend or group.backend,
+        device_type=binding.device.type,
         params=params,
         cost_model=binding.cost_model,
     )

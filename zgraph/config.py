@@ -45,8 +45,8 @@ class Config:
         reduce_bucket_bytes: the same for gradient reduce-scatters and all-reduces.
         prefetch_bytes: stage 3: how many bytes of parameters the ``schedule`` pass may have gathered ahead of
             their first use (issued or landed, not yet used); ``"auto"`` (default): two all-gather buckets. With
-            ``offload_optimizer="nvme"`` / ``offload_params="nvme"`` also the bytes of optimizer states and
-            parameter shards read ahead of their reload (and of write-backs in flight); ``"auto"``: 64 MiB.
+            an offload tier in use (``"nvme"``, or ``"cpu"`` for a GPU model) also the bytes of optimizer states
+            and parameter shards read ahead of their reload (and of write-backs in flight); ``"auto"``: 64 MiB.
         param_persistence_threshold: stage 3: parameters with at most this many elements are not sharded; they
             stay whole on every rank and need no all-gather (DeepSpeed's
             ``stage3_param_persistence_threshold``, same default: 100000).
@@ -100,14 +100,16 @@ class Config:
             its error) or the call each rank was last in. Default 300 (five minutes); it must cover the
             difference between ranks' compile times on the first call.
         offload_optimizer: where optimizer states (Adam's moments...) live between steps. None (default): in
-            memory on the compute device. ``"cpu"``: host memory (on a CPU machine the identity: they are there
-            already). ``"nvme"``: files under ``offload_dir``: the ``offload`` pass puts a ``zgraph.reload`` node
-            before each state's first read and a ``zgraph.write_back`` node after its update, and the runtime
-            reads states ahead and writes them behind on an I/O thread, within ``prefetch_bytes`` (see
+            memory on the compute device. ``"cpu"``: host memory — on a CPU machine the identity (they are there
+            already); with the model on a GPU, pinned host memory: the ``offload`` pass puts a ``zgraph.reload``
+            node before each state's first read and a ``zgraph.write_back`` node after its update, and the runtime
+            copies states to the GPU ahead of their reload and back behind their update on a copy stream, within
+            ``prefetch_bytes`` (the update runs on the GPU: bitwise as without offload). ``"nvme"``: files under
+            ``offload_dir`` (model on the CPU only, for now), read ahead and written behind on an I/O thread (see
             ``zgraph.runtime.offload``). Needs stage >= 1 (DeepSpeed's ZeRO-Offload does too). DeepSpeed's
             ``zero_optimization.offload_optimizer``.
-        offload_params: where sharded parameters live between uses (stage 3 only): None (default) or ``"cpu"``
-            (the identity on a CPU machine; refused at the first call on a CUDA device, not implemented yet).
+        offload_params: where sharded parameters live between uses (stage 3 only): None (default), ``"cpu"``
+            (the identity on a CPU machine; with the model on a GPU, pinned host memory, as for the optimizer).
             ``"nvme"``: each rank's parameter shards live in files under ``offload_dir`` between steps; the
             ``offload`` pass reloads a shard right before each phase's first read (the forward's all-gather, the
             backward's re-gather, the optimizer's update) and writes it back after its update. Parameters under

@@ -27,7 +27,8 @@ from zgraph.explain import human_bytes
 from zgraph.models import count_params
 from zgraph.multimodal import MultimodalConfig, TextSide, VisionSide, build_models, eager_losses
 from zgraph.runtime.memory import state_bytes as held_state_bytes
-from zgraph.runtime.process_group import default_backend, ensure_process_group
+from zgraph.runtime.devices import default_backend
+from zgraph.runtime.process_group import ensure_process_group
 
 LOSS_TOLERANCE = 1e-4  # largest |zgraph - eager| loss difference reported as a match (float32 round-off)
 
@@ -123,7 +124,7 @@ class SideActor:
         """Join the side's world (every actor of the side must be in ``setup`` at once) and build the side."""
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), OMP_NUM_THREADS="1")
         torch.set_num_threads(1)
-        backend = default_backend()
+        backend = default_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         device = "cuda:0" if backend == "nccl" else "cpu"  # Ray gives each actor its own GPU as device 0
         dist.init_process_group(backend, rank=self.rank, world_size=self.ranks)
         kind = VisionSide if self.role == "vision" else TextSide

@@ -131,7 +131,7 @@ KEY_PARTS = (
     "the modules and optimizers",
     "grad mode",
     "autocast",
-    "parameters (shape, dtype, requires_grad, .grad)",
+    "parameters (shape, dtype, device, requires_grad, .grad) or the loss-scale state",
     "buffers",
     "optimizer hyper-parameters or state",
     "train()/eval() flags",
@@ -146,8 +146,10 @@ def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: S
     arguments, ``located`` the tensors read from places ``zgraph.locate`` found. A different key retraces. Its
     parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
     params = tuple(
-        (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.requires_grad, _grad_key(r.tensor)) for r in binding.params
+        (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.device, r.tensor.requires_grad, _grad_key(r.tensor))
+        for r in binding.params
     )
+    loss_scale = tuple((k, v.device, v.dtype) for k, v in binding.loss_scale_state.items())
     buffers = tuple(_maybe_tensor_key(r.get()) for r in binding.buffers)
     opts = []
     for o in binding.optimizers:
@@ -164,12 +166,12 @@ def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: S
         opts.append((groups, states))
     training = tuple(m.training for _, root in binding.modules for m in root.modules())
     leaves = tuple((path, _value_key(leaf)) for name, value in arguments for path, leaf in iter_leaves(value, name))
-    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    autocast = autocast_key(binding.device.type)
     return (
         id(binding),
         torch.is_grad_enabled(),
         autocast,
-        params,
+        (params, loss_scale),
         buffers,
         tuple(opts),
         training,
@@ -179,13 +181,21 @@ def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: S
     )
 
 
+def autocast_key(device_type: str) -> tuple:
+    """``torch.autocast``'s state (enabled, dtype) for the host, CUDA and ``device_type``: a region entered or
+    left around the call, on any of them, retraces."""
+    types = dict.fromkeys(("cpu", "cuda", device_type))
+    available = [t for t in types if torch.amp.is_autocast_available(t)]
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in available)
+
+
 def _grad_key(t: Tensor) -> tuple | None:
     g = t.grad
-    return None if g is None else (tuple(g.shape), g.dtype)
+    return None if g is None else (tuple(g.shape), g.dtype, g.device)
 
 
 def _maybe_tensor_key(t: Tensor | None) -> tuple | None:
-    return None if t is None else (tuple(t.shape), t.dtype, t.is_contiguous())
+    return None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
 
 
 # ---------------------------------------------------------------------------------------------- compiled step

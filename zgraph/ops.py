@@ -205,6 +205,44 @@ COMBINE = torch.ops.zgraph.combine.default
 LAYOUT_OPS = (*LAYOUT_OPS, COMBINE)
 
 
+# ---------------------------------------------------------------------------------------------- host reads
+# A step graph reads nothing from the device on the host (no ``.item()`` of a device value: on a GPU each is a
+# stall), with one exception, ``flag_to_host``. Outside the graph zgraph's own deliberate reads (graph
+# fingerprints, checkpoint copies, offload write-backs) run inside ``host_read(reason)``: a marker only, which the
+# device-path tests (``tests/standin.py``) use to tell them from accidental ones.
+_HOST_READ: contextvars.ContextVar[str | None] = contextvars.ContextVar("zgraph_host_read", default=None)
+
+
+@contextlib.contextmanager
+def host_read(reason: str) -> Iterator[None]:
+    """Mark a deliberate device-to-host read (``reason`` says which); changes nothing at run time."""
+    token = _HOST_READ.set(reason)
+    try:
+        yield
+    finally:
+        _HOST_READ.reset(token)
+
+
+def current_host_read() -> str | None:
+    """The reason of the ``host_read`` region the caller is in, or None."""
+    return _HOST_READ.get()
+
+
+@torch.library.custom_op("zgraph::flag_to_host", mutates_args=())
+def flag_to_host(flag: Tensor) -> Tensor:
+    """A copy on the host of the overflow flag of fp16 loss scaling: the one device-to-host read a step graph
+    makes, once per optimizer step and only with loss scaling and state on a device, to decide whether
+    torch.optim's ``step`` counters (host tensors) advance — as ``torch.amp.GradScaler`` and DeepSpeed read
+    theirs."""
+    with host_read("the loss-scale overflow flag"):
+        return flag.to("cpu", copy=True)
+
+
+@flag_to_host.register_fake
+def _flag_to_host_fake(flag: Tensor) -> Tensor:
+    return torch.empty_like(flag, device="cpu")
+
+
 # ------------------------------------------------------------------------------------------------ offload
 # The ``offload`` pass replaces the reads of each offloaded optimizer state or stage-3 parameter shard by
 # ``reload(state, slot)`` (one per phase that reads it) and its updated value, as the graph returns it, by
@@ -268,5 +306,6 @@ def _write_back_fake(value: Tensor, slot: int) -> Tensor:
     return value.new_empty(0)
 
 
+FLAG_TO_HOST = torch.ops.zgraph.flag_to_host.default
 RELOAD = torch.ops.zgraph.reload.default
 WRITE_BACK = torch.ops.zgraph.write_back.default

@@ -35,23 +35,25 @@ from torch.utils._pytree import tree_map
 
 from zgraph.config import Config, DynamicLossScale
 from zgraph.graph import BACKWARD, PHASE
-from zgraph.ops import grad_norm, nonfinite
+from zgraph.ops import flag_to_host, grad_norm, nonfinite
 from zgraph.runtime.state import Binding
 
 BACKWARD_CALLS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
 
-def initial_loss_scale_state(config: Config) -> dict[str, Tensor]:
+def initial_loss_scale_state(config: Config, device: torch.device | None = None) -> dict[str, Tensor]:
+    """The loss-scale state a step starts from, on ``device`` (the training state's: the graph computes the
+    state's next value there and returns it there)."""
     policy = config.loss_scale
     if policy is None:
         return {}
     if isinstance(policy, DynamicLossScale):
         return {
-            "scale": torch.tensor(policy.init_scale, dtype=torch.float32),
-            "good_steps": torch.tensor(0, dtype=torch.int64),
-            "hysteresis": torch.tensor(policy.hysteresis, dtype=torch.int64),
+            "scale": torch.tensor(policy.init_scale, dtype=torch.float32, device=device),
+            "good_steps": torch.tensor(0, dtype=torch.int64, device=device),
+            "hysteresis": torch.tensor(policy.hysteresis, dtype=torch.int64, device=device),
         }
-    return {"scale": torch.tensor(float(policy), dtype=torch.float32)}
+    return {"scale": torch.tensor(float(policy), dtype=torch.float32, device=device)}
 
 
 @dataclass
@@ -183,11 +185,16 @@ def kept_in_own_dtype(binding: Binding, classes: tuple[type[nn.Module], ...]) ->
 
 
 def keep_if_overflow(flag: Tensor | None, tensors: list[Tensor], before: list[Tensor]) -> None:
-    """Put back each tensor's value from before the update where ``flag`` (an overflow) is set."""
+    """Put back each tensor's value from before the update where ``flag`` (an overflow) is set. Host tensors
+    (torch.optim's ``step`` counters beside device state) read one host copy of the flag (``flag_to_host``)."""
     if flag is None:
         return
+    on_host = None
     for tensor, old in zip(tensors, before):
-        tensor.copy_(torch.where(flag, old, tensor))
+        here = flag
+        if tensor.device != flag.device and tensor.device.type == "cpu":
+            on_host = here = on_host if on_host is not None else flag_to_host(flag)
+        tensor.copy_(torch.where(here, old, tensor))
 
 
 class StepMode(TorchFunctionMode):

@@ -39,9 +39,15 @@ from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import fit_cost_model
+from zgraph.runtime.devices import check_served, control_device, served_backend, state_device
 from zgraph.runtime.host_memory import keep_freed_host_memory
-from zgraph.runtime.offload import open_store
-from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
+from zgraph.runtime.offload import check_offload_device, open_store
+from zgraph.runtime.process_group import (
+    ProcessGroupInfo,
+    check_one_device_per_rank,
+    ensure_process_group,
+    timed_group,
+)
 from zgraph.runtime.sharded_state import (
     adopt_sharded_parameters,
     apply_plan,
@@ -52,7 +58,7 @@ from zgraph.runtime.sharded_state import (
     make_plan,
     normalize_state,
 )
-from zgraph.runtime.state import Binding
+from zgraph.runtime.state import Binding, state_tensors
 from zgraph.split import needs_split, trace_joint
 from zgraph.split_run import lower_split, run_split
 from zgraph.trace_env import traced_arguments
@@ -84,6 +90,7 @@ class DistributedStep:
         self._searched: set[int] = set()  # bindings whose requires-grad tensors have been located
         self._calls = 0  # calls made, for naming the call in errors other ranks see
         self._failed = False  # the last call raised (its failure record is cleared by the next good call)
+        self._device: torch.device | None = None  # the device of the state the step last bound
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
@@ -98,7 +105,7 @@ class DistributedStep:
                 "step while that one was being captured; steps do not nest. Call the inner step's undecorated "
                 "function there (`inner.__wrapped__`), or call the two steps one after the other."
             )
-        group = ensure_process_group(self.process_group)
+        group = ensure_process_group(self.process_group, lambda: self._device_of(args, kwargs))
         label = f"call {self._calls} of step `{getattr(self._fn, '__qualname__', self._fn)}`"
         self._calls += 1
         if not group.distributed:
@@ -128,10 +135,12 @@ class DistributedStep:
                 raise
             channel.record_failure(label, error)
             error._zgraph_recorded = True
-            check_same_graph(channel, group.group_name, label, 0, [], error)  # tell the other ranks; re-raises
+            device = control_device(group.backend, self._device)
+            check_same_graph(channel, group.group_name, label, 0, [], error, device)  # tell the others; re-raises
             raise
         if channel is not None:
-            check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description)
+            device = control_device(group.backend, binding.device)
+            check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
         self._last = compiled
         try:
             if compiled.split is not None:
@@ -223,24 +232,36 @@ class DistributedStep:
             scheduler.step()
         return any(zopt.kernel_for(scheduler.optimizer) is None for scheduler in first)
 
+    def _device_of(self, args: tuple, kwargs: dict) -> torch.device:
+        """The device of the state the step's call would bind (for starting a process group)."""
+        return state_device(state_tensors(Binding(*discover(self._fn, args, kwargs, self._observed))))
+
     def _binding(self, args: tuple, kwargs: dict, group: ProcessGroupInfo, channel: Channel | None) -> Binding:
         modules, optimizers = discover(self._fn, args, kwargs, self._observed)
         adopt_sharded_parameters([opt for _, opt in optimizers])
         binding = self._bindings.get(binding_key(modules, optimizers))
         if binding is None:
             binding = Binding(modules, optimizers)
-            check_owners(self.config.stage, group, binding)  # before anything below changes the model
+            # checks first: nothing below may change the model unless all of them pass
+            device = self._device = state_device(state_tensors(binding))
+            check_served(group.backend, device)
+            check_offload_device(self.config, device)
+            check_owners(self.config.stage, group, binding)
+            if channel is not None:
+                check_one_device_per_rank(channel, group.backend, device)
+            binding.device, binding.backend = device, served_backend(group.backend, device.type)
             convert_master_dtype(binding, self.config.master_dtype, self.config.optimizer_state_dtype)
-            binding.loss_scale_state = initial_loss_scale_state(self.config)
+            binding.loss_scale_state = initial_loss_scale_state(self.config, device)
             for _, opt in optimizers:
                 loaded = getattr(opt, "_zgraph_loss_scale", None) or {}  # zgraph.load before the first step
-                binding.loss_scale_state.update((k, v) for k, v in loaded.items() if k in binding.loss_scale_state)
+                binding.loss_scale_state.update(
+                    (k, v.to(device)) for k, v in loaded.items() if k in binding.loss_scale_state
+                )
                 opt._zgraph_loss_scale = binding.loss_scale_state  # saved and restored by zgraph.save / load
             broadcast_initial_state(binding, group)
             binding.plan = make_plan(self.config.stage, group, binding, self.config.param_persistence_threshold)
             apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
-            device = binding.params[0].tensor.device if binding.params else torch.device("cpu")
-            binding.offload = open_store(self.config, device.type)
+            binding.offload = open_store(self.config, device)
             if binding.offload is not None:
                 binding.offload.watch([o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
             if self.config.keep_host_memory and device.type == "cpu":

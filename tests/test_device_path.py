@@ -1,0 +1,181 @@
+"""The CUDA/NCCL path, checked on a machine without a GPU.
+
+The rules themselves (which backend serves which device, where control traffic goes, what a model spread over
+devices or an offload tier the device lacks gets) are tested directly; the runtime as a whole runs on the stand-in
+accelerator of ``tests/standin.py`` (state on the meta device, a backend that serves only it, as NCCL serves only
+CUDA, and an audit of host/device mixing and device-to-host reads), on 2 spawned ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_ranks
+from standin_cases import config_of, model_on, plain_step
+
+import zgraph
+from zgraph.runtime import cost_model, devices
+from zgraph.runtime.devices import DeviceError
+from zgraph.runtime.offload import OffloadError
+from zgraph.runtime.process_group import duplicate_devices
+
+ALLOWED_READS = {
+    "graph fingerprints",
+    "the loss-scale overflow flag",
+    "offload: a state's first copy to host memory",
+    "offload: a write-back to host memory",
+}
+
+
+# ------------------------------------------------------------------------------------------ the rules
+def test_backend_strings_are_read_per_device():
+    assert devices.backend_devices("nccl") == {"cuda": "nccl"}
+    assert devices.backend_devices("gloo")["cpu"] == "gloo"
+    assert devices.backend_devices("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert devices.served_backend("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert devices.served_backend("nccl", "cpu") is None
+
+
+def test_a_cpu_model_gets_gloo_where_cuda_exists(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert devices.default_backend(torch.device("cpu")) == "gloo"
+    assert devices.default_backend(torch.device("cuda", 1)) == "nccl"
+    with pytest.raises(DeviceError, match="Initialise torch.distributed yourself"):
+        devices.default_backend(torch.device("meta"))
+
+
+def test_control_traffic_goes_where_the_backend_serves_it():
+    assert devices.control_device("gloo", torch.device("cpu")) == torch.device("cpu")
+    assert devices.control_device("cpu:gloo,cuda:nccl", torch.device("cuda", 3)) == torch.device("cpu")
+    assert devices.control_device("nccl", torch.device("cuda", 3)) == torch.device("cuda", 3)
+
+
+def test_a_backend_that_cannot_serve_the_model_is_refused_with_what_to_change():
+    with pytest.raises(DeviceError, match=r"model is on cpu.*'nccl' serves cuda \(nccl\).*gloo"):
+        devices.check_served("nccl", torch.device("cpu"))
+    devices.check_served("cpu:gloo,cuda:nccl", torch.device("cpu"))
+
+
+def test_ranks_sharing_one_gpu_are_found():
+    assert duplicate_devices(["a GPU-0", "a GPU-1", "b GPU-0"]) == []
+    assert duplicate_devices(["a GPU-0", "a GPU-0", "a GPU-1", "a GPU-1"]) == [(0, 1), (2, 3)]
+
+
+def test_a_model_spread_over_devices_is_refused_before_anything_changes():
+    model = model_on("cpu")
+    model[4].to("meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = zgraph.distribute(config_of({"stage": 3}))(plain_step)
+    before = {k: v.clone() for k, v in model.state_dict().items() if v.device.type == "cpu"}
+    with pytest.raises(DeviceError, match="several devices .*cpu and meta"):
+        step(model, opt, torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()) and not opt.state
+
+
+def test_nvme_offload_of_device_state_is_refused_before_anything_changes(tmp_path):
+    model = model_on()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = config_of(
+        {"stage": 1, "offload_optimizer": "nvme", "offload_dir": str(tmp_path), "master_dtype": "torch.bfloat16"}
+    )
+    with pytest.raises(OffloadError, match='"nvme" with the model on meta is not implemented.*use "cpu"'):
+        zgraph.distribute(config)(plain_step)(
+            model, opt, torch.randn(4, 16, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+        )
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state  # not cast to bf16
+
+
+def test_cost_model_times_until_the_device_is_done(monkeypatch):
+    synced = []
+    monkeypatch.setattr(cost_model, "synchronize", lambda device: synced.append(device))
+    cost_model._fastest(lambda: None, torch.device("cuda", 0), repeats=2)
+    assert synced == [torch.device("cuda", 0)] * 4  # before and after each timed call
+
+
+def test_cost_model_cache_is_keyed_by_device_and_the_backend_serving_it():
+    paths = {cost_model._cache_path(b, d, 4) for b, d in [("gloo", "cpu"), ("nccl", "cuda"), ("gloo", "cuda")]}
+    assert len(paths) == 3
+    model = cost_model.fit_cost_model(
+        zgraph.runtime.process_group.ProcessGroupInfo(0, 2, "g", "cpu:gloo,cuda:nccl"), torch.device("cuda"), False
+    )
+    assert model.collectives == cost_model.analytical_cost_model("nccl").collectives
+
+
+def test_cuda_autocast_is_part_of_the_guard_key():
+    model = model_on("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = zgraph.distribute(config_of({}))(plain_step)
+    x, y = torch.randn(4, 16), torch.zeros(4, dtype=torch.long)
+    step(model, opt, x, y)
+    torch.set_autocast_enabled("cuda", True)  # what torch.autocast("cuda") does on a machine with CUDA
+    try:
+        step(model, opt, x, y)
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+    assert len(step._cache) == 2
+
+
+# --------------------------------------------------------------------------- the runtime on the stand-in
+RUNS = {
+    "stage 0": {"options": {"stage": 0}},
+    "stage 1": {"options": {"stage": 1}},
+    "stage 2, fp16 dynamic loss scaling, clipping": {
+        "options": {"stage": 2, "param_dtype": "torch.float16", "loss_scale": "dynamic", "max_grad_norm": 1.0}
+    },
+    "stage 3, bf16 compute and master": {
+        "options": {"stage": 3, "param_dtype": "torch.bfloat16", "master_dtype": "torch.bfloat16"}
+    },
+    "stage 1, optimizer offloaded to host memory": {"options": {"stage": 1, "offload_optimizer": "cpu"}},
+    "stage 3, parameters and optimizer offloaded, fp16": {
+        "options": {
+            "stage": 3,
+            "offload_optimizer": "cpu",
+            "offload_params": "cpu",
+            "param_dtype": "torch.float16",
+            "loss_scale": "dynamic",
+        }
+    },
+    "stage 3, split backward": {"options": {"stage": 3}, "split": True},
+}
+
+
+@pytest.fixture(scope="module")
+def standin_runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("standin") / "runs.json")
+    run_ranks(2, "standin_cases.cases", out, list(RUNS.values()), init_group="standin", timeout=600)
+    with open(out) as f:
+        return dict(zip(RUNS, json.load(f)))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_runtime_runs_on_a_device_only_backend(standin_runs, name):
+    """Binding, the initial broadcast, fingerprints, executor, loss scaling, clipping, offload and split mode on
+    a backend that serves only the device: no host tensor crosses a collective, no op mixes host and device
+    tensors, nothing is read on the host but what zgraph reads on purpose, and state stays where it belongs."""
+    seen = standin_runs[name]
+    assert "error" not in seen, seen.get("error")
+    assert seen["param_devices"] == ["meta"] and seen["state_devices"] == ["meta"]
+    assert seen["step_devices"] == ["cpu"]  # torch.optim keeps `step` on the host
+    assert seen["variants"] == 1  # no retrace: every input is where the graph was compiled for
+    assert set(seen["reads"]) <= ALLOWED_READS and "graph fingerprints" in seen["reads"]
+    assert seen["graph_host_reads"] == []  # the graph audit
+    scaling = "loss_scale" in RUNS[name]["options"]
+    assert seen["loss_scale_devices"] == (["meta"] if scaling else [])
+    assert bool(seen["flag_to_host"]) == scaling  # the one documented host read, only with loss scaling
+    if "offload" in name:
+        assert "host memory (copied synchronously, for state on meta)" in seen["explain"]
+
+
+def test_bad_input_on_a_device_only_backend_is_refused_before_anything_changes(tmp_path):
+    run_ranks(2, "standin_cases.refusals", str(tmp_path), init_group="standin", timeout=300)
+    seen = json.loads((tmp_path / "refusals.json").read_text())
+    host = seen["host model on a device-only group"]
+    assert "model is on cpu, but the process group's backend 'standin' serves meta" in host["error"], host
+    nvme = seen["nvme offload of device state"]
+    assert '"nvme" with the model on meta is not implemented' in nvme["error"], nvme
+    assert host["unchanged"] and nvme["unchanged"]
