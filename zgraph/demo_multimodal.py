@@ -26,8 +26,8 @@ from zgraph.demo_support import free_port, spawn_ranks, unsharded_state_bytes
 from zgraph.explain import human_bytes
 from zgraph.models import count_params
 from zgraph.multimodal import MultimodalConfig, TextSide, VisionSide, build_models, eager_losses
-from zgraph.runtime.memory import state_bytes as held_state_bytes
 from zgraph.runtime.devices import default_backend
+from zgraph.runtime.memory import state_bytes as held_state_bytes
 from zgraph.runtime.process_group import ensure_process_group
 
 LOSS_TOLERANCE = 1e-4  # largest |zgraph - eager| loss difference reported as a match (float32 round-off)
