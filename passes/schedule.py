@@ -11,7 +11,8 @@ Rules (plan first — an anchor position per node — then one stable reorder):
 - **Reload with the gather, or late.** An offloaded parameter shard's ``zgraph::reload`` moves with the gather
   it feeds (it only packs the gather's input); any other reload goes right before its first reader.
 - **Wait late.** Each ``wait_tensor``, and the views and copies that unpack its result, moves right before the
-  first op that reads them.
+  first op that reads them — a reduce-scatter's no later than the next reduce-scatter's issue (its whole input
+  is held until its wait).
 - **Update while backward continues.** Optimizer work that depends on the gradient buckets up to the k-th
   reduction is placed right before the (k+1)-th reduction is issued: bucket k's reduce-scatter overlaps the
   backward work between the two issues, then its update runs while bucket k+1's is in flight.
@@ -54,11 +55,8 @@ _PACKING = (
 )
 _EPS = 1e-3
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # a reduce-scatter on gloo
-_REDUCTIONS = (
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_reduce.default,
-    _ALL_TO_ALL,
-)
+_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_REDUCTIONS = (_REDUCE_SCATTER, torch.ops._c10d_functional.all_reduce.default, _ALL_TO_ALL)
 # after an all-to-all's wait, the sum of the received chunks and its division by the world size finish the
 # reduce-scatter: they move with the wait
 _ALL_TO_ALL_UNPACKING = frozenset({aten.sum.dim_IntList, aten.div.Tensor})
@@ -164,10 +162,12 @@ def schedule(
     issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
     _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx, prefetch_bytes, allgather_bytes))
     _monotone(nodes, anchor)
-    # wait late: each wait and its unpacking right before the first reader of that result; an all-to-all's (a
-    # reduce-scatter on gloo: its input and its W chunks are held until the wait) before the next is issued
-    all_to_alls = sorted((s for s in starts if s.target is _ALL_TO_ALL), key=anchor.__getitem__)
-    next_issue = {s: [anchor[t]] for s, t in zip(all_to_alls, all_to_alls[1:])}
+    # wait late: each wait and its unpacking right before the first reader of that result; a reduce-scatter's
+    # before the next is issued: its whole input (and on gloo, where it is an all-to-all, its W chunks) is held
+    # until the wait — NCCL keeps a collective's input alive until it is waited for — so at most one gradient
+    # bucket is held whole
+    scatters = sorted((s for s in starts if s.target in (_ALL_TO_ALL, _REDUCE_SCATTER)), key=anchor.__getitem__)
+    next_issue = {s: [anchor[t]] for s, t in zip(scatters, scatters[1:])}
     for start in reversed(starts):
         for chain in unpacking[start]:
             group = set(chain)

@@ -170,6 +170,7 @@ def test_cli_json_and_budget():
     [
         (["--model", "gpt-7", "--world", "2"], "unknown model"),
         (["--model", "gpt-bench", "--world", "0"], "--world must be at least 1"),
+        (["--model", "gpt-bench", "--world", "2", "--device", "tpu"], "--device must be one of cpu, cuda"),
         (["--model", "gpt-bench", "--world", "1", "--seq", "256"], "could not capture"),
         (["--model", "gpt-bench", "--world", "1", "--stage", "3", "--budget", "20MiB"], "below the model states"),
     ],

@@ -14,11 +14,21 @@ From the final graph (the passes' result as the eager backend rewrites it, updat
   the ``.grad`` left after the step, optimizer state, buffers — each rank's padded shard where it is sharded;
 - the peak: liveness in execution order (``zgraph.liveness``);
 - communication: every collective node, counted and sized by the graph contract, priced by the cost model.
+
+The device (``device=``; default: the device of the model's parameters, else the CPU) is the one the step is planned
+for. For ``"cuda"`` the group's backend is NCCL (the passes lower reduce-scatters natively, not as gloo's all-to-all;
+collectives are priced by the NCCL cost model this machine has measured, else the analytical one), offload to host
+memory moves state as it does from a GPU, and liveness counts CUDA caching-allocator blocks and NCCL's collectives
+(``zgraph.liveness``). Where this torch can trace CUDA tensors the stand-ins are CUDA fakes (torch's own autocast and
+attention choice); elsewhere they are CPU fakes traced under ``zgraph.cuda_trace``, which makes attention and
+autocast CUDA's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from zgraph.capture import CapturedGraph, finish, trace_step
 from zgraph.compiled import lower, pass_context
+from zgraph.cuda_trace import cuda_trace
 from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
@@ -44,10 +55,11 @@ from zgraph.graph import (
     tensor_bytes,
 )
 from zgraph.guards import discover
-from zgraph.liveness import liveness, offloaded
+from zgraph.liveness import cuda_block_bytes, liveness, offloaded
 from zgraph.passes import run_pipeline
 from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
+from zgraph.runtime.devices import served_backend
 from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
 from zgraph.runtime.sharded_state import convert_master_dtype, make_plan
 from zgraph.runtime.state import Binding
@@ -56,6 +68,7 @@ from zgraph.trace_optim import create_first_state, drop_state, first_state_candi
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
+DEVICES = ("cpu", "cuda")  # the device types an estimate plans for
 
 
 @dataclass(frozen=True)
@@ -78,8 +91,13 @@ class Estimate:
         comm_bytes: bytes per collective kind per step (the full tensor gathered or reduced).
         comm_count: collectives per kind per step.
         comm_seconds: seconds per collective kind per step, from the cost model (``cost_model_source``).
+        comm_ops: collectives per op of the final graph, by name (what runs: a reduce-scatter is
+            ``reduce_scatter_tensor`` on NCCL, ``all_to_all_single`` and a sum on gloo).
         live_bytes: bytes alive at each node of the final graph, in execution order (for plotting).
         nodes: the final graph's node count.
+        device: the device type the step was planned for, ``"cpu"`` or ``"cuda"``; on ``"cuda"`` every byte count
+            above that is memory (model state, peak, live bytes) counts CUDA caching-allocator blocks
+            (``zgraph.liveness.cuda_block_bytes``), as ``torch.cuda.max_memory_allocated`` does.
     """
 
     world_size: int
@@ -93,8 +111,10 @@ class Estimate:
     comm_count: Mapping[str, int]
     comm_seconds: Mapping[str, float]
     cost_model_source: str = "analytical"
+    comm_ops: Mapping[str, int] = field(default_factory=dict)
     live_bytes: tuple[int, ...] = field(default=(), repr=False)
     nodes: int = 0
+    device: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
@@ -110,7 +130,9 @@ class Estimate:
             "comm_count": dict(self.comm_count),
             "comm_seconds": dict(self.comm_seconds),
             "cost_model_source": self.cost_model_source,
+            "comm_ops": dict(self.comm_ops),
             "nodes": self.nodes,
+            "device": self.device,
         }
 
 
@@ -119,47 +141,49 @@ class EstimateError(CaptureError):
 
 
 def estimate_step(
-    step: Any, args: tuple, kwargs: dict, world_size: int | None = None, cost_model: CostModel | None = None
+    step: Any,
+    args: tuple,
+    kwargs: dict,
+    world_size: int | None = None,
+    cost_model: CostModel | None = None,
+    device: str | torch.device | None = None,
 ) -> Estimate:
     """The ``Estimate`` of ``step`` (a ``DistributedStep``) called with ``args`` / ``kwargs`` on ``world_size``
-    ranks (None: the current world). ``cost_model``: prices collectives (default: the analytical model of the
-    backend the device would use)."""
+    ranks (None: the current world), planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None:
+    the device of the model's parameters, else the CPU). ``cost_model``: prices collectives (default: the one the
+    step would plan with for the backend that serves the device)."""
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     config = step.config
-    shadow_args, shadow_kwargs, device = _shadow(step._fn, args, kwargs)
+    shadow_args, shadow_kwargs, found = _shadow(step._fn, args, kwargs)
+    device = _planned_device(device, found)
     group = _group(world_size, device)
     modules, optimizers = discover(step._fn, shadow_args, shadow_kwargs)
     binding = Binding(modules, optimizers)
+    binding.device = device
     convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
     binding.loss_scale_state = initial_loss_scale_state(config)
     binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold, mesh=False)
     binding.cost_model = cost_model or _cost_model(config, group, device)
     user_tensors = step._user_tensors(binding, shadow_args, shadow_kwargs)
-    captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, config, device)
+    emulated = device.type == "cuda" and not torch.cuda.is_available()  # CPU fakes under CUDA's attention, autocast
+    traced_on = torch.device("cpu") if emulated else device
+    trace_config = dataclasses.replace(config, autocast_dtype=None) if emulated else config
+    with cuda_trace([m for _, m in modules], config.autocast_dtype) if emulated else contextlib.nullcontext():
+        captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, trace_config, traced_on)
     ctx = pass_context(binding)
     records = run_pipeline(captured.gm, ctx, step._pipeline, keep=False)  # only the final graph is read
     transformed = records[-1].gm if records else captured.gm
 
     backend_records, _ = lower(transformed, ctx, "eager", keep=False)  # the eager backend's rewrites: what runs
     final = backend_records[-1].gm
-    live = liveness(final)
-    counts: dict[str, int] = {}
-    sent: dict[str, int] = {}
-    seconds: dict[str, float] = {}
-    for node in final.graph.nodes:
-        kind = collective_kind(node)
-        if kind is None:
-            continue
-        nbytes = collective_bytes(node)
-        counts[kind] = counts.get(kind, 0) + 1
-        sent[kind] = sent.get(kind, 0) + nbytes
-        seconds[kind] = seconds.get(kind, 0.0) + binding.cost_model.collective_seconds(kind, nbytes)
+    live = liveness(final, device.type)
+    counts, sent, seconds, ops = _collectives(final, binding.cost_model)
     return Estimate(
         world_size=group.world_size,
         stage=config.stage,
         params=sum(r.tensor.numel() for r in binding.params),
-        model_state_bytes=_model_state(final, captured, binding, config),
+        model_state_bytes=_model_state(final, captured, binding, config, device.type),
         peak_bytes=live.peak_bytes,
         peak_node=live.peak_node,
         alive_at_peak=live.alive_at_peak,
@@ -167,16 +191,52 @@ def estimate_step(
         comm_count=counts,
         comm_seconds=seconds,
         cost_model_source=binding.cost_model.source,
+        comm_ops=ops,
         live_bytes=live.live_bytes,
         nodes=len(final.graph.nodes),
+        device=device.type,
     )
+
+
+def _planned_device(device: str | torch.device | None, found: torch.device) -> torch.device:
+    """The device an estimate plans for: ``device`` (a device type of ``DEVICES``), else ``found``, the device of
+    the model's parameters."""
+    if device is None:
+        return found
+    try:
+        planned = torch.device(device)
+    except (RuntimeError, TypeError):
+        planned = None
+    if planned is None or planned.type not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} (or a torch.device of them), got {device!r}")
+    return planned
+
+
+def _collectives(gm: Any, cost_model: CostModel) -> tuple[dict, dict, dict, dict]:
+    """Per collective kind: count, bytes and seconds; and the count per op name."""
+    counts: dict[str, int] = {}
+    sent: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    ops: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None:
+            continue
+        nbytes = collective_bytes(node)
+        counts[kind] = counts.get(kind, 0) + 1
+        sent[kind] = sent.get(kind, 0) + nbytes
+        seconds[kind] = seconds.get(kind, 0.0) + cost_model.collective_seconds(kind, nbytes)
+        ops[node.target._opname] = ops.get(node.target._opname, 0) + 1
+    return counts, sent, seconds, ops
 
 
 def _group(world_size: int | None, device: torch.device) -> ProcessGroupInfo:
     """The group an estimate plans for: the current one, or ``world_size`` ranks (rank 0; every rank's graph has
-    the same shapes), with the backend the real step would use (the passes lower collectives for it)."""
+    the same shapes), with the backend that serves ``device`` as the real step would use it (the passes lower
+    collectives for it): the current group's, else gloo for the CPU and NCCL for CUDA."""
     current = ensure_process_group()
-    backend = current.backend if current.distributed else ("nccl" if device.type == "cuda" else "gloo")
+    default = "nccl" if device.type == "cuda" else "gloo"
+    backend = (served_backend(current.backend, device.type) or current.backend) if current.distributed else default
     if world_size is None or world_size == current.world_size:
         if not current.distributed:
             return SINGLE_PROCESS
@@ -289,9 +349,9 @@ def _capture(
     return finish(traced)
 
 
-def _model_state(final: Any, captured: CapturedGraph, binding: Binding, config: Any) -> dict[str, int]:
+def _model_state(final: Any, captured: CapturedGraph, binding: Binding, config: Any, device: str) -> dict[str, int]:
     """Bytes of the state the graph leaves: each piece's output value, else its input (``.grad`` the step sets
-    to None excepted)."""
+    to None excepted); on ``"cuda"``, each tensor's allocator block."""
     after: dict[tuple, Any] = {}
     for node in placeholders(final):
         spec = node.meta[INPUT]
@@ -305,7 +365,7 @@ def _model_state(final: Any, captured: CapturedGraph, binding: Binding, config: 
     totals = dict.fromkeys(MODEL_STATE_KINDS, 0)
     stored = {state_key(n.meta[INPUT]) for n in placeholders(final) if offloaded(n)}
     for key, (spec, val) in after.items():
-        nbytes = tensor_bytes(val)
+        nbytes = cuda_block_bytes(tensor_bytes(val)) if device == "cuda" else tensor_bytes(val)
         if key in stored:
             totals["offloaded"] += nbytes
             continue

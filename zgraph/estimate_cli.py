@@ -1,7 +1,9 @@
 """``zgraph estimate``: memory and communication of a model's training step per rank, before running it.
 
 The model is built on the meta device (no weights in memory) and a plain step — forward, next-token loss,
-``backward()``, AdamW ``step()``, ``zero_grad()`` — is estimated with ``step.estimate`` for ``--world`` ranks.
+``backward()``, AdamW ``step()``, ``zero_grad()`` — is estimated with ``step.estimate`` for ``--world`` ranks on
+``--device`` (``cpu``: gloo; ``cuda``: NCCL, CUDA's attention, autocast and allocator, with the CPU plan's peak
+beside it: see ``zgraph.estimate``).
 ``--budget`` finds the largest micro-batch that fits: every node's live bytes is linear in the micro-batch (the
 graph is the same, activations scale with it), so two traces (micro-batch 1 and 2) give the exact line per node;
 the answer is checked by a third trace. When even micro-batch 1 does not fit it says which stage and precision
@@ -16,16 +18,16 @@ import gc
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from zgraph.config import Config
-from zgraph.estimate import Estimate, estimate_step
+from zgraph.estimate import DEVICES, Estimate, estimate_step
 from zgraph.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
 from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
-from zgraph.runtime.cost_model import analytical_cost_model
+from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {  # name: (builder, vocab, default sequence)
     "gpt-bench": (lambda: GPT(BENCH_GPT), BENCH_GPT.vocab, BENCH_GPT.seq),
@@ -38,6 +40,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
 _UNITS.update({"GIB": 2**30, "TIB": 2**40})
 BF16_RECIPE = {"param_dtype": "bf16", "master_dtype": "bf16", "optimizer_state_dtype": "bf16", "autocast": "bf16"}
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the backend an estimate plans collectives for, per device
 
 
 class EstimateInputError(ValueError):
@@ -61,6 +64,12 @@ def gib(n: float) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}")
     parser.add_argument("--world", type=int, required=True, help="ranks (data-parallel world size)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (gloo) or cuda (NCCL's collectives, CUDA's attention, autocast and allocator; the CPU plan's peak "
+        "beside it); default cpu",
+    )
     parser.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3 (default 3)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
@@ -87,6 +96,7 @@ class Setting:
     seq: int
     dtypes: tuple[tuple[str, str | None], ...]
     max_reuse_distance: int = 0
+    device: str = "cpu"
 
     def config(self) -> Config:
         d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
@@ -115,7 +125,8 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
 
 
 def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
-    """Estimate one setting at one micro-batch (the model on the meta device; collectives priced as NCCL's)."""
+    """Estimate one setting at one micro-batch (the model on the meta device; collectives priced as NCCL's: on
+    ``cuda`` by this machine's NCCL measurement when it has one, else analytically)."""
     from zgraph.step import distribute
 
     build, vocab, _ = MODELS[setting.model]
@@ -125,7 +136,13 @@ def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = distribute(setting.config())(_train_step)
     with _gc_paused():
-        return estimate_step(step, (model, opt, idx, idx), {}, setting.world, analytical_cost_model("nccl"))
+        return estimate_step(step, (model, opt, idx, idx), {}, setting.world, _cost_model(setting), setting.device)
+
+
+def _cost_model(setting: Setting) -> CostModel:
+    if setting.device == "cuda":
+        return known_cost_model("nccl", "cuda", setting.world)
+    return analytical_cost_model("nccl")
 
 
 @contextlib.contextmanager
@@ -147,6 +164,8 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
         raise EstimateInputError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
     if args.world < 1:
         raise EstimateInputError(f"--world must be at least 1, got {args.world}")
+    if args.device not in DEVICES:
+        raise EstimateInputError(f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}")
     if args.stage not in (0, 1, 2, 3):
         raise EstimateInputError(f"--stage must be 0, 1, 2 or 3, got {args.stage}")
     if args.micro_batch < 1:
@@ -155,7 +174,7 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     if seq < 1:
         raise EstimateInputError(f"--seq must be at least 1, got {seq}")
     dtypes = tuple((k, getattr(args, k)) for k in ("param_dtype", "master_dtype", "optimizer_state_dtype", "autocast"))
-    setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance)
+    setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance, args.device)
     try:
         setting.config()
     except ValueError as error:
@@ -165,9 +184,10 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
 
 def table(setting: Setting, micro_batch: int, e: Estimate) -> str:
     """The estimate as a readable table."""
+    on = " on cuda" if setting.device == "cuda" else ""
     rows = [
-        f"zgraph estimate: {setting.model}, {setting.world} rank(s), {setting.describe()}, micro-batch {micro_batch}, "
-        f"sequence {setting.seq}",
+        f"zgraph estimate: {setting.model}, {setting.world} rank(s){on}, {setting.describe()}, micro-batch "
+        f"{micro_batch}, sequence {setting.seq}",
         f"  parameters            {e.params:,}",
         "  model state per rank",
     ]
@@ -185,6 +205,9 @@ def table(setting: Setting, micro_batch: int, e: Estimate) -> str:
         )
     if not e.comm_bytes:
         rows.append("    none (one rank)")
+    else:
+        ops = ", ".join(f"{op} {n}" for op, n in sorted(e.comm_ops.items()))
+        rows.append(f"    as {BACKENDS[e.device]} runs them: {ops}")
     return "\n".join(rows)
 
 
@@ -240,7 +263,7 @@ def alternatives(setting: Setting, micro_batch: int, budget: int) -> list[tuple[
     candidates = []
     for stage in range(setting.stage, 4):
         for dtypes in (setting.dtypes, recipe):
-            candidate = Setting(setting.model, setting.world, stage, setting.seq, dtypes, setting.max_reuse_distance)
+            candidate = replace(setting, stage=stage, dtypes=dtypes)
             if candidate != setting and candidate not in candidates:
                 candidates.append(candidate)
     fitting = []
@@ -259,6 +282,13 @@ def run(args: argparse.Namespace) -> str:
     e = run_estimate(setting, args.micro_batch)
     out: dict = {"model": setting.model, "micro_batch": args.micro_batch, "seq": setting.seq, **e.to_json()}
     lines = [table(setting, args.micro_batch, e)]
+    if setting.device != "cpu":  # the same step planned for the CPU, for comparison
+        host = run_estimate(replace(setting, device="cpu"), args.micro_batch)
+        out["cpu_peak_bytes"] = host.peak_bytes
+        lines.append(
+            f"  peak on cpu/{BACKENDS['cpu']}: {gib(host.peak_bytes)}; on {setting.device}/{BACKENDS[setting.device]}: "
+            f"{gib(e.peak_bytes)}"
+        )
     if budget is not None:
         if e.model_state_bytes["total"] > budget:
             fits = alternatives(setting, args.micro_batch, budget)

@@ -8,6 +8,11 @@ reduce-scatters and all-reduces copy their input first and drop it at once). Gra
 batch) and outputs are held by the caller for the whole step, except inputs read only through ``zgraph::reload``
 (offloaded: the caller holds them in the offload tier, not in memory; each reload allocates its own copy). Sizes come
 from the nodes' fake values: no memory is touched, so this works on graphs traced at any scale.
+
+On CUDA (``liveness(gm, device="cuda")``) each storage is counted as the CUDA caching allocator sizes its block
+(``cuda_block_bytes``), which is what ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` count, and
+collectives are NCCL's: a reduce-scatter's work, like an all-gather's, holds its input until its wait. On the CPU,
+storages count their bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,31 @@ _HOLD_INPUTS = (
     torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default,
     torch.ops._c10d_functional.all_to_all_single.default,
 )
+# on NCCL, whose work holds every input it reads until it is waited for (its reduce-scatters read theirs in place)
+_HOLD_INPUTS_NCCL = (
+    *_HOLD_INPUTS,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor_coalesced.default,
+)
+
+
+# The CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp; constants in c10/core/AllocatorConfig.h): every
+# request is rounded up to a multiple of kMinBlockSize
+CUDA_MIN_BLOCK_BYTES = 512
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``: rounded up to a multiple
+    of ``CUDA_MIN_BLOCK_BYTES`` (kMinBlockSize, 512: at least one block); a zero-byte tensor allocates nothing
+    (``allocate(0)`` returns no block). Not modelled: the segments blocks are carved from (reserved memory, which
+    ``max_memory_reserved`` counts: kSmallBuffer, 2 MiB, for requests up to kSmallSize, 1 MiB; kLargeBuffer, 20 MiB,
+    up to kMinLargeAlloc, 10 MiB; above, a multiple of kRoundLarge, 2 MiB), a large block left unsplit when its
+    free block has 1 MiB or less left over (then counted whole: that depends on the allocation history),
+    ``PYTORCH_CUDA_ALLOC_CONF`` (``roundup_power2_divisions``, ``expandable_segments``), and memory outside the
+    allocator (the CUDA context, cuBLAS and NCCL workspaces)."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // CUDA_MIN_BLOCK_BYTES) * CUDA_MIN_BLOCK_BYTES
 
 
 @dataclass(frozen=True)
@@ -122,17 +152,20 @@ def offloaded(node: fx.Node) -> bool:
     return node.op == "placeholder" and bool(node.users) and all(u.target is RELOAD for u in node.users)
 
 
-def _waits(node: fx.Node) -> list[fx.Node]:
-    """The ``wait_tensor`` nodes that complete ``node`` if it is a collective that holds its inputs until then (on
-    its result, or on the elements of its list of results), else none."""
-    if node.target not in _HOLD_INPUTS:
+def _waits(node: fx.Node, holding: tuple = _HOLD_INPUTS) -> list[fx.Node]:
+    """The ``wait_tensor`` nodes that complete ``node`` if it is a collective that holds its inputs until then (one
+    of ``holding``; on its result, or on the elements of its list of results), else none."""
+    if node.target not in holding:
         return []
     results = [node, *(u for u in node.users if u.target is operator.getitem)]
     return [w for r in results for w in r.users if w.target is _WAIT]
 
 
-def liveness(gm: fx.GraphModule) -> Liveness:
-    """Bytes alive after each node of ``gm`` and the peak (see the module docstring)."""
+def liveness(gm: fx.GraphModule, device: str = "cpu") -> Liveness:
+    """Bytes alive after each node of ``gm`` and the peak (see the module docstring); ``device``: ``"cuda"``
+    counts each storage as the CUDA caching allocator's block (``cuda_block_bytes``) and every collective as holding
+    its inputs until its wait (NCCL's)."""
+    holding = _HOLD_INPUTS_NCCL if device == "cuda" else _HOLD_INPUTS
     nodes = list(gm.graph.nodes)
     of: dict[fx.Node, list[int]] = {}
     sizes: list[int] = []
@@ -148,11 +181,13 @@ def liveness(gm: fx.GraphModule) -> Liveness:
                 continue
             born.setdefault(s, 0 if node.op in ("placeholder", "get_attr") else i)
             last[s] = end if node.op in ("placeholder", "get_attr") else max(last.get(s, i), i)
-        waited = max((index[w] for w in _waits(node)), default=i)  # an all-gather's inputs: until its wait
+        waited = max((index[w] for w in _waits(node, holding)), default=i)  # an all-gather's inputs: until its wait
         for arg in node.all_input_nodes:
             for s in of.get(arg, []):
                 if s >= 0:
                     last[s] = end if node.op == "output" else max(last[s], waited)
+    if device == "cuda":
+        sizes = [cuda_block_bytes(n) for n in sizes]
     delta = [0] * (len(nodes) + 1)
     for s, start in born.items():
         delta[start] += sizes[s]

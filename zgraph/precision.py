@@ -5,7 +5,7 @@
   through one differentiable cast per parameter and forward/backward round. Autograd then differentiates
   through the cast, so gradients arrive at the (master) parameters in their dtype — what FSDP2's
   ``MixedPrecisionPolicy`` gives. ``model.parameters()``, ``.grad`` and the optimizer see the master
-  parameters. The backward runs under the same rule (``_active_in_engine``): activation checkpointing's
+  parameters. The backward runs under the same rule (``active_in_engine``): activation checkpointing's
   recomputation reads parameters as the forward did.
 - **Loss scaling** (``Config.loss_scale``): every backward call (``backward()``, ``autograd.backward``,
   ``autograd.grad``) seeds autograd with the scaled gradient (computed in float32, as DeepSpeed scales
@@ -217,7 +217,7 @@ class StepMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             self.in_backward = True
             try:
-                with fx_traceback.annotate({PHASE: BACKWARD}), _active_in_engine(self):
+                with fx_traceback.annotate({PHASE: BACKWARD}), active_in_engine(self):
                     result = self._backward(func, args, kwargs)
             finally:
                 self.in_backward = False
@@ -276,7 +276,7 @@ class StepMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _active_in_engine(mode: TorchFunctionMode) -> Iterator[None]:
+def active_in_engine(mode: TorchFunctionMode) -> Iterator[None]:
     """Run autograd's engine with ``mode`` active, so Python code that runs inside a backward (activation
     checkpointing's recomputation, custom autograd functions' ``backward``) reads parameters in the compute dtype
     as forward did.

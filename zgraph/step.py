@@ -457,12 +457,15 @@ class DistributedStep:
         """Write every graph of the last variant as readable Python into ``directory``; returns the paths."""
         return dump_graphs(self.graphs, directory)
 
-    def estimate(self, *args: Any, world_size: int | None = None, **kwargs: Any) -> Estimate:
+    def estimate(
+        self, *args: Any, world_size: int | None = None, device: str | torch.device | None = None, **kwargs: Any
+    ) -> Estimate:
         """Memory and communication per rank of calling the step with these arguments on ``world_size`` ranks
-        (None: the current world), without running it: captured and transformed on meta stand-ins of the
-        modules and optimizers among the arguments; the real ones, and this step's caches, stay as they are.
-        See ``zgraph.Estimate``."""
-        return estimate_step(self, args, kwargs, world_size)
+        (None: the current world) with the state on ``device`` (``"cpu"``, ``"cuda"``; None: the parameters'
+        device), without running it: captured and transformed on meta stand-ins of the modules and optimizers
+        among the arguments; the real ones, and this step's caches, stay as they are. ``world_size`` and
+        ``device`` are the estimate's own keywords, never passed to the step. See ``zgraph.Estimate``."""
+        return estimate_step(self, args, kwargs, world_size, device=device)
 
     def _observe(self, found: UnboundState, args: tuple, kwargs: dict) -> None:
         """Remember the modules and optimizers the trace reached (bound from the next capture on), each named
