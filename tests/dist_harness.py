@@ -57,10 +57,22 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
         sys.stderr.flush()
         os._exit(1)
     if dist.is_initialized():
-        if dist.get_backend() != "standin":  # the stand-in's collectives move nothing: no one to wait for
-            dist.barrier()
+        _finish_together(rank, world_size)
         dist.destroy_process_group()
     end_finished_rank()
+
+
+def _finish_together(rank: int, world_size: int) -> None:
+    """Every rank is done before any leaves: a barrier; on the stand-in, whose collectives move nothing, through
+    the store, which rank 0 serves (it must not exit while another rank still reads zgraph's last agreement)."""
+    if dist.get_backend() != "standin":
+        dist.barrier()
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if rank:
+        store.set(f"harness/done/{rank}", b"1")
+    else:
+        store.wait([f"harness/done/{r}" for r in range(1, world_size)])
 
 
 def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool | str = True) -> None:

@@ -53,9 +53,11 @@ from zgraph.checkpoint_read import dcp_save, read_into, read_manifest, read_meta
 from zgraph.checkpoint_state import (
     MODEL,
     OptimizerArg,
+    Staged,
     as_list,
     check_model,
     check_optimizers,
+    keeps_on_host,
     model_targets,
     optimizer_params,
     parameter_names,
@@ -65,6 +67,7 @@ from zgraph.checkpoint_state import (
     state_targets,
 )
 from zgraph.errors import CheckpointError, RankFailedError
+from zgraph.ops import host_read
 from zgraph.runtime.agreement import Channel, world_channel
 from zgraph.runtime.offload import materialize
 from zgraph.runtime.sharded_state import normalize_state, sharding_of
@@ -147,7 +150,8 @@ def _write_and_commit(
     try:
         subdir = f"r{rank}"
         os.makedirs(os.path.join(temp, subdir), exist_ok=True)
-        dcp_save(tensors, os.path.join(temp, subdir))
+        with host_read("checkpoint: save copies the state to the host"):  # DCP copies device tensors to write them
+            dcp_save(tensors, os.path.join(temp, subdir))
         report = {"files": cio.digests(temp, cio.rank_files(temp, subdir)), "rng": rng}
     except Exception as caught:
         error = caught
@@ -220,8 +224,12 @@ def load(
     not have keeps its RNG states). Gradients are left as they are.
 
     All or nothing: every file read is first checked against the manifest's size and sha256 (``verify=False``
-    skips the sha256, not the sizes), everything is read into staging tensors and checked on every rank, and
-    only then is anything changed (the model's tensors are held twice meanwhile).
+    skips the sha256, not the sizes), everything is read into staging tensors in host memory and checked on every
+    rank, and only then is anything changed: the staging tensors are copied into the model's and optimizer's
+    tensors on their device one at a time (in place where the optimizer already holds a state tensor of that
+    layout), so the device holds the state once plus one tensor. Optimizer state goes where torch.optim keeps
+    it: ``step`` on the host (a 0-d CPU tensor) unless the param group is ``capturable`` or ``fused``, every
+    other field on its parameter's device.
 
     Raises:
         CheckpointError: ``path`` is not a complete zgraph checkpoint, a file is damaged or missing (named), its
@@ -289,16 +297,22 @@ def _stage(
             scheduler.load_state_dict(values["scheduler"])
         with torch.no_grad():
             for key, live in model_state.items():
-                if isinstance(live, Tensor):
-                    _local(live).copy_(_local(targets[MODEL + key]))
+                if isinstance(live, Tensor):  # host to device, one tensor at a time; the staging tensor goes
+                    _local(live).copy_(_local(targets.pop(MODEL + key)))
         for opt, new_state, (hyper, loss_scale) in zip(optimizers, new_states, optimizer_values):
-            for param in optimizer_params(opt):
-                if param in new_state:
-                    opt.state[param] = new_state[param]
-                else:
-                    opt.state.pop(param, None)
             for group, saved in zip(opt.param_groups, hyper):
-                group.update(saved)
+                group.update(saved)  # first: `capturable` / `fused` say where `step` goes, as in torch.optim
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    current = opt.state.pop(param, None) or {}
+                    if param not in new_state:
+                        continue
+                    opt.state[param] = {
+                        field: value.live(current.pop(field, None), keeps_on_host(field, group))
+                        if isinstance(value, Staged)
+                        else value
+                        for field, value in new_state.pop(param).items()
+                    }
             if loss_scale is not None:
                 restore_loss_scale(opt, loss_scale)
         found = sharding_of(model)

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from zgraph.errors import CheckpointError
+from zgraph.ops import host_read
 
 TUPLE = "__z_tuple"
 FLOAT = "__z_float"
@@ -85,7 +86,8 @@ class Encoder:
             raise CheckpointError(f"cannot save {where}: a {value.layout} / {value.device} tensor (dense only)")
         key = f"{self.prefix}.{self._count}"
         self._count += 1
-        self.tensors[key] = value.detach().cpu().contiguous()
+        with host_read("checkpoint: a tensor in a value copied to the host"):  # e.g. the loss scale, on the device
+            self.tensors[key] = value.detach().cpu().contiguous()
         return key
 
 

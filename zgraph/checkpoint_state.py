@@ -1,15 +1,18 @@
 """What a zgraph checkpoint holds, and how it is matched against a model and optimizers: the DCP state dict and
-manifest ``save`` writes, the checks ``load`` makes before reading, and the staging tensors it reads into."""
+manifest ``save`` writes, the checks ``load`` makes before reading, and the host staging tensors it reads into
+(and how each becomes live state where torch.optim keeps it)."""
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from zgraph.checkpoint_data import Encoder, rng_state
 from zgraph.errors import CheckpointError
@@ -209,17 +212,103 @@ def split_state_key(rest: str, fqns: set[str]) -> tuple[str, str] | None:
 
 
 # ------------------------------------------------------------------------------------------------ staging
+# ``load`` reads into staging tensors in host memory (plain CPU tensors; for a ``DTensor``, a ``DTensor`` of the
+# same layout whose local tensor is on the host, so DCP reads this rank's chunks into it) and only at commit
+# copies them into the model's and optimizer's tensors on their device, one tensor at a time: the device never
+# holds the model and optimizer state twice.
+def host_like(t: Tensor) -> Tensor:
+    """An empty host tensor to read ``t``'s saved value into: of ``t``'s shape and dtype (for a ``DTensor``, a
+    ``DTensor`` with ``t``'s layout over a local tensor on the host). Nothing is allocated on ``t``'s device."""
+    if isinstance(t, DTensor):
+        return DTensor(torch.empty(t._local_tensor.shape, dtype=t.dtype), t._spec, requires_grad=False)
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def _host_dtensor(local: Tensor, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> DTensor:
+    """A ``DTensor`` of global ``shape`` laid out by ``placements`` over ``mesh`` whose local tensor is ``local``,
+    on the host whatever the mesh's device (``DTensor.from_local`` would copy it to the mesh's device)."""
+    stride, step = [], 1
+    for n in reversed(shape):  # contiguous strides, as the tensor's whole would have
+        stride.insert(0, step)
+        step *= max(n, 1)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
 def model_targets(model_state: dict[str, Any]) -> dict[str, Tensor]:
-    """Empty tensors like the model's (``DTensor`` for a ``DTensor``: same shards), to read into."""
-    return {MODEL + k: torch.empty_like(v) for k, v in model_state.items() if isinstance(v, Tensor)}
+    """Empty host tensors like the model's (``DTensor`` for a ``DTensor``: same shards), to read into."""
+    return {MODEL + k: host_like(v) for k, v in model_state.items() if isinstance(v, Tensor)}
+
+
+@dataclass
+class Staged:
+    """An optimizer state tensor read into host memory, and the layout it takes as live state.
+
+    Attributes:
+        host: what DCP reads into: a host tensor, or a ``DTensor`` over host memory.
+        device: the parameter's device, where the state goes (but see ``keeps_on_host``).
+        plan, spec, padded: for a zgraph shard, the sharding plan and spec, and the padded host shard whose
+            first rows ``host``'s local tensor is (the padding rows are zeros).
+    """
+
+    host: Tensor
+    device: torch.device
+    plan: Any = None
+    spec: Any = None
+    padded: Tensor | None = None
+
+    def live(self, current: Any, on_host: bool) -> Tensor:
+        """The state tensor this becomes. On the host (``on_host``, or a host parameter) the staging tensor
+        itself; on a device, copied into ``current`` (the optimizer's state tensor now) where it has the same
+        layout, else into a new tensor on the device."""
+        device = torch.device("cpu") if on_host and not isinstance(self.host, DTensor) else self.device
+        if device.type == "cpu":
+            return self.plan.wrap(self.padded, self.spec) if self.plan is not None else self.host
+        with torch.no_grad():
+            if _same_layout(current, self.host, device):
+                _local(current).copy_(_local(self.host))
+                return current
+            if self.plan is not None:
+                padded = torch.empty(self.padded.shape, dtype=self.padded.dtype, device=device)
+                padded.copy_(self.padded)
+                return self.plan.wrap(padded, self.spec)
+            if isinstance(self.host, DTensor):
+                local = torch.empty(self.host._local_tensor.shape, dtype=self.host.dtype, device=device)
+                local.copy_(self.host._local_tensor)
+                return DTensor(local, self.host._spec, requires_grad=False)
+            return self.host.to(device, copy=True)
+
+
+def keeps_on_host(field: str, group: Mapping[str, Any]) -> bool:
+    """True for the optimizer state torch.optim keeps on the host whatever the parameter's device: ``step``
+    (a 0-d CPU tensor), unless the param group is ``capturable`` or ``fused`` (then on the parameter's device) —
+    the rule of ``torch.optim.Optimizer.load_state_dict``. Every other field lives on the parameter's device."""
+    return field == "step" and not (group.get("capturable") or group.get("fused"))
+
+
+def _same_layout(current: Any, host: Tensor, device: torch.device) -> bool:
+    """Whether ``current`` can take ``host``'s value in place: same kind (``DTensor`` or not), shape, dtype and
+    local shape, and on ``device`` (a ``DTensor`` with the same placements)."""
+    if not isinstance(current, Tensor) or isinstance(current, DTensor) != isinstance(host, DTensor):
+        return False
+    if current.shape != host.shape or current.dtype != host.dtype or _local(current).device != device:
+        return False
+    if isinstance(host, DTensor) and tuple(current.placements) != tuple(host.placements):
+        return False
+    return _local(current).shape == _local(host).shape
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def state_targets(
     model: nn.Module, opt: torch.optim.Optimizer, index: int, names: dict[int, str], metadata: dict[str, Any]
 ) -> tuple[dict[str, Tensor], dict[Tensor, dict[str, Any]]]:
-    """``(targets, new_state)``: new optimizer state to read into, per parameter: for each saved field a zero
-    tensor of the saved shape, in the dtype of the optimizer's current state (the saved dtype if it has none
-    yet), laid out as zgraph keeps that state now (a padded shard when sharded, else whole)."""
+    """``(targets, new_state)``: host tensors to read the optimizer's new state into, and per parameter its
+    fields as ``Staged``: for each saved field a zero tensor of the saved shape, in the dtype of the optimizer's
+    current state (the saved dtype if it has none yet), laid out as zgraph keeps that state now (a padded shard
+    when sharded, else whole). Nothing is allocated on the device: ``Staged.live`` moves them there at commit."""
     found = sharding_of(model)
     bound = found is not None and any(o.optimizer is opt for o in found[1].optimizers)
     prefix = f"optim.{index}.state."
@@ -232,24 +321,28 @@ def state_targets(
             continue
         fqn, field = split_state_key(key[len(prefix) :], fqns)
         param = by_name[fqn]
-        target = None
+        staged = None
         size, dtype = tuple(meta.size), meta.properties.dtype
         live = opt.state[param].get(field) if param in opt.state else None
         if isinstance(live, Tensor) and tuple(live.shape) == size:
             dtype = live.dtype  # the dtype the run keeps this state in (Config.optimizer_state_dtype)
-        device = param.device if not isinstance(param, DTensor) else param.to_local().device
+        device = _local(param).device
         if bound and size == tuple(param.shape):
             plan, binding = found
             p_index = binding.param_index(param)
             spec = plan.specs[p_index] if p_index is not None else None
             if plan.group.distributed and plan.stage >= 1 and spec is not None and spec.shape == size:
-                target = plan.wrap(torch.zeros(spec.shard_shape, dtype=dtype, device=device), spec)
-        if target is None and isinstance(param, DTensor) and size == tuple(param.shape):
-            target = torch.zeros_like(param, dtype=dtype)
-        if target is None:
-            target = torch.zeros(size, dtype=dtype, device=device)
-        targets[key] = target
-        new_state.setdefault(param, {})[field] = target
+                padded = torch.zeros(spec.shard_shape, dtype=dtype)
+                local = padded[: spec.local_rows(plan.rank)]
+                host = _host_dtensor(local, plan.mesh, [Shard(0)], spec.shape)
+                staged = Staged(host, device, plan, spec, padded)
+        if staged is None and isinstance(param, DTensor) and size == tuple(param.shape):
+            local = torch.zeros(param._local_tensor.shape, dtype=dtype)
+            staged = Staged(_host_dtensor(local, param.device_mesh, param.placements, size), device)
+        if staged is None:
+            staged = Staged(torch.zeros(size, dtype=dtype), device)
+        targets[key] = staged.host
+        new_state.setdefault(param, {})[field] = staged
     return targets, new_state
 
 

@@ -1,4 +1,5 @@
-"""Whole tensors of sharded state, outside the compiled step: ``zgraph.gather`` and ``zgraph.full_state_dict``.
+"""Whole tensors of sharded state, outside the compiled step: ``zgraph.gather`` (whole parameters on their device,
+for use inside the block) and ``zgraph.full_state_dict`` (whole tensors in host memory, for export).
 
 Both run collectives (all-gathers): call them on every rank, in the same order.
 """
@@ -10,9 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from zgraph.ops import host_read
 from zgraph.runtime.offload import materialize
 from zgraph.runtime.sharded_state import pad_shard, sharding_of
 
@@ -88,22 +91,57 @@ def _reshard_grad(plan: Any, spec: Any, whole: Tensor | None, current: Tensor | 
 
 
 def full_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, Tensor] | tuple[dict[str, Tensor], dict[str, Any]]:
-    """``model.state_dict()`` with every tensor whole and plain (not a DTensor), for export or comparison;
-    with an ``optimizer``, also ``optimizer.state_dict()`` likewise: ``(model_state, optimizer_state)``.
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, rank0_only: bool = False
+) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
+    """``model.state_dict()`` with every tensor whole, plain (not a DTensor) and in host memory, for export or
+    comparison; with an ``optimizer``, also ``optimizer.state_dict()`` likewise: ``(model_state, optimizer_state)``.
 
-    The result has the keys and layout of the eager model's and optimizer's own ``state_dict()``; like
-    ``state_dict()``, tensors that are whole already are returned as they are (sharing memory), gathered ones are
-    new.
+    The result has the keys and layout of the eager model's and optimizer's own ``state_dict()``. Tensors are
+    streamed: each sharded one is gathered whole on its device, copied to the host and freed before the next,
+    so the device holds one whole tensor beyond the state at a time. Host tensors that are whole already are
+    returned as they are (sharing memory, like ``state_dict()``); everything else is a new host tensor.
+
+    ``rank0_only=True`` (as ``torch.distributed.checkpoint.state_dict``'s ``StateDictOptions(full_state_dict=True,
+    cpu_offload=True)``): only rank 0 keeps the host copies; every other rank returns empty dicts — ``{}``, or
+    ``({}, {})`` with an ``optimizer`` — and holds no more than the one tensor being gathered. Every rank must
+    still call it (the gathers are collectives).
     """
     materialize(model)  # offloaded parameter shards (model.state_dict() would too, by its hook)
-    model_state = {key: _whole(value) for key, value in model.state_dict().items()}
+    keep = not rank0_only or _rank() == 0
+    model_state = {}
+    for key, value in model.state_dict().items():
+        whole = _on_host(value, keep)
+        if keep:
+            model_state[key] = whole
     if optimizer is None:
         return model_state
     optim_state = optimizer.state_dict()
-    optim_state["state"] = {
-        index: {key: _whole(v) if isinstance(v, Tensor) else v for key, v in state.items()}
-        for index, state in optim_state["state"].items()
-    }
+    state: dict[Any, dict[str, Any]] = {}
+    for index, fields in optim_state["state"].items():
+        state[index] = {}
+        for key, v in fields.items():
+            whole = _on_host(v, keep)
+            if keep:
+                state[index][key] = whole
+    if not keep:
+        return model_state, {}
+    optim_state["state"] = state
     return model_state, optim_state
+
+
+def _on_host(value: Any, keep: bool) -> Any:
+    """``value`` whole on the host (a tensor gathered if sharded, then copied if on a device); None where
+    ``keep`` is false (a sharded tensor is still gathered: every rank takes part)."""
+    if not isinstance(value, Tensor):
+        return value if keep else None
+    whole = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    if not keep:
+        return None
+    if whole.device.type == "cpu":
+        return whole
+    with host_read("full_state_dict: a whole tensor copied to the host"):
+        return whole.to("cpu")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
