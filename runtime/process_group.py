@@ -8,6 +8,7 @@ initialised first is used as it is. Without either, the step runs on one process
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -108,13 +109,40 @@ def timed_group(
             before_creating()
         group = dist.new_group(
             ranks=list(parent.ranks) if parent.ranks is not None else None,
-            backend=parent.backend,
+            backend=one_worker_gloo() if parent.backend == "gloo" else parent.backend,
             timeout=timedelta(seconds=timeout),
             use_local_synchronization=parent.ranks is not None,  # the ranks outside it are not calling
         )
         found = ProcessGroupInfo(parent.rank, parent.world_size, group.group_name, parent.backend, parent.ranks)
         _TIMED_GROUPS[key] = found
     return found
+
+
+ONE_WORKER_GLOO = "zgraph_gloo"
+
+
+@functools.cache
+def one_worker_gloo() -> str:
+    """The name of a gloo backend with one worker thread (registered once), for zgraph's own groups on gloo.
+
+    A gloo process group runs its collectives on two worker threads by default, so two collectives issued before
+    either is waited for — as the ``schedule`` pass issues them: a prefetched gather beside a reduce-scatter, the
+    forward gather and the backward re-gather of one shard — run at once. Under load that corrupted the heap
+    (``malloc(): unaligned tcache chunk detected``, ``munmap_chunk(): invalid pointer``, SIGSEGV in malloc),
+    always on a gloo worker in the middle of a collective (core dumps: ``allgather_coalesced`` flattening its
+    inputs, ``alltoall``, the worker loop freeing a finished work); with one worker it never did. One worker
+    still runs the collectives in the background, in the order they were issued, while the step computes."""
+    gloo = dist.ProcessGroupGloo
+
+    def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+        options = gloo._Options()
+        options._timeout = timeout
+        options._threads = 1
+        options._devices = [gloo.create_default_device()]
+        return gloo(store, rank, size, options)
+
+    dist.Backend.register_backend(ONE_WORKER_GLOO, create, devices=["cpu"])
+    return ONE_WORKER_GLOO
 
 
 _MESHES: weakref.WeakValueDictionary[tuple, object] = weakref.WeakValueDictionary()

@@ -80,3 +80,19 @@ def another_stage_is_refused_and_the_backward_still_runs(rank: int, world: int) 
     reference(x).backward(torch.ones(4, 4) / world)  # the ranks' gradients are averaged
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def zgraph_groups_run_one_collective_at_a_time(rank: int, world: int) -> None:
+    """zgraph's own gloo group has one worker thread: two collectives of a step never run at once (two did,
+    under load, corrupt the heap); the user's default group keeps gloo's own setting."""
+    from zgraph.runtime.process_group import _TIMED_GROUPS
+
+    model = _model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = zgraph.distribute(stage=3, param_persistence_threshold=0, backend="eager")(_train)
+    for i in range(2):
+        step(model, opt, *_batch(rank, i))
+    cpu = torch.device("cpu")
+    threads = lambda name: dist.distributed_c10d._resolve_process_group(name)._get_backend(cpu).options._threads
+    assert _TIMED_GROUPS and all(threads(info.group_name) == 1 for info in _TIMED_GROUPS.values())
+    assert threads(dist.group.WORLD.group_name) == 2

@@ -11,3 +11,7 @@ def test_two_groups_train_their_own_models_like_eager():
 
 def test_another_stage_on_a_split_model_is_refused_and_backward_still_matches_eager():
     run_ranks(2, "group_cases.another_stage_is_refused_and_the_backward_still_runs", timeout=600)
+
+
+def test_zgraph_groups_on_gloo_run_one_collective_at_a_time():
+    run_ranks(2, "group_cases.zgraph_groups_run_one_collective_at_a_time", timeout=300)

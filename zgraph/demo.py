@@ -1,8 +1,10 @@
 """``zgraph demo``: train a small GPT on locally generated text through ``@zgraph.distribute``, on several ranks.
 
 With no arguments it starts 2 local ranks itself (gloo, one CPU thread each) and trains with ZeRO stage 3; under
-``torchrun`` (``RANK`` set) the same command runs as one rank of torchrun's job. zgraph starts the process group
-from the rank's environment on the first step call. Every rank draws the same global batch from a seeded
+``torchrun`` (``RANK`` set) the same command runs as one rank of torchrun's job. Where CUDA has a GPU for every
+local rank, each rank trains on ``cuda:<local rank>`` (else on the CPU, saying so where GPUs exist); zgraph starts
+the process group from the rank's environment on the first step call, with the backend for the model's device
+(gloo for the CPU, NCCL for GPUs). Every rank draws the same global batch from a seeded
 generator and trains on its own slice of it, so a run is reproducible and its losses do not depend on how the
 global batch is split. Rank 0 draws the progress bar and prints the summary.
 """
@@ -23,7 +25,7 @@ from tqdm import tqdm
 import zgraph
 from zgraph import demo_multimodal
 from zgraph.data import VOCAB, batch, corpus_tokens
-from zgraph.demo_support import spawn_ranks, unsharded_state_bytes
+from zgraph.demo_support import device_note, local_rank_and_size, rank_device, spawn_ranks, unsharded_state_bytes
 from zgraph.explain import human_bytes
 from zgraph.models import GPT, GPTConfig, count_params, lm_loss
 from zgraph.runtime.memory import state_bytes as held_state_bytes
@@ -106,8 +108,15 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     owns_group = not dist.is_initialized()  # zgraph starts the group on the first step; then this rank ends it
     if rank == 0 and args.nproc is not None and args.nproc != world_size and "RANK" in os.environ:
         print(f"zgraph demo: running under torchrun with {world_size} ranks; --nproc {args.nproc} is ignored")
+    local_rank, local_size = local_rank_and_size(rank, world_size)
+    device = rank_device(local_rank, local_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU before anything touches CUDA (no context on cuda:0)
+    note = device_note(local_size, _fitting_ranks())
+    if rank == 0 and note is not None:
+        print(f"zgraph demo: {note}")
     torch.manual_seed(args.seed)
-    model = GPT(DEMO_GPT)
+    model = GPT(DEMO_GPT).to(device)  # initialised on the CPU, then moved: the same weights on every device
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     n_params = count_params(model)
     unsharded_bytes = unsharded_state_bytes(model)
@@ -118,7 +127,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     start = None
     bar = tqdm(range(args.steps), desc=f"zgraph ZeRO-{args.stage} x{world_size}", unit="step", disable=rank != 0)
     for i in bar:
-        idx, tgt = rank_batch(tokens, args.batch, rank, world_size, generator)
+        idx, tgt = (t.to(device) for t in rank_batch(tokens, args.batch, rank, world_size, generator))
         loss = mean_over_ranks(step(model, opt, idx, tgt), world_size)
         losses.append(loss)
         if i == 0:
@@ -128,7 +137,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     seconds = time.perf_counter() - start if start is not None else math.nan
     global_tokens = args.batch * world_size * DEMO_GPT.seq
     tokens_per_s = (args.steps - 1) * global_tokens / seconds if args.steps > 1 else math.nan
-    state_bytes = gather_to_all(held_state_bytes(model, opt)["total"])
+    state_bytes = gather_to_all(held_state_bytes(model, opt)["total"], device)
     summary = None
     if rank == 0:
         paths = step.dump(args.dump)
@@ -140,6 +149,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
             "world_size": world_size,
             "stage": args.stage,
             "graphs_dir": os.path.abspath(args.dump),
+            "device": device.type,
         }
         print(step.explain())
         print(report(summary, n_params, len(paths)))
@@ -156,6 +166,14 @@ def rank_and_world_size() -> tuple[int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return 0, 1
+
+
+def _fitting_ranks() -> str | None:
+    """The option that starts as many ranks as this host has GPUs (for the note when there are too few)."""
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    return f"torchrun --nproc-per-node {count}" if "RANK" in os.environ else f"--nproc {count}"
 
 
 def rank_batch(
@@ -175,12 +193,12 @@ def mean_over_ranks(loss: Tensor, world_size: int) -> float:
     return total.item() / world_size
 
 
-def gather_to_all(value: int) -> list[int]:
-    """Every rank's ``value``, by rank."""
+def gather_to_all(value: int, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's ``value``, by rank (exchanged on ``device``: the model's, which the group's backend serves)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
-    everyone = torch.empty(dist.get_world_size(), dtype=torch.int64)
-    dist.all_gather_single(everyone, torch.tensor([value], dtype=torch.int64))
+    everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, torch.tensor([value], dtype=torch.int64, device=device))
     return everyone.tolist()
 
 
@@ -200,5 +218,7 @@ def report(summary: dict[str, Any], n_params: int, n_graphs: int) -> str:
     ]
     for rank, held in enumerate(summary["state_bytes"]):
         lines.append(f"  rank {rank}: {human_bytes(held)} ({held / unsharded:.2f}x)")
+    if summary.get("device", "cpu") != "cpu":
+        lines.append(f"device: {summary['device']} (one GPU per rank)")
     lines.append(f"graphs: {n_graphs} files in {summary['graphs_dir']}")
     return "\n".join(lines)

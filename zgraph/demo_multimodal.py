@@ -7,7 +7,9 @@ groups of ranks, each sharding its own model with ZeRO over its own process grou
 * Without Ray (or with ``--launcher processes``, or under torchrun) the ranks are ``torch.multiprocessing``
   processes of one world, split into two subgroups; the tensors travel by point-to-point send/recv.
 
-Either way the losses are compared with the same combined model trained by plain PyTorch in one process.
+The ranks train on GPUs (``cuda:<local rank>``, NCCL) where CUDA has one for every rank, else on the CPU (gloo).
+Either way the losses are compared with the same combined model trained by plain PyTorch in one process, on the
+same kind of device as the ranks (a GPU's kernels round differently from the CPU's).
 """
 
 from __future__ import annotations
@@ -22,15 +24,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from zgraph.demo_support import free_port, spawn_ranks, unsharded_state_bytes
+from zgraph.demo_support import (
+    device_note,
+    free_port,
+    local_rank_and_size,
+    rank_device,
+    spawn_ranks,
+    unsharded_state_bytes,
+)
 from zgraph.explain import human_bytes
 from zgraph.models import count_params
 from zgraph.multimodal import MultimodalConfig, TextSide, VisionSide, build_models, eager_losses
-from zgraph.runtime.devices import default_backend
+from zgraph.runtime.devices import default_backend, served_backend
 from zgraph.runtime.memory import state_bytes as held_state_bytes
 from zgraph.runtime.process_group import ensure_process_group
 
-LOSS_TOLERANCE = 1e-4  # largest |zgraph - eager| loss difference reported as a match (float32 round-off)
+LOSS_TOLERANCE = 1e-4  # largest |zgraph - eager| loss difference reported as a match (float32 round-off, same device)
 
 
 def config_from(args: argparse.Namespace) -> MultimodalConfig:
@@ -49,9 +58,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             raise SystemExit("zgraph demo: --launcher ray needs Ray: pip install 'zgraph[ray]'")
         summary = run_ray(config, args.steps, per_group) if use_ray else _run_processes(args, per_group)
     if summary is not None:
-        summary["eager_losses"] = eager_losses(config, summary["per_group"], args.steps)
+        device = _reference_device(summary["device"])
+        summary["eager_losses"] = eager_losses(config, summary["per_group"], args.steps, device)
         print(report(summary, config))
     return summary
+
+
+def _reference_device(kind: str) -> torch.device:
+    """Where the eager reference runs: this process's current GPU when the ranks trained on GPUs, else the CPU."""
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------- processes: one world
@@ -68,13 +85,25 @@ def train_rank(config: MultimodalConfig, steps: int) -> dict[str, Any] | None:
     ``r`` of one group trades tensors with rank ``r`` of the other. The language group's rank 0 returns the
     summary."""
     owns_group = not dist.is_initialized()  # started here from torchrun's environment: this rank ends it
-    info = ensure_process_group()
+    if owns_group:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank, local_size = local_rank_and_size(rank, world)
+    chosen = rank_device(local_rank, local_size)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    note = device_note(local_size, _fitting_groups())
+    if rank == 0 and note is not None:
+        print(f"zgraph demo --multimodal: {note}")
+    info = ensure_process_group(device_of=lambda: chosen)  # NCCL for GPUs, gloo for the CPU
     rank, world = info.rank, info.world_size
     if world < 2 or world % 2:
         raise SystemExit(f"zgraph demo --multimodal: needs an even number of ranks (two equal groups), got {world}")
     n = world // 2
     groups = [dist.new_group(list(range(n))), dist.new_group(list(range(n, world)))]  # every rank makes both
-    device = f"cuda:{torch.cuda.current_device()}" if info.backend == "nccl" else "cpu"
+    on_gpu = chosen.type == "cuda" and served_backend(info.backend, "cuda") is not None
+    device = str(chosen) if on_gpu else "cpu"  # a group started elsewhere may serve only the CPU
     losses: list[float] = []
     if rank < n:
         side = VisionSide(config, rank, n, groups[0], device)
@@ -101,31 +130,41 @@ def train_rank(config: MultimodalConfig, steps: int) -> dict[str, Any] | None:
     dist.all_gather_single(held, torch.tensor([held_state_bytes(model, opt)["total"]], device=device))
     summary = None
     if rank == n:
-        summary = _summary((mean / n).tolist(), held.tolist(), n, "torch.multiprocessing, one world in two subgroups")
+        transport = "torch.multiprocessing, one world in two subgroups"
+        summary = _summary((mean / n).tolist(), held.tolist(), n, transport, torch.device(device).type)
     if owns_group:
         dist.barrier()
         dist.destroy_process_group()
     return summary
 
 
-def _summary(losses: list[float], held: list[int], per_group: int, transport: str) -> dict[str, Any]:
-    return {"losses": losses, "state_bytes": held, "per_group": per_group, "transport": transport}
+def _summary(losses: list[float], held: list[int], per_group: int, transport: str, device: str) -> dict[str, Any]:
+    return {"losses": losses, "state_bytes": held, "per_group": per_group, "transport": transport, "device": device}
+
+
+def _fitting_groups() -> str | None:
+    """The ``--nproc`` (ranks per group) that fits this host's GPUs, for the note when there are too few."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"--nproc {count // 2}" if count >= 2 else None
 
 
 # ------------------------------------------------------------------------------------- Ray: two worlds
 class SideActor:
     """A Ray actor: one rank of one side, in that side's own ``torch.distributed`` world."""
 
-    def __init__(self, role: str, config: MultimodalConfig, rank: int, ranks: int, port: int):
+    def __init__(self, role: str, config: MultimodalConfig, rank: int, ranks: int, port: int, device: str):
         self.role, self.config, self.rank, self.ranks, self.port = role, config, rank, ranks, port
+        self.device = device  # "cuda": Ray gave the actor a GPU of its own (its device 0); else "cpu"
         self.side: VisionSide | TextSide | None = None
 
     def setup(self) -> None:
         """Join the side's world (every actor of the side must be in ``setup`` at once) and build the side."""
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), OMP_NUM_THREADS="1")
         torch.set_num_threads(1)
-        backend = default_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        device = "cuda:0" if backend == "nccl" else "cpu"  # Ray gives each actor its own GPU as device 0
+        backend = default_backend(torch.device(self.device))
+        device = "cuda:0" if self.device == "cuda" else "cpu"  # Ray gives each actor its own GPU as device 0
+        if self.device == "cuda":
+            torch.cuda.set_device(0)
         dist.init_process_group(backend, rank=self.rank, world_size=self.ranks)
         kind = VisionSide if self.role == "vision" else TextSide
         self.side = kind(self.config, self.rank, self.ranks, None, device)
@@ -153,14 +192,19 @@ def run_ray(config: MultimodalConfig, steps: int, per_group: int) -> dict[str, A
     """Two actor groups on a local Ray cluster; the driver moves each step's tensors between them."""
     import ray
 
-    gpus = 1 if torch.cuda.device_count() >= 2 * per_group else 0
+    gpus = 1 if torch.cuda.is_available() and torch.cuda.device_count() >= 2 * per_group else 0
+    device = "cuda" if gpus else "cpu"
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        on_cpu = f"CPU (gloo): {count} GPU(s) for {2 * per_group} Ray actors, and NCCL needs one GPU per actor"
+        print(f"zgraph demo --multimodal: device: {'one GPU per Ray actor (NCCL)' if gpus else on_cpu}")
     ray.init(num_cpus=2 * per_group, include_dashboard=False, log_to_driver=True)
     try:
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(SideActor)
         groups = {}
         for role in ("vision", "text"):
             port = free_port()
-            groups[role] = [actor.remote(role, config, r, per_group, port) for r in range(per_group)]
+            groups[role] = [actor.remote(role, config, r, per_group, port, device) for r in range(per_group)]
         everyone = groups["vision"] + groups["text"]
         ray.get([a.setup.remote() for a in everyone])
         losses = []
@@ -173,7 +217,7 @@ def run_ray(config: MultimodalConfig, steps: int, per_group: int) -> dict[str, A
         ray.get([a.close.remote() for a in everyone])
     finally:
         ray.shutdown()
-    return _summary(losses, held, per_group, "Ray actors, one torch.distributed world per group")
+    return _summary(losses, held, per_group, "Ray actors, one torch.distributed world per group", device)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -184,12 +228,13 @@ def report(summary: dict[str, Any], config: MultimodalConfig) -> str:
     losses, eager = summary["losses"], summary["eager_losses"]
     worst = max(abs(a - b) for a, b in zip(losses, eager))
     verdict = "matches" if worst <= LOSS_TOLERANCE and all(map(math.isfinite, losses)) else "DIFFERS FROM"
+    where = "" if summary.get("device", "cpu") == "cpu" else f" on {summary['device']}, as the ranks"
     lines = [
         f"vision encoder ({count_params(encoder) / 1e3:.0f} K parameters) on ranks 0-{n - 1}, caption LM "
         f"({count_params(lm) / 1e6:.2f} M parameters) on ranks {n}-{2 * n - 1}; ZeRO-{config.stage} inside each "
         f"group; tensors cross by {summary['transport']}",
         f"loss (mean over the LM ranks): {losses[0]:.4f} -> {losses[-1]:.4f} after {len(losses)} steps",
-        f"eager PyTorch, one process, same combined model and global batch: {eager[0]:.4f} -> {eager[-1]:.4f}",
+        f"eager PyTorch, one process{where}, same combined model and global batch: {eager[0]:.4f} -> {eager[-1]:.4f}",
         f"zgraph {verdict} eager: largest loss difference over the steps {worst:.2e}",
         "model state per rank (params + grads + AdamW state) vs the side's unsharded state:",
     ]

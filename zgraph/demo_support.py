@@ -1,4 +1,5 @@
-"""Local ranks for the demos: start ``nproc`` processes with torchrun's environment, wait, collect a summary."""
+"""Local ranks for the demos: start ``nproc`` processes with torchrun's environment, wait, collect a summary; and
+the device each rank trains on (``rank_device``)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,35 @@ def _rank_main(
         with open(summary_path, "w") as f:
             json.dump(summary, f)
     end_finished_rank()
+
+
+def local_rank_and_size(rank: int, world_size: int) -> tuple[int, int]:
+    """This process's rank on its host and the number of ranks there: torchrun's ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE`` (set for the ranks the demos start too), else the global ones (one host)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return local_rank, local_size
+
+
+def rank_device(local_rank: int, local_size: int) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available with a GPU for each of the host's ``local_size`` ranks (NCCL
+    needs one GPU per rank), else the CPU (gloo)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_size:
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def device_note(local_size: int, fitting: str | None = None) -> str | None:
+    """What to say about the device choice for ``local_size`` ranks on this host: None without CUDA (the CPU
+    path, said nothing about), else where the ranks train and why; ``fitting``: the option that would fit the
+    GPUs, named when there are too few."""
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if count >= local_size:
+        return "device: cuda:0" if local_size == 1 else f"device: cuda:0-{local_size - 1}, one GPU per rank (NCCL)"
+    hint = f" ({fitting} runs on the GPUs)" if fitting else ""
+    return f"device: CPU (gloo): {local_size} local ranks but {count} GPU(s), and NCCL needs one GPU per rank{hint}"
 
 
 def unsharded_state_bytes(model: torch.nn.Module) -> int:

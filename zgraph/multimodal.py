@@ -195,14 +195,15 @@ class TextSide:
         return loss.item(), emb.grad.detach().cpu()
 
 
-def eager_losses(config: MultimodalConfig, ranks: int, steps: int) -> list[float]:
-    """The same training in one process with plain PyTorch: the combined model on each step's global batch."""
-    encoder, lm = build_models(config)
+def eager_losses(config: MultimodalConfig, ranks: int, steps: int, device: torch.device | str = "cpu") -> list[float]:
+    """The same training in one process with plain PyTorch: the combined model on each step's global batch, on
+    ``device`` (the kind the ranks trained on: a GPU's kernels round differently from the CPU's)."""
+    encoder, lm = (m.to(device) for m in build_models(config))
     opts = [torch.optim.AdamW(m.parameters(), lr=config.lr) for m in (encoder, lm)]
     data = Data(config, ranks)
     losses = []
     for i in range(steps):
-        images, idx, tgt = data.global_batch(i)
+        images, idx, tgt = (t.to(device) for t in data.global_batch(i))
         loss = lm_loss(lm(encoder(images), idx), tgt)
         loss.backward()
         for opt in opts:

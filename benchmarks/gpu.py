@@ -1,0 +1,720 @@
+"""The GPU check in one command: zgraph's GPU tests, then a side-by-side table on a ~1B Llama, then one GPU whose
+AdamW states do not fit next to the model (optimizer offload), within one time budget.
+
+    python -m benchmarks.gpu                      # everything that fits in --budget (540 s: one 10-minute call)
+    python -m benchmarks.gpu --parts table,offload --budget 1800 --steps 20
+    python -m benchmarks.gpu --dry-run            # the summary and tables from made-up numbers (any machine)
+
+Parts, run in ``PLAN``'s order (tests first, then the eager systems of both tables, the compiled ones last); an
+item that does not fit in what is left of ``--budget`` is skipped, and said so, as is a system that does not
+install (DeepSpeed, Triton for inductor):
+
+- ``tests``: ``python -m pytest tests/gpu`` (quick form unless ``--full-tests``: stages 0 and 3; the tests report
+  their measured distances and the estimate's ratio to ``max_memory_allocated``);
+- ``table``: DDP, FSDP2 (eager and ``torch.compile``), DeepSpeed ZeRO-3 and ZeRO-Offload, zgraph (eager and
+  inductor, ZeRO-3) on a ~1.1B Llama (``benchmarks.gpu_worker.LLAMA_1B``), one rank per GPU: step time
+  (min / median / max over ``--steps`` after ``--warmup``), tokens/s, peak device memory (``max_memory_allocated``);
+- ``offload``: one GPU; the model sized so that parameters and gradients take ``OFFLOAD_SHARE`` of the device
+  memory available (``torch.cuda.mem_get_info``, capped by ``--offload-device-gib``) and its AdamW states (as large
+  again) do not fit beside them: zgraph ``offload_optimizer="cpu"``, DeepSpeed ZeRO-Offload, FSDP2 with
+  ``CPUOffloadPolicy``, same batches; zgraph's tokens/s over DeepSpeed's (target: at least 1.5).
+
+Each system runs in its own processes (``benchmarks.gpu_worker``) with a timeout, so a failure or an OOM ends only
+its row. Results: ``<out-dir>/gpu-<card>-<date>.json`` (default ``benchmarks/results``) and a Markdown table on
+stdout. The exit status is 1 when a test failed or a zgraph system failed (a peer's failure is only reported).
+Without CUDA it prints "no CUDA device: nothing run" and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.compare_machine import cpu_model, free_port, last_lines, terminate, wait_ranks, zgraph_revision
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+GIB = 2**30
+PARTS = ("tests", "table", "offload")
+OFFLOAD_SHARE = 0.55  # parameters + gradients (8 bytes per parameter) take this share of the device memory
+OFFLOAD_TARGET = 1.5  # zgraph's tokens/s over DeepSpeed ZeRO-Offload's
+TABLE_REFERENCE = "ddp"
+OFFLOAD_REFERENCE = "deepspeed-offload"
+LOSS_WARN = 0.02  # a first loss this far (relative) from the reference row's is flagged: not the same training
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SYSTEMS = (  # benchmarks.gpu_worker builds them (imported only where needed: without a GPU this exits at once)
+    "ddp",
+    "fsdp2",
+    "fsdp2-compiled",
+    "fsdp2-offload",
+    "deepspeed-z3",
+    "deepspeed-offload",
+    "zgraph-eager",
+    "zgraph-inductor",
+    "zgraph-offload",
+)
+LABELS = {
+    "ddp": "DDP",
+    "fsdp2": "FSDP2",
+    "fsdp2-compiled": "FSDP2 + torch.compile",
+    "fsdp2-offload": "FSDP2 + CPUOffloadPolicy",
+    "deepspeed-z3": "DeepSpeed ZeRO-3",
+    "deepspeed-offload": "DeepSpeed ZeRO-Offload",
+    "zgraph-eager": "zgraph ZeRO-3, eager",
+    "zgraph-inductor": "zgraph ZeRO-3, inductor",
+    "zgraph-offload": 'zgraph offload_optimizer="cpu"',
+}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing to run: ``part`` (``tests``, ``table``, ``offload``), ``system`` (a worker system, or the tests),
+    at least ``min_s`` seconds left to start it, at most ``cap_s`` seconds."""
+
+    part: str
+    system: str
+    min_s: float
+    cap_s: float
+
+
+PLAN = (
+    Item("tests", "tests/gpu", 90, 300),
+    Item("table", "ddp", 40, 180),
+    Item("table", "zgraph-eager", 60, 240),
+    Item("offload", "zgraph-offload", 60, 240),
+    Item("offload", "deepspeed-offload", 90, 300),
+    Item("offload", "fsdp2-offload", 60, 240),
+    Item("table", "fsdp2", 40, 180),
+    Item("table", "deepspeed-z3", 60, 240),
+    Item("table", "deepspeed-offload", 90, 300),
+    Item("table", "zgraph-inductor", 150, 420),
+    Item("table", "fsdp2-compiled", 120, 360),
+)
+DEEPSPEED = ("deepspeed-z3", "deepspeed-offload")
+COMPILED = ("zgraph-inductor", "fsdp2-compiled")
+
+
+@dataclass
+class Row:
+    """One system of one part, summarised."""
+
+    part: str
+    system: str
+    status: str = "skipped"  # ok, failed, skipped
+    why: str | None = None
+    world: int | None = None
+    params: int | None = None
+    layers: int | None = None
+    precision: str | None = None
+    tokens_per_step: int | None = None
+    step_min_s: float | None = None
+    step_median_s: float | None = None
+    step_max_s: float | None = None
+    tokens_per_s: float | None = None
+    ratio: float | None = None
+    peak_gib: float | None = None
+    warmup_peak_gib: float | None = None
+    host_peak_gib: float | None = None
+    first_step_s: float | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    wall_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------ summarising
+def summarize(part: str, system: str, ranks: list[dict[str, Any]], error: str | None, wall_s: float) -> Row:
+    """A row from the ranks' JSON results: per timed step the slowest rank's time; peaks the largest rank's."""
+    row = Row(part, system, wall_s=wall_s)
+    caught = [r["error"] for r in ranks if r.get("error")]
+    if error or caught or not ranks:
+        row.status = "failed"
+        row.error = "\n".join([*caught, error or ""]).strip() or "no rank wrote a result"
+        row.why = last_lines(row.error, 1)
+        return row
+    steps = [max(times) for times in zip(*(r["step_s"] for r in ranks))]
+    first = ranks[0]
+    row.status, row.world, row.params, row.layers = "ok", first["world_size"], first["params"], first["layers"]
+    row.precision, row.tokens_per_step = first["precision"], first["tokens_per_step"]
+    row.step_min_s, row.step_median_s, row.step_max_s = min(steps), statistics.median(steps), max(steps)
+    row.tokens_per_s = row.tokens_per_step / row.step_median_s
+    row.peak_gib = max(r["peak_bytes"] for r in ranks) / GIB
+    row.warmup_peak_gib = max(r["warmup_peak_bytes"] for r in ranks) / GIB
+    row.host_peak_gib = max(r["peak_rss_mib"] for r in ranks) / 1024
+    row.first_step_s = max(r["warmup_s"][0] for r in ranks) if first["warmup_s"] else None
+    row.first_loss = statistics.fmean(r["warmup_losses"][0] for r in ranks) if first["warmup_losses"] else None
+    row.last_loss = statistics.fmean(r["losses"][-1] for r in ranks)
+    if first.get("memory_cap_bytes"):
+        row.notes.append(f"allocator capped at {first['memory_cap_bytes'] / GIB:.1f} GiB")
+    return row
+
+
+def add_ratios(rows: list[Row], reference: str) -> None:
+    """tokens/s over the reference row's; flag a first loss far from the reference's."""
+    ref = next((r for r in rows if r.system == reference and r.status == "ok"), None)
+    if ref is None:
+        return
+    for row in rows:
+        if row.status != "ok":
+            continue
+        row.ratio = row.tokens_per_s / ref.tokens_per_s
+        if row is not ref and ref.first_loss and row.first_loss is not None:
+            off = abs(row.first_loss - ref.first_loss) / abs(ref.first_loss)
+            if off > LOSS_WARN:
+                row.notes.append(f"first loss {off:.1%} from {LABELS[reference]}'s")
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _cell(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def _steps(row: Row) -> str:
+    if row.step_median_s is None:
+        return "—"
+    return f"{row.step_min_s:.3f} / {row.step_median_s:.3f} / {row.step_max_s:.3f}"
+
+
+def _notes(row: Row) -> str:
+    notes = list(row.notes)
+    if row.status != "ok":
+        notes.insert(0, f"{row.status.upper()}: {row.why}")
+    return "; ".join(n.replace("|", "\\|").replace("\n", " ") for n in notes)
+
+
+def markdown_table(rows: list[Row], reference: str, offload: bool = False) -> str:
+    """The rows as a Markdown table; ``offload``: with the host's peak (the offload case)."""
+    head = "| system | precision | ranks | step s min / median / max | tokens/s | vs " + LABELS[reference]
+    head += (
+        " | peak GiB (device) |" + (" host peak GiB |" if offload else "") + " 1st step s | loss 1st → last | notes |"
+    )
+    lines = [head, "|---|---|---:|---|---:|---:|---:|" + ("---:|" if offload else "") + "---:|---|---|"]
+    for r in rows:
+        loss = "—" if r.first_loss is None else f"{r.first_loss:.4f} → {r.last_loss:.4f}"
+        cells = [
+            LABELS.get(r.system, r.system),
+            r.precision or "—",
+            _cell(r.world, "d"),
+            _steps(r),
+            _cell(r.tokens_per_s, ",.0f"),
+            _cell(r.ratio, ".2f"),
+            _cell(r.peak_gib, ".2f"),
+            *([_cell(r.host_peak_gib, ".1f")] if offload else []),
+            _cell(r.first_step_s, ".1f"),
+            loss,
+            _notes(r),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def offload_verdict(rows: list[Row]) -> tuple[float | None, str]:
+    """zgraph's tokens/s over DeepSpeed ZeRO-Offload's, and the line that says it against the target."""
+    by = {r.system: r for r in rows if r.status == "ok"}
+    if "zgraph-offload" not in by or OFFLOAD_REFERENCE not in by:
+        missing = [LABELS[s] for s in ("zgraph-offload", OFFLOAD_REFERENCE) if s not in by]
+        return None, f"zgraph / DeepSpeed ZeRO-Offload tokens/s: not measured ({', '.join(missing)} did not run)"
+    ratio = by["zgraph-offload"].tokens_per_s / by[OFFLOAD_REFERENCE].tokens_per_s
+    verdict = "meets" if ratio >= OFFLOAD_TARGET else "BELOW"
+    return ratio, f"zgraph / DeepSpeed ZeRO-Offload tokens/s: {ratio:.2f}x ({verdict} the {OFFLOAD_TARGET}x target)"
+
+
+def tests_lines(tests: dict[str, Any]) -> list[str]:
+    """The tests' outcome: counts, failures, the estimate's ratios."""
+    if tests.get("status") == "skipped":
+        return [f"tests/gpu: skipped: {tests.get('why')}"]
+    lines = [f"tests/gpu: {tests.get('summary') or tests.get('why') or 'no summary'} ({tests.get('wall_s', 0):.0f} s)"]
+    lines += [f"  FAILED {name}" for name in tests.get("failed", [])]
+    for record in tests.get("records", []):
+        if record.get("test", "").startswith("estimate["):
+            lines.append(
+                f"  {record['test']}: estimate / measured peak {record['ratio']:.3f} (raw {record['raw_ratio']:.3f}; "
+                f"{record['estimated_mib']:.0f} vs {record['measured_mib']:.0f} MiB, {record['outside_mib']:.0f} MiB "
+                "outside the step)"
+            )
+    return lines
+
+
+def report(result: dict[str, Any]) -> str:
+    """Everything as Markdown: machine, tests, both tables, what was skipped and why."""
+    machine = result["machine"]
+    settings = result["settings"]
+    out = [
+        f"## GPU check: {machine['card']} x{machine['count']}, {machine['date']}",
+        "",
+        f"- torch {machine['torch']} (CUDA {machine['cuda']}), DeepSpeed {machine['deepspeed']}, zgraph "
+        f"{machine['zgraph']}; host: {machine['cpu_count']} CPUs ({machine['cpu']}), {machine['host_gib']:.0f} GiB",
+        f"- budget {settings['budget']:.0f} s, used {result['elapsed_s']:.0f} s; {settings['warmup']} warm-up steps, "
+        f"{settings['steps']} timed; precision `{settings['precision']}`",
+        "",
+        *tests_lines(result["tests"]),
+    ]
+    table = [Row(**r) for r in result["table"]["rows"]]
+    if table:
+        first = next((r for r in table if r.params), None)
+        size = f"{first.params / 1e9:.2f} B parameters, " if first else ""
+        out += [
+            "",
+            f"### Llama ~1B ({size}micro-batch {settings['micro_batch']} x seq {settings['seq']} per rank)",
+            "",
+            markdown_table(table, TABLE_REFERENCE),
+        ]
+    offload = [Row(**r) for r in result["offload"]["rows"]]
+    if offload:
+        sizing = result["offload"]["sizing"]
+        out += [
+            "",
+            f"### One GPU, AdamW states do not fit: {sizing['text']}",
+            "",
+            markdown_table(offload, OFFLOAD_REFERENCE, offload=True),
+            "",
+            result["offload"]["verdict"],
+        ]
+    skipped = [r for r in [*table, *offload] if r.status == "skipped"]
+    if skipped or result["tests"].get("status") == "skipped":
+        out += ["", "Skipped:"]
+        if result["tests"].get("status") == "skipped":
+            out.append(f"- tests/gpu: {result['tests'].get('why')}")
+        out += [f"- {LABELS[r.system]} ({r.part}): {r.why}" for r in skipped]
+    return "\n".join(out)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "gpu"
+
+
+def write_result(result: dict[str, Any], out_dir: Path) -> Path:
+    """``<out_dir>/gpu-<card>-<date>.json`` (a ``-2``... suffix rather than overwrite an earlier run's)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu-{slug(result['machine']['card'])}-{result['machine']['date'][:10]}"
+    path, n = out_dir / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = out_dir / f"{stem}-{n}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ machine
+_PROBE = """
+import json, torch
+count = torch.cuda.device_count()
+props = torch.cuda.get_device_properties(0)
+free, total = torch.cuda.mem_get_info(0)
+print(json.dumps({"card": props.name, "count": count, "total": total, "free": free, "cuda": torch.version.cuda,
+                  "torch": torch.__version__, "capability": list(torch.cuda.get_device_capability(0))}))
+"""
+
+
+def probe_gpus(timeout: float = 120) -> dict[str, Any]:
+    """The GPUs as a fresh process sees them (this process keeps no CUDA context of its own, so the systems get
+    the memory)."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError("probing the GPUs failed: " + last_lines(proc.stderr, 3))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def deepspeed_version(timeout: float = 120) -> tuple[str | None, str | None]:
+    """``(version, None)`` where ``import deepspeed`` works in a fresh process, else ``(None, why)``."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return None, "DeepSpeed is not installed (pip install deepspeed)"
+    code = "import deepspeed; print(deepspeed.__version__)"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env())
+    except subprocess.TimeoutExpired:
+        return None, f"`import deepspeed` took more than {timeout:.0f} s"
+    if proc.returncode != 0:
+        return None, "`import deepspeed` failed: " + last_lines(proc.stderr, 1)
+    return proc.stdout.strip().splitlines()[-1], None
+
+
+def unavailable(deepspeed_why: str | None) -> dict[str, str]:
+    """Systems that cannot run here, and why."""
+    why: dict[str, str] = {s: deepspeed_why for s in DEEPSPEED if deepspeed_why}
+    if importlib.util.find_spec("triton") is None:
+        why.update({s: "Triton is not installed (inductor compiles GPU kernels with it)" for s in COMPILED})
+    return why
+
+
+def host_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError):
+        return float("nan")
+
+
+def machine_facts(gpus: dict[str, Any], deepspeed: str) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "card": gpus["card"],
+        "count": gpus["count"],
+        "memory_gib": gpus["total"] / GIB,
+        "free_gib": gpus["free"] / GIB,
+        "capability": gpus.get("capability"),
+        "torch": gpus["torch"],
+        "cuda": gpus["cuda"],
+        "deepspeed": deepspeed,
+        "zgraph": zgraph_revision(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "host_gib": host_gib(),
+        "python": platform.python_version(),
+    }
+
+
+def offload_sizing(gpus: dict[str, Any], cap_gib: float) -> dict[str, Any]:
+    """The offload case's model: decoder layers such that parameters and gradients (8 bytes per parameter) take
+    ``OFFLOAD_SHARE`` of the memory available (free memory, capped at ``cap_gib`` when given); AdamW's two states
+    (8 bytes per parameter more) then do not fit beside them."""
+    from benchmarks.gpu_worker import model_config, params_of
+
+    usable = gpus["free"] if not cap_gib else min(gpus["free"], int(cap_gib * GIB))
+    base, per_layer = params_of(model_config(0)), params_of(model_config(1)) - params_of(model_config(0))
+    layers = max(1, int((OFFLOAD_SHARE * usable / 8 - base) // per_layer))
+    params = params_of(model_config(layers))
+    where = f"{usable / GIB:.1f} GiB of device memory" + (f" (allocator capped at {cap_gib:g} GiB)" if cap_gib else "")
+    text = (
+        f"{params / 1e9:.2f} B parameters ({layers} layers); parameters + gradients {8 * params / GIB:.1f} GiB, "
+        f"AdamW states {8 * params / GIB:.1f} GiB; {where}"
+    )
+    return {"layers": layers, "params": params, "usable_bytes": usable, "cap_gib": cap_gib, "text": text}
+
+
+# ------------------------------------------------------------------------------------------------ processes
+def env(rank: int = 0, world: int = 1, port: int = 0, threads: int = 1) -> dict[str, str]:
+    """A system's process environment: torchrun's variables, the repository importable, CUDA DeepSpeed."""
+    out = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    out.update(
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        PYTHONUNBUFFERED="1",
+        DS_ACCELERATOR="cuda",
+        OMP_NUM_THREADS=str(threads),
+    )
+    if port:
+        out.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    return out
+
+
+def launch(commands: list[list[str]], run_dir: Path, timeout: float) -> str | None:
+    """One process per rank (each leads its own session; output to ``rank<r>.log``); None if all exited 0, else
+    why not. No process outlives this call."""
+    world, port = len(commands), free_port()
+    threads = max(1, (os.cpu_count() or 1) // world)  # DeepSpeed's CPU Adam and FSDP2's host optimizer use them
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank, cmd in enumerate(commands):
+            with open(run_dir / f"rank{rank}.log", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=env(rank, world, port, threads),
+                        cwd=ROOT,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        return wait_ranks(procs, timeout)
+    finally:
+        terminate(procs)
+
+
+def run_system(item: Item, args: argparse.Namespace, world: int, layers: int | None, timeout: float, tmp: Path) -> Row:
+    """One system in fresh processes; its row."""
+    run_dir = tmp / f"{item.part}-{item.system}"
+    run_dir.mkdir()
+    options = [
+        f"--system={item.system}",
+        f"--micro-batch={args.offload_micro_batch if item.part == 'offload' else args.micro_batch}",
+        f"--seq={args.seq}",
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        f"--precision={args.precision}",
+        f"--lr={args.lr}",
+    ]
+    if layers is not None:
+        options.append(f"--layers={layers}")
+    if item.part == "offload" and args.offload_device_gib:
+        options.append(f"--memory-cap-gib={args.offload_device_gib}")
+    commands = [
+        [sys.executable, "-m", "benchmarks.gpu_worker", *options, f"--out={run_dir / f'rank{r}.json'}"]
+        for r in range(world)
+    ]
+    start = time.perf_counter()
+    why = launch(commands, run_dir, timeout)
+    wall = time.perf_counter() - start
+    ranks, lost = [], []
+    for r in range(world):
+        path = run_dir / f"rank{r}.json"
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+        else:
+            log = (run_dir / f"rank{r}.log").read_text(errors="replace")
+            lost.append(f"rank {r} wrote no result; log tail:\n{last_lines(log, 10)}")
+    error = "\n".join(e for e in (*lost, why) if e) or None
+    if why and "timed out" in why:
+        error = f"{why} (the system's time limit: what was left of --budget, at most {item.cap_s:.0f} s)"
+    return summarize(item.part, item.system, ranks, error, wall)
+
+
+def run_tests(args: argparse.Namespace, timeout: float, tmp: Path) -> dict[str, Any]:
+    """``python -m pytest tests/gpu``, quick unless ``--full-tests``; counts, failures and what they reported."""
+    records_path = tmp / "tests.jsonl"
+    environment = env()
+    environment["ZGRAPH_GPU_REPORT"] = str(records_path)
+    if not args.full_tests:
+        environment["ZGRAPH_GPU_QUICK"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    start = time.perf_counter()
+    log_path = tmp / "tests.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            why = wait_ranks([proc], timeout)
+        finally:
+            terminate([proc])
+    output = log_path.read_text(errors="replace")
+    summary = next(
+        (
+            line.strip("= ")
+            for line in reversed(output.splitlines())
+            if re.search(r"\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s", line)
+        ),
+        None,
+    )
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []
+    status = "ok" if why is None else "failed"
+    return {
+        "status": status,
+        "why": why if why is None or "timed out" not in why else f"{why}: the run was stopped",
+        "summary": summary,
+        "failed": failed,
+        "records": records,
+        "wall_s": time.perf_counter() - start,
+        "output_tail": last_lines(output, 60),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def execute(args: argparse.Namespace, gpus: dict[str, Any], skip: dict[str, str], tmp: Path, started: float) -> dict:
+    """Run ``PLAN``'s items of ``args.parts`` in order, within ``args.budget`` seconds from ``started``."""
+    sizing = offload_sizing(gpus, args.offload_device_gib)
+    tests: dict[str, Any] = {"status": "skipped", "why": "not asked for (--parts)"}
+    rows: dict[str, list[Row]] = {"table": [], "offload": []}
+    for item in PLAN:
+        if item.part not in args.parts or (item.part != "tests" and item.system not in args.systems):
+            continue
+        left = args.budget - (time.monotonic() - started)
+        why = skip.get(item.system) if item.part != "tests" else None
+        if why is None and left < item.min_s:
+            why = f"not enough of --budget left ({left:.0f} s; it needs at least {item.min_s:.0f} s)"
+        label = f"{item.part}: {LABELS.get(item.system, item.system)}"
+        if why is not None:
+            print(f"[skip] {label}: {why}", flush=True)
+            if item.part == "tests":
+                tests = {"status": "skipped", "why": why}
+            else:
+                rows[item.part].append(Row(item.part, item.system, why=why))
+            continue
+        timeout = min(item.cap_s, left)
+        print(f"[run ] {label} (at most {timeout:.0f} s)", flush=True)
+        if item.part == "tests":
+            tests = run_tests(args, timeout, tmp)
+            print("       " + "\n       ".join(tests_lines(tests)), flush=True)
+            continue
+        world = 1 if item.part == "offload" else gpus["count"]
+        layers = sizing["layers"] if item.part == "offload" else None
+        row = run_system(item, args, world, layers, timeout, tmp)
+        rows[item.part].append(row)
+        print(f"       {row.status}: " + (f"{row.tokens_per_s:,.0f} tokens/s" if row.status == "ok" else str(row.why)))
+    for part, reference in (("table", TABLE_REFERENCE), ("offload", OFFLOAD_REFERENCE)):
+        add_ratios(rows[part], reference)
+    ratio, verdict = offload_verdict(rows["offload"])
+    return {
+        "tests": tests,
+        "table": {"rows": [asdict(r) for r in rows["table"]]},
+        "offload": {
+            "sizing": sizing,
+            "rows": [asdict(r) for r in rows["offload"]],
+            "zgraph_over_deepspeed": ratio,
+            "target": OFFLOAD_TARGET,
+            "verdict": verdict,
+        },
+    }
+
+
+def dry_run(args: argparse.Namespace) -> dict:
+    """The whole summary from made-up numbers: the formatting and the JSON, on any machine."""
+    from benchmarks.gpu_worker import model_config, params_of
+
+    gpus = {"card": "DRY RUN (made-up numbers)", "count": 1, "total": 80 * GIB, "free": 79 * GIB, "cuda": "-"}
+    gpus["torch"] = "-"
+    sizing = offload_sizing(gpus, args.offload_device_gib)
+    rows: dict[str, list[Row]] = {"table": [], "offload": []}
+    for n, item in enumerate(PLAN):
+        if item.part == "tests":
+            continue
+        if item.system in COMPILED:
+            rows[item.part].append(Row(item.part, item.system, why="made up: skipped for the dry run"))
+            continue
+        layers = sizing["layers"] if item.part == "offload" else 16
+        steps = [0.1 * (1 + n / 10) * (1 + i / 100) for i in range(args.steps)]
+        rank = {
+            "world_size": 1,
+            "params": params_of(model_config(layers)),
+            "layers": layers,
+            "precision": args.precision,
+            "tokens_per_step": args.micro_batch * args.seq,
+            "step_s": steps,
+            "warmup_s": [5.0 + n],
+            "warmup_losses": [5.6],
+            "losses": [5.0 - n / 100],
+            "peak_bytes": (20 + n) * GIB,
+            "warmup_peak_bytes": (21 + n) * GIB,
+            "peak_rss_mib": 4096.0 * (n + 1),
+            "memory_cap_bytes": int(args.offload_device_gib * GIB) if item.part == "offload" else None,
+        }
+        error = "RuntimeError: made up: CUDA out of memory" if item.system == "fsdp2" else None
+        rows[item.part].append(summarize(item.part, item.system, [rank], error, 30.0 + n))
+    for part, reference in (("table", TABLE_REFERENCE), ("offload", OFFLOAD_REFERENCE)):
+        add_ratios(rows[part], reference)
+    ratio, verdict = offload_verdict(rows["offload"])
+    record = {"test": "estimate[nccl-1-z0-fp32]", "ratio": 0.98, "raw_ratio": 0.95, "estimated_mib": 980.0}
+    record.update(measured_mib=1000.0, outside_mib=40.0)
+    tests = {"status": "ok", "summary": "60 passed, 15 skipped in 120.00s", "failed": [], "records": [record]}
+    tests["wall_s"] = 120.0
+    return {
+        "machine": machine_facts(gpus, "-"),
+        "tests": tests,
+        "table": {"rows": [asdict(r) for r in rows["table"]]},
+        "offload": {
+            "sizing": sizing,
+            "rows": [asdict(r) for r in rows["offload"]],
+            "zgraph_over_deepspeed": ratio,
+            "target": OFFLOAD_TARGET,
+            "verdict": verdict,
+        },
+    }
+
+
+def parse_systems(text: str) -> list[str]:
+    wanted = list(SYSTEMS) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SYSTEMS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    return wanted
+
+
+def parse_parts(text: str) -> list[str]:
+    wanted = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(wanted) - set(PARTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    return wanted
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", type=parse_parts, default=list(PARTS), help="comma list of tests,table,offload")
+    parser.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), help="'all' or a comma list")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for everything (default: one 10-min call)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (zgraph captures on the first)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per system")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step (the table)")
+    parser.add_argument("--offload-micro-batch", type=int, default=2, help="sequences per step (the offload case)")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--precision", choices=("autocast", "fp32"), default="autocast")
+    parser.add_argument(
+        "--offload-device-gib",
+        type=float,
+        default=16.0,
+        help="device memory the offload case may use (the allocator is capped there and the model sized from it; "
+        "default 16, so that the case runs in minutes; 0: all the free memory)",
+    )
+    parser.add_argument("--full-tests", action="store_true", help="every stage in tests/gpu (else stages 0 and 3)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--dry-run", action="store_true", help="made-up numbers through the summary; writes nothing")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    return args
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the ``finally`` blocks that stop the systems' processes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    if args.dry_run:
+        result = {**dry_run(args), "settings": settings, "elapsed_s": 0.0}
+        with tempfile.TemporaryDirectory() as tmp:  # the JSON path too, never into benchmarks/results
+            written = write_result(result, Path(tmp))
+            assert json.loads(written.read_text())["machine"]["card"] == result["machine"]["card"]
+        print(report(result))
+        print("\ndry run: made-up numbers, nothing written")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing run (python -m benchmarks.gpu --dry-run shows the report's form)")
+        return 0
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    started = time.monotonic()
+    gpus = probe_gpus()
+    ds_version, ds_why = deepspeed_version() if any(s in DEEPSPEED for s in args.systems) else ("not run", None)
+    machine = machine_facts(gpus, f"unavailable ({ds_why})" if ds_why else str(ds_version))
+    print(f"machine: {json.dumps(machine)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="zgraph-gpu-") as tmp:
+        parts = execute(args, gpus, unavailable(ds_why), Path(tmp), started)
+    result = {"machine": machine, "settings": settings, **parts, "elapsed_s": time.monotonic() - started}
+    text = report(result)
+    result["markdown"] = text
+    path = write_result(result, args.out_dir)
+    print("\n" + text)
+    print(f"\nwrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 1 if failed_checks(result) else 0
+
+
+def failed_checks(result: dict[str, Any]) -> list[str]:
+    """What makes the command fail (exit status 1): failed tests, and zgraph rows that failed (a peer's failure, an
+    uninstallable DeepSpeed say, is only reported)."""
+    tests = result["tests"]
+    failed = [f"tests/gpu: {tests.get('why')}"] if tests.get("status") == "failed" else []
+    failed += tests.get("failed", [])
+    rows = [*result["table"]["rows"], *result["offload"]["rows"]]
+    return failed + [
+        f"{r['part']}: {r['system']}" for r in rows if r["system"].startswith("zgraph") and r["status"] == "failed"
+    ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
