@@ -39,6 +39,7 @@ from zgraph.graph import (
     OPTIMIZER,
     VAL,
     insert,
+    offload_moves,
     output_node,
     placeholders,
     state_key,
@@ -85,9 +86,8 @@ def offload(
 
     ``tier``: ``Config.offload_optimizer``; ``fraction``: ``Config.offload_fraction``; ``params``:
     ``Config.offload_params`` (``"cpu"`` changes the graph only when ``ctx.device_type`` is not the CPU)."""
-    moves = lambda t: t == "nvme" or (t == "cpu" and ctx.device_type != "cpu")
-    chosen = plan_offload(gm, fraction) if moves(tier) else []
-    chosen += plan_param_offload(gm) if moves(params) else []
+    chosen = plan_offload(gm, fraction) if offload_moves(tier, ctx.device_type) else []
+    chosen += plan_param_offload(gm) if offload_moves(params, ctx.device_type) else []
     if not chosen:
         return gm
     slots = {node: i for i, node in enumerate(placeholders(gm))}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zgraph.graph import offload_moves
 from zgraph.runtime.offload_host import HostStore
 from zgraph.runtime.offload_nvme import NvmeStore
 from zgraph.runtime.offload_store import DEFAULT_WINDOW, OffloadError, TierStore, materialize
@@ -42,7 +43,7 @@ def open_store(config: Any, device: torch.device) -> TierStore | None:
     window = config.prefetch_bytes if isinstance(config.prefetch_bytes, int) else DEFAULT_WINDOW
     if "nvme" in tiers:
         return NvmeStore(config.offload_dir, window, trim=not config.keep_host_memory)
-    if "cpu" in tiers and device.type != "cpu":
+    if offload_moves("cpu", device.type) and "cpu" in tiers:
         return HostStore(device, window)
     return None
 

@@ -141,6 +141,29 @@ class TierStore(OffloadTier):
         for (key, nbytes), block in zip(fresh, self._make(fresh)):
             self.states[key] = State(key, nbytes, block)
 
+    def offload_now(self, key: tuple, tensor: Tensor) -> None:
+        """Move ``tensor``, the state ``key`` names, to the tier now and release its storage (it must be the
+        storage's only tensor): a first optimizer step's states, created one parameter at a time, so that they are
+        never all in memory at once. A graph that reads it directly gets its memory back in ``prepare``."""
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.reserve({key: nbytes})
+        state = self.states[key]
+        state.tensor = tensor
+        self._store(state, tensor.contiguous())
+        if storage.nbytes() == nbytes and storage.resizable():
+            storage.resize_(0)
+            self.released[storage._cdata] = (storage, nbytes, [state])
+
+    def forget(self, tensors: list[Tensor]) -> None:
+        """Drop what the tier holds of ``tensors`` (state removed again, e.g. a guessed first step's)."""
+        ids = {id(t) for t in tensors}
+        for cdata, (_, _, states) in list(self.released.items()):
+            if any(id(s.tensor) in ids for s in states):
+                del self.released[cdata]
+        for key in [k for k, s in self.states.items() if id(s.tensor) in ids]:
+            del self.states[key]
+
     # ---------------------------------------------------------------------------------------- around a graph
     def prepare(self, slots: dict[int, tuple[tuple, Tensor]], keep: list[Tensor], order: list[int]) -> None:
         """Before a graph: ``slots`` maps each offloaded input position to its state key and tensor, ``order``

@@ -329,20 +329,28 @@ def normalize_state(plan: ShardingPlan, binding: Binding) -> None:
             spec = plan.state_spec(record.index, p.grad)
             if spec is not None and getattr(p.grad, _PADDED, None) is None:
                 p.grad = plan.wrap(plan.padded(p.grad, spec), spec)
-    if plan.stage < 1:
-        return
     for o in binding.optimizers:
         for indices in o.group_params:
             for i in indices:
-                state = o.optimizer.state.get(binding.params[i].tensor)
-                if not state:
-                    continue
-                for key, value in list(state.items()):
-                    if not isinstance(value, Tensor):
-                        continue
-                    spec = plan.state_spec(i, value)
-                    if spec is not None and getattr(value, _PADDED, None) is None:
-                        state[key] = plan.wrap(plan.padded(value, spec), spec)
+                normalize_param_state(plan, binding, o.index, i)
+
+
+def normalize_param_state(plan: ShardingPlan, binding: Binding, o_index: int, p_index: int) -> None:
+    """``normalize_state`` for the optimizer state of one parameter (stage ≥ 1)."""
+    if not plan.group.distributed or plan.stage < 1:
+        return
+    state = binding.optimizer_state(o_index, p_index)
+    for key, value in list(state.items()):
+        if not isinstance(value, Tensor):
+            continue
+        spec = plan.state_spec(p_index, value)
+        if spec is not None and getattr(value, _PADDED, None) is None:
+            state[key] = plan.wrap(plan.padded(value, spec), spec)
+
+
+def graph_tensor(value: Tensor) -> Tensor:
+    """The tensor a step graph reads for a piece of state: a zgraph DTensor's padded shard, else the tensor."""
+    return getattr(value, _PADDED, value)
 
 
 # --------------------------------------------------------------------------------- use outside the step

@@ -77,6 +77,7 @@ class Binding:
         self.loss_scale_state: dict[str, Tensor] = {}  # fp16 loss scale carried between calls (zgraph.precision)
         self.device = torch.device("cpu")  # where the state lives (zgraph.runtime.devices.state_device)
         self.backend: str | None = None  # the group's backend for that device; None: the group's own name
+        self.offload: Any = None  # the offload tier's store (zgraph.runtime.offload), set when the step binds
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}

@@ -287,3 +287,26 @@ def test_offloaded_states_leave_the_resident_set_between_steps(tmp_path):
         rss[mode] = int(done.stdout.split()[-1])
     states = 2 * 4 * 1024 * 1024 * 4  # exp_avg and exp_avg_sq of four 1024 x 1024 fp32 weights
     assert rss["trim"] < rss["keep"] - states // 2, {k: v / 2**20 for k, v in rss.items()}
+
+
+def test_a_first_step_moves_each_new_state_to_the_tier_before_making_the_next(tmp_path, monkeypatch):
+    """A first optimizer step creates its states one parameter at a time, each moved to the tier before the next
+    is made: the states are never all in memory at once (on a GPU, what would not fit beside the model). Training
+    stays bitwise the same."""
+    model, opt = make()
+    resident = []
+
+    def offload_now(store, key, tensor):
+        held = [v for state in opt.state.values() for v in state.values() if v.dim() > 0]
+        resident.append(sum(v.untyped_storage().nbytes() for v in held))
+        real(store, key, tensor)
+
+    real = runtime_offload.TierStore.offload_now
+    monkeypatch.setattr(runtime_offload.TierStore, "offload_now", offload_now)
+    step = make_step(BASE.replace(offload_optimizer="nvme", offload_dir=str(tmp_path)))
+    losses = [step(model, opt, x, y).item() for x, y in batches()]
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert len(resident) == 2 * len(list(model.parameters()))  # exp_avg and exp_avg_sq of each
+    assert max(resident) <= 2 * largest < sum(2 * p.numel() * 4 for p in model.parameters())
+    expected = train(BASE)
+    assert losses == expected[0] and same(zgraph.full_state_dict(model, opt), expected[1:])

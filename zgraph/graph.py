@@ -219,6 +219,12 @@ def reduce_scatter_by_all_to_all(backend: str | None) -> bool:
     return backend == "gloo"
 
 
+def offload_moves(tier: str | None, device_type: str) -> bool:
+    """Whether an offload tier (``Config.offload_optimizer`` / ``offload_params``) moves state out of the memory
+    of ``device_type``: ``"nvme"`` always, ``"cpu"`` from a device (on the CPU it is the identity)."""
+    return tier == "nvme" or (tier == "cpu" and device_type != "cpu")
+
+
 def tensor_bytes(value: Any) -> int:
     """Bytes of a tensor, or of the tensors in a list/tuple."""
     if isinstance(value, torch.Tensor):

@@ -31,7 +31,7 @@ from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.estimate import Estimate, estimate_step
 from zgraph.explain import dump_graphs, explain_table
-from zgraph.graph import input_specs, output_roles
+from zgraph.graph import input_specs, offload_moves, output_roles
 from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
 from zgraph.locate import Locator, Slot, locate
 from zgraph.passes import build_pipeline, default_pipeline, run_pipeline
@@ -55,8 +55,9 @@ from zgraph.runtime.sharded_state import (
     check_owners,
     convert_master_dtype,
     current_parameter,
+    graph_tensor,
     make_plan,
-    normalize_state,
+    normalize_param_state,
 )
 from zgraph.runtime.state import Binding, state_tensors
 from zgraph.split import needs_split, trace_joint
@@ -426,16 +427,32 @@ class DistributedStep:
         """Create the state a first optimizer step would create if every parameter that requires grad got a
         gradient (as ``_materialize_created_state`` does); the ``(optimizer, param)`` pairs created."""
         guessed = first_state_candidates(binding)
-        if guessed and create_first_state(binding, guessed, self.config.optimizer_state_dtype):
-            normalize_state(binding.plan, binding)
+        if guessed:
+            create_first_state(binding, guessed, self.config.optimizer_state_dtype, self._settle(binding))
         return guessed
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
         """Create, eagerly and exactly as torch.optim would, the optimizer state a first step creates; True if
         any was created (the step is then captured again with that state as inputs)."""
-        created = create_first_state(binding, captured.created_state, self.config.optimizer_state_dtype)
-        normalize_state(binding.plan, binding)
-        return created
+        created = captured.created_state
+        return create_first_state(binding, created, self.config.optimizer_state_dtype, self._settle(binding))
+
+    def _settle(self, binding: Binding) -> Callable[[int, int], None]:
+        """What happens to each parameter's new optimizer state as soon as it is made: it is sharded (stage >= 1)
+        and, when the optimizer's states are all offloaded (``offload_fraction`` 1, the default), moved to the tier,
+        so that a first step never holds every parameter's whole state at once (on a GPU that is what would not
+        fit). With a smaller fraction the graph's plan decides which states move, at the first run."""
+        config = self.config
+        moves = offload_moves(config.offload_optimizer, binding.device.type) and config.offload_fraction == 1.0
+        offloaded = binding.offload is not None and moves
+
+        def settle(o_index: int, p_index: int) -> None:
+            normalize_param_state(binding.plan, binding, o_index, p_index)
+            for field, value in binding.optimizer_state(o_index, p_index).items():
+                if offloaded and isinstance(value, Tensor) and value.dim() > 0:
+                    binding.offload.offload_now(("opt_state", p_index, field, o_index), graph_tensor(value))
+
+        return settle
 
     # ------------------------------------------------------------------------------------------ inspection
     def _compiled(self) -> CompiledStep:

@@ -24,6 +24,7 @@ from zgraph import optimizers as zopt
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE
 from zgraph.precision import TracePrecision, keep_if_overflow
+from zgraph.runtime.sharded_state import graph_tensor
 from zgraph.runtime.state import Binding
 from zgraph.trace_env import UnboundState, where
 
@@ -241,10 +242,16 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
     return step
 
 
-def create_first_state(binding: Binding, created: list[tuple[int, int]], state_dtype: torch.dtype | None) -> bool:
+def create_first_state(
+    binding: Binding,
+    created: list[tuple[int, int]],
+    state_dtype: torch.dtype | None,
+    settle: Callable[[int, int], None] | None = None,
+) -> bool:
     """Create, eagerly and exactly as torch.optim would, the state a first optimizer step creates for the
     ``(optimizer, param)`` pairs ``created`` (``CapturedGraph.created_state``); True if any was created. On meta
-    parameters (an estimate's) the state is meta too: no memory."""
+    parameters (an estimate's) the state is meta too: no memory. ``settle(optimizer, param)`` runs after each
+    parameter's state is made (the step shards it, and moves it to the offload tier, before the next is made)."""
     made = False
     for o_index, p_index in created:
         opt = binding.optimizers[o_index].optimizer
@@ -255,6 +262,8 @@ def create_first_state(binding: Binding, created: list[tuple[int, int]], state_d
         param = binding.params[p_index].tensor
         opt.state[param] = kernel.initial_state(param.detach(), group, state_dtype)
         made = True
+        if settle is not None:
+            settle(o_index, p_index)
     return made
 
 
@@ -273,6 +282,10 @@ def first_state_candidates(binding: Binding) -> list[tuple[int, int]]:
 
 
 def drop_state(binding: Binding, pairs: list[tuple[int, int]]) -> None:
-    """Remove the optimizer state of the ``(optimizer, param)`` pairs."""
+    """Remove the optimizer state of the ``(optimizer, param)`` pairs (and what the offload tier holds of it)."""
+    dropped = []
     for o_index, p_index in pairs:
-        binding.optimizers[o_index].optimizer.state.pop(binding.params[p_index].tensor, None)
+        state = binding.optimizers[o_index].optimizer.state.pop(binding.params[p_index].tensor, None) or {}
+        dropped += [graph_tensor(v) for v in state.values() if isinstance(v, Tensor)]
+    if binding.offload is not None and dropped:
+        binding.offload.forget(dropped)
