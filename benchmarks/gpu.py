@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare_machine import cpu_model, free_port, last_lines, terminate, wait_ranks, zgraph_revision
+from benchmarks.gpu_worker import SYSTEMS, model_config, params_of
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,17 +57,6 @@ TABLE_REFERENCE = "ddp"
 OFFLOAD_REFERENCE = "deepspeed-offload"
 LOSS_WARN = 0.02  # a first loss this far (relative) from the reference row's is flagged: not the same training
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-SYSTEMS = (  # benchmarks.gpu_worker builds them (imported only where needed: without a GPU this exits at once)
-    "ddp",
-    "fsdp2",
-    "fsdp2-compiled",
-    "fsdp2-offload",
-    "deepspeed-z3",
-    "deepspeed-offload",
-    "zgraph-eager",
-    "zgraph-inductor",
-    "zgraph-offload",
-)
 LABELS = {
     "ddp": "DDP",
     "fsdp2": "FSDP2",
@@ -382,7 +372,6 @@ def offload_sizing(gpus: dict[str, Any], cap_gib: float) -> dict[str, Any]:
     """The offload case's model: decoder layers such that parameters and gradients (8 bytes per parameter) take
     ``OFFLOAD_SHARE`` of the memory available (free memory, capped at ``cap_gib`` when given); AdamW's two states
     (8 bytes per parameter more) then do not fit beside them."""
-    from benchmarks.gpu_worker import model_config, params_of
 
     usable = gpus["free"] if not cap_gib else min(gpus["free"], int(cap_gib * GIB))
     base, per_layer = params_of(model_config(0)), params_of(model_config(1)) - params_of(model_config(0))
@@ -571,7 +560,6 @@ def execute(args: argparse.Namespace, gpus: dict[str, Any], skip: dict[str, str]
 
 def dry_run(args: argparse.Namespace) -> dict:
     """The whole summary from made-up numbers: the formatting and the JSON, on any machine."""
-    from benchmarks.gpu_worker import model_config, params_of
 
     gpus = {"card": "DRY RUN (made-up numbers)", "count": 1, "total": 80 * GIB, "free": 79 * GIB, "cuda": "-"}
     gpus["torch"] = "-"

@@ -40,9 +40,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from benchmarks.compare_worker import peak_rss_mib, reset_peak_rss
-from benchmarks.gpu import SYSTEMS
 from zgraph.llama import Llama, LlamaConfig
 from zgraph.models import count_params, lm_loss
+
+SYSTEMS = (  # the systems this worker builds (benchmarks.gpu runs each in its own processes)
+    "ddp",
+    "fsdp2",
+    "fsdp2-compiled",
+    "fsdp2-offload",
+    "deepspeed-z3",
+    "deepspeed-offload",
+    "zgraph-eager",
+    "zgraph-inductor",
+    "zgraph-offload",
+)
 
 # ~1.1 B parameters: Llama 3.2 1B's shape (d_model 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192) with a 32k vocab
 LLAMA_1B = LlamaConfig(vocab=32000, d_model=2048, layers=16, heads=32, kv_heads=8, hidden=8192, max_seq=4096)

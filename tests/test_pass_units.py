@@ -176,23 +176,6 @@ def test_schedule_updates_during_backward():
     assert order["add_tensor"] < order["all_reduce_default_1"]
 
 
-def test_schedule_waits_each_reduce_scatter_before_the_next_is_issued():
-    """A reduce-scatter's whole input is held until its wait (NCCL keeps it alive; gloo's all-to-all too): the
-    wait moves no later than the next reduce-scatter's issue, even when nothing reads the result before both are
-    done (a global-norm clip reads every gradient), so at most one gradient bucket is held whole."""
-    b = Builder()
-    x = b.input("x", (8, 4))
-    waits = []
-    for scale in (2.0, 3.0):
-        g = b.op(aten.mul.Tensor, x, scale, phase=BACKWARD)
-        c = b.op(c10d.reduce_scatter_tensor.default, g, "avg", 2, GROUP, phase=BACKWARD)
-        waits.append(b.op(WAIT, c, phase=BACKWARD))
-    both = b.op(aten.add.Tensor, *waits, phase=OPTIMIZER)
-    gm = schedule(b.finish([(both, _user(both))]), context())
-    order = _order(gm)
-    assert order["wait_tensor_default"] < order["reduce_scatter_tensor_default_1"]
-
-
 def _gathers(n):
     b = Builder()
     ps = [b.input(f"p{i}", (256, 256), "param", i) for i in range(n)]

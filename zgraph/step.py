@@ -25,45 +25,34 @@ import torch.fx as fx
 from torch import Tensor
 
 from zgraph import optimizers as zopt
+from zgraph.bind import bind_state
 from zgraph.capture import CapturedGraph, UnboundState, finish, trace_step
 from zgraph.compiled import CompiledStep, lower, pass_context, reserve_offload, run
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.estimate import Estimate, estimate_step
 from zgraph.explain import dump_graphs, explain_table
-from zgraph.graph import input_specs, offload_moves, output_roles
+from zgraph.graph import input_specs, output_roles
 from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
 from zgraph.locate import Locator, Slot, locate
 from zgraph.passes import build_pipeline, default_pipeline, run_pipeline
-from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.agreement import Channel, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
-from zgraph.runtime.cost_model import fit_cost_model
-from zgraph.runtime.devices import check_served, control_device, served_backend, state_device
-from zgraph.runtime.host_memory import keep_freed_host_memory
-from zgraph.runtime.offload import check_offload_device, open_store
+from zgraph.runtime.devices import control_device, state_device
 from zgraph.runtime.process_group import (
     ProcessGroupInfo,
-    check_one_device_per_rank,
     ensure_process_group,
     timed_group,
 )
 from zgraph.runtime.sharded_state import (
     adopt_sharded_parameters,
-    apply_plan,
-    broadcast_initial_state,
-    check_owners,
-    convert_master_dtype,
     current_parameter,
-    graph_tensor,
-    make_plan,
-    normalize_param_state,
 )
 from zgraph.runtime.state import Binding, state_tensors
 from zgraph.split import needs_split, trace_joint
 from zgraph.split_run import lower_split, run_split
 from zgraph.trace_env import traced_arguments
-from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates
+from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates, settle_first_state
 from zgraph.tree import iter_leaves
 
 
@@ -242,33 +231,8 @@ class DistributedStep:
         adopt_sharded_parameters([opt for _, opt in optimizers])
         binding = self._bindings.get(binding_key(modules, optimizers))
         if binding is None:
-            binding = Binding(modules, optimizers)
-            # checks first: nothing below may change the model unless all of them pass
-            device = self._device = state_device(state_tensors(binding))
-            check_served(group.backend, device)
-            check_offload_device(self.config, device)
-            check_owners(self.config.stage, group, binding)
-            if channel is not None:
-                check_one_device_per_rank(channel, group.backend, device)
-            binding.device, binding.backend = device, served_backend(group.backend, device.type)
-            convert_master_dtype(binding, self.config.master_dtype, self.config.optimizer_state_dtype)
-            binding.loss_scale_state = initial_loss_scale_state(self.config, device)
-            for _, opt in optimizers:
-                loaded = getattr(opt, "_zgraph_loss_scale", None) or {}  # zgraph.load before the first step
-                binding.loss_scale_state.update(
-                    (k, v.to(device)) for k, v in loaded.items() if k in binding.loss_scale_state
-                )
-                opt._zgraph_loss_scale = binding.loss_scale_state  # saved and restored by zgraph.save / load
-            broadcast_initial_state(binding, group)
-            binding.plan = make_plan(self.config.stage, group, binding, self.config.param_persistence_threshold)
-            apply_plan(binding.plan, binding)  # may replace parameters (stage 3): key them as they are now
-            binding.offload = open_store(self.config, device)
-            if binding.offload is not None:
-                binding.offload.watch([o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
-            if self.config.keep_host_memory and device.type == "cpu":
-                keep_freed_host_memory()
-            # collective on every rank: done here, before any user code runs, so a failing capture cannot skip it
-            binding.cost_model = fit_cost_model(group, device, self.config.measure_collectives, channel)
+            binding = bind_state(self.config, group, channel, modules, optimizers)
+            self._device = binding.device
             self._bindings[binding_key(modules, optimizers)] = binding
         return binding
 
@@ -428,31 +392,17 @@ class DistributedStep:
         gradient (as ``_materialize_created_state`` does); the ``(optimizer, param)`` pairs created."""
         guessed = first_state_candidates(binding)
         if guessed:
-            create_first_state(binding, guessed, self.config.optimizer_state_dtype, self._settle(binding))
+            create_first_state(
+                binding, guessed, self.config.optimizer_state_dtype, settle_first_state(binding, self.config)
+            )
         return guessed
 
     def _materialize_created_state(self, binding: Binding, captured: CapturedGraph) -> bool:
         """Create, eagerly and exactly as torch.optim would, the optimizer state a first step creates; True if
         any was created (the step is then captured again with that state as inputs)."""
         created = captured.created_state
-        return create_first_state(binding, created, self.config.optimizer_state_dtype, self._settle(binding))
-
-    def _settle(self, binding: Binding) -> Callable[[int, int], None]:
-        """What happens to each parameter's new optimizer state as soon as it is made: it is sharded (stage >= 1)
-        and, when the optimizer's states are all offloaded (``offload_fraction`` 1, the default), moved to the tier,
-        so that a first step never holds every parameter's whole state at once (on a GPU that is what would not
-        fit). With a smaller fraction the graph's plan decides which states move, at the first run."""
-        config = self.config
-        moves = offload_moves(config.offload_optimizer, binding.device.type) and config.offload_fraction == 1.0
-        offloaded = binding.offload is not None and moves
-
-        def settle(o_index: int, p_index: int) -> None:
-            normalize_param_state(binding.plan, binding, o_index, p_index)
-            for field, value in binding.optimizer_state(o_index, p_index).items():
-                if offloaded and isinstance(value, Tensor) and value.dim() > 0:
-                    binding.offload.offload_now(("opt_state", p_index, field, o_index), graph_tensor(value))
-
-        return settle
+        settle = settle_first_state(binding, self.config)
+        return create_first_state(binding, created, self.config.optimizer_state_dtype, settle)
 
     # ------------------------------------------------------------------------------------------ inspection
     def _compiled(self) -> CompiledStep:

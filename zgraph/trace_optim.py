@@ -22,9 +22,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph import optimizers as zopt
 from zgraph.errors import CaptureError
-from zgraph.graph import OPTIMIZER, PHASE
+from zgraph.graph import OPTIMIZER, PHASE, offload_moves
 from zgraph.precision import TracePrecision, keep_if_overflow
-from zgraph.runtime.sharded_state import graph_tensor
+from zgraph.runtime.sharded_state import graph_tensor, normalize_param_state
 from zgraph.runtime.state import Binding
 from zgraph.trace_env import UnboundState, where
 
@@ -289,3 +289,21 @@ def drop_state(binding: Binding, pairs: list[tuple[int, int]]) -> None:
         dropped += [graph_tensor(v) for v in state.values() if isinstance(v, Tensor)]
     if binding.offload is not None and dropped:
         binding.offload.forget(dropped)
+
+
+def settle_first_state(binding: Binding, config: Any) -> Callable[[int, int], None]:
+    """What happens to each parameter's new optimizer state as soon as ``create_first_state`` makes it: it is
+    sharded (stage >= 1) and, when the optimizer's states are all offloaded (``Config.offload_fraction`` 1, the
+    default), moved to the offload tier, so that a first step never holds every parameter's whole state at once
+    (on a GPU that is what would not fit). With a smaller fraction the graph's plan decides which states move, at
+    the first run."""
+    moves = offload_moves(config.offload_optimizer, binding.device.type) and config.offload_fraction == 1.0
+    offloaded = binding.offload is not None and moves
+
+    def settle(o_index: int, p_index: int) -> None:
+        normalize_param_state(binding.plan, binding, o_index, p_index)
+        for key, value in binding.optimizer_state(o_index, p_index).items():
+            if offloaded and isinstance(value, Tensor) and value.dim() > 0:
+                binding.offload.offload_now(("opt_state", p_index, key, o_index), graph_tensor(value))
+
+    return settle
