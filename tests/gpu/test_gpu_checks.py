@@ -23,6 +23,7 @@ import json
 import os
 
 import gpu_cases
+import gpu_memory_cases
 import pytest
 import torch
 
@@ -203,7 +204,7 @@ def test_fp16_dynamic_loss_scaling_with_deepspeeds_defaults(results, transport, 
     assert [scale for _, scale in history] == want, f"scales {history} vs DeepSpeed's rules {want}"
     same_as_cpu = None
     if gpu_cases.transports()[transport].world == 1:
-        on_cpu = gpu_cases.fp16_run(0, 1, torch.device("cpu"), stage, "dynamic", False)
+        on_cpu = gpu_memory_cases.fp16_run(0, 1, torch.device("cpu"), stage, "dynamic", False)
         same_as_cpu = history == [(r["params_changed"], r["scale"]) for r in on_cpu]
     report(f"fp16_dynamic[{transport}-z{stage}]", history=history, same_as_cpu=same_as_cpu)
 
