@@ -8,6 +8,11 @@ forward graph returns them after its own outputs (``GraphOutput`` kind ``saved``
 them first (``GraphInput`` kind ``saved``), then the tangents (``GraphInput`` kind ``tangent``, index = position
 among the tangents). Gradients (``grad``, ``input_grad`` outputs) are the backward's outputs.
 
+Random draws and generator-state reads (``nondeterministic_seeded`` ops) of the forward phase stay in the
+forward even where only the backward reads them: ``torch.utils.checkpoint`` reads the generator state before a
+block's forward, and its recomputation in the backward sets it back; read in the backward, it would be a later
+state.
+
 Nodes that only read inputs and move or reshape them (views, casts, collectives and their waits: a stage-3
 all-gather of a parameter) are recomputed in the backward rather than saved, so the backward does not keep the
 whole parameters alive between the two calls.
@@ -19,12 +24,15 @@ import copy
 import operator
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zgraph.graph import (
+    FORWARD,
     INPUT,
     OUTPUTS,
+    PHASE,
     VAL,
     GraphInput,
     GraphOutput,
@@ -91,6 +99,7 @@ def partition(gm: fx.GraphModule, tangents: set[int]) -> Partition:
             raise AssertionError(f"split step: output {role.name} ({role.kind}) depends on a tangent")
     forward_set: set[fx.Node] = set()
     stack = [v for v, _ in forward_outs if isinstance(v, fx.Node)]
+    stack += [n for n in nodes if _drawn_in_forward(n) and n not in after_tangent]
     while stack:
         node = stack.pop()
         if node in forward_set:
@@ -128,6 +137,12 @@ def partition(gm: fx.GraphModule, tangents: set[int]) -> Partition:
     forward = _forward_graph(gm, nodes, forward_set, forward_outs, saved)
     backward = _backward_graph(gm, backward_set, saved, tangent_nodes, backward_outs, tangents)
     return Partition(forward, backward, len(saved))
+
+
+def _drawn_in_forward(node: fx.Node) -> bool:
+    """A random draw or generator-state operation of the forward phase (it must run when the forward does)."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags and node.meta.get(PHASE) == FORWARD
 
 
 def _is_tangent(node: fx.Node, tangents: set[int]) -> bool:

@@ -1,6 +1,12 @@
 """The model, steps and eager reference of test_activation_checkpointing.py, and its multi-rank worker: bf16
 compute at stages 0-3, where at stage 3 the recomputation inside backward reads parameters gathered again for
-backward, in the compute dtype."""
+backward, in the compute dtype.
+
+The model draws random numbers inside the checkpointed block (``nn.Dropout``, ``F.dropout`` and
+``scaled_dot_product_attention``'s ``dropout_p``) and outside it: the recomputation in backward must draw the
+forward's numbers, and the generator must end where eager's does. Every rank builds the model (which seeds the
+generator), so all ranks draw the same numbers for their rows, as DDP ranks seeded alike do: the multi-rank
+reference (``eager_reference(..., world=2)``) runs each rank's rows from the same generator state."""
 
 from __future__ import annotations
 
@@ -27,19 +33,35 @@ class Cast(nn.Module):
         return value.to(self.dtype)
 
 
+class Block(nn.Module):
+    """Two layers with dropout between, and self-attention with attention dropout over 2 positions of 2 heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.25)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, h):
+        h = self.drop(torch.tanh(self.a(h)))
+        q = h.view(-1, 2, 2, 4).transpose(1, 2)  # (rows, heads, positions, head dim)
+        h = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).transpose(1, 2).reshape(-1, 16)
+        return self.b(F.dropout(h, 0.1, self.training))
+
+
 class Net(nn.Module):
-    """Linear, a checkpointed block of two layers, a head."""
+    """Linear, dropout, a checkpointed block, a head."""
 
     def __init__(self, reentrant: bool):
         super().__init__()
         torch.manual_seed(0)
         self.reentrant = reentrant
         self.embed = nn.Linear(8, 16)
-        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.block = Block()
         self.head = nn.Linear(16, 4)
 
     def forward(self, x):
-        h = torch.relu(self.embed(x))
+        h = F.dropout(torch.relu(self.embed(x)), 0.2, self.training)
         h = checkpoint(self.block, h, use_reentrant=self.reentrant)
         return self.head(h)
 
@@ -61,13 +83,40 @@ def autocast_step(model, opt, x, y):
     return loss
 
 
+def forward(model, x):
+    """A split-mode step: the forward only; its output carries the compiled backward."""
+    return model(x)
+
+
+def update(opt):
+    opt.step()
+    opt.zero_grad()
+
+
+def split_steps(config: zgraph.Config):
+    """``step`` in split mode: zgraph's forward, the loss and ``backward()`` outside it, zgraph's update."""
+    compiled_forward, compiled_update = zgraph.distribute(config)(forward), zgraph.distribute(config)(update)
+
+    def run(model, opt, x, y):
+        loss = F.mse_loss(compiled_forward(model, x).float(), y)
+        loss.backward()
+        compiled_update(opt)
+        return loss.detach()
+
+    return run
+
+
 def batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
 
 
-def eager_reference(reentrant: bool, param_dtype: torch.dtype | None, autocast: bool, loss_scale: float | None):
-    """Losses and final parameters of eager PyTorch with the casts zgraph applies."""
+def eager_reference(
+    reentrant: bool, param_dtype: torch.dtype | None, autocast: bool, loss_scale: float | None, world: int = 1
+):
+    """Losses, final parameters and generator state of eager PyTorch with the casts zgraph applies, on the global
+    batch cut into ``world`` equal rank slices, each slice's forward drawing from the generator state the step
+    started in (as ranks seeded alike do); the loss is the mean of the slices' losses."""
     model = Net(reentrant)
     if param_dtype is not None:
         for module in model.modules():
@@ -79,8 +128,12 @@ def eager_reference(reentrant: bool, param_dtype: torch.dtype | None, autocast: 
     for x, y in batches():
         if param_dtype is not None:
             x = x.to(param_dtype)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = F.mse_loss(model(x).float(), y)
+        start, parts = torch.get_rng_state(), []
+        for x_part, y_part in zip(x.chunk(world), y.chunk(world)):
+            torch.set_rng_state(start)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                parts.append(F.mse_loss(model(x_part).float(), y_part))
+        loss = sum(parts) / world
         if loss_scale is None:
             loss.backward()
         else:
@@ -90,10 +143,10 @@ def eager_reference(reentrant: bool, param_dtype: torch.dtype | None, autocast: 
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return losses, [p.detach() for p in model.parameters()]
+    return losses, [p.detach() for p in model.parameters()], torch.get_rng_state()
 
 
-def stages(rank: int, world: int) -> dict:
+def stages(rank: int, world: int, split: bool = False) -> dict:
     out = {}
     n = GLOBAL_BATCH // world
     for reentrant in (True, False):
@@ -103,15 +156,20 @@ def stages(rank: int, world: int) -> dict:
             config = zgraph.Config(
                 stage=stage, backend="eager", param_persistence_threshold=0, param_dtype=torch.bfloat16
             )
-            compiled = zgraph.distribute(config)(step)
+            compiled = split_steps(config) if split else zgraph.distribute(config)(step)
             losses = []
             for x, y in batches():
                 loss = compiled(model, opt, x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
                 loss = loss.detach().clone()
                 dist.all_reduce(loss)
                 losses.append(float(loss) / world)
-            out[(reentrant, stage)] = {"losses": losses, "params": zgraph.full_state_dict(model)}
+            state = zgraph.full_state_dict(model)
+            out[(reentrant, stage)] = {"losses": losses, "params": state, "rng": torch.get_rng_state()}
     return out
+
+
+def split_stages(rank: int, world: int) -> dict:
+    return stages(rank, world, split=True)
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

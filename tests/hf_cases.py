@@ -49,6 +49,7 @@ class Model:
     make: Callable[[], nn.Module]
     batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
     bf16: bool = False  # parameters, gradients and optimizer states in bf16
+    dropout: bool = False  # draws random numbers: eager runs each rank's rows from the step's generator state
 
 
 def _lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,6 +75,18 @@ def gpt2() -> nn.Module:
     config.eos_token_id = 0
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     return GPT2LMHeadModel(config)
+
+
+def gpt2_dropout_checkpointing() -> nn.Module:
+    """GPT-2 with its default dropout (0.1 on embeddings, attention and residuals) and transformers' activation
+    checkpointing: the usual fine-tuning set-up (issue 25: zgraph's recomputation drew new masks, 69 % off)."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0)
+    config.eos_token_id = 0
+    model = GPT2LMHeadModel(config)
+    model.train()
+    model.gradient_checkpointing_enable()
+    return model
 
 
 def _llama_config() -> LlamaConfig:
@@ -162,6 +175,7 @@ MODELS = {
     "mixtral_bf16": Model(mixtral_bf16, _lm_batches, bf16=True),
     "qwen2_moe": Model(qwen2_moe, _lm_batches),
     "llama_checkpointing": Model(llama_checkpointing, _lm_batches),
+    "gpt2_dropout_checkpointing": Model(gpt2_dropout_checkpointing, _lm_batches, dropout=True),
 }
 
 
@@ -200,8 +214,26 @@ def eager(name: str, rotate: bool = False, world: int = 2) -> dict:
     for batch in spec.batches():
         if rotate:
             batch = _rotate(batch, world)
-        losses.append(float(train_step(model, opt, *batch).detach()))
+        if spec.dropout:
+            loss = sliced_train_step(model, opt, *batch, world=world)
+        else:
+            loss = train_step(model, opt, *batch)
+        losses.append(float(loss.detach()))
     return {"losses": losses, "state": _state(model)}
+
+
+def sliced_train_step(model, opt, input_ids, labels, world: int):
+    """``train_step`` on the global batch as ``world`` ranks seeded alike run it: each rank slice's forward
+    from the step's starting generator state, the loss the mean of the slices'."""
+    start, losses = torch.get_rng_state(), []
+    for ids, lab in zip(input_ids.chunk(world), labels.chunk(world)):
+        torch.set_rng_state(start)
+        losses.append(model(input_ids=ids, labels=lab).loss)
+    loss = sum(losses) / world
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
 
 
 def ddp(name: str, rank: int, world: int) -> dict:

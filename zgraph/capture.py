@@ -70,6 +70,7 @@ from zgraph.trace_env import (
 )
 from zgraph.trace_optim import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.traced_collectives import functional_c10d, untraceable_collective
+from zgraph.traced_random import generator_state_ops
 from zgraph.tree import map_leaves
 
 
@@ -397,6 +398,7 @@ def _environment(
         stack.enter_context(swap_optimizers(step_trace))
         stack.enter_context(record_scheduler_steps(step_trace))
         stack.enter_context(functional_c10d())
+        stack.enter_context(generator_state_ops())
         stack.enter_context(StepMode(step_trace.precision, is_grad))
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
         yield traced

@@ -306,6 +306,59 @@ def _write_back_fake(value: Tensor, slot: int) -> Tensor:
     return value.new_empty(0)
 
 
+# ------------------------------------------------------------------------------------------ generator state
+# ``torch.get_rng_state()`` / ``torch.set_rng_state(s)`` (and an accelerator module's) called while the step is
+# traced are recorded as these two operators, so the graph saves and restores the generator where eager does:
+# ``torch.utils.checkpoint`` saves the state before a block's forward and, when backward recomputes the block,
+# sets it back (and then restores the state of that moment), so the recomputation draws the forward's dropout
+# masks. Both are tagged ``nondeterministic_seeded``, like random ops: nothing merges, drops or reorders them
+# among random draws (inductor, under ``fallback_random``, chains such ops in program order).
+
+
+def _generator_device(device: str) -> torch.device:
+    d = torch.device(device)
+    if d.type != "cpu" and d.index is None:
+        return torch.device(d.type, torch.get_device_module(d.type).current_device())
+    return d
+
+
+@torch.library.custom_op("zgraph::rng_state", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def rng_state(device: str) -> Tensor:
+    """A copy of ``device``'s default generator state (a host ``uint8`` tensor, as ``torch.get_rng_state``)."""
+    d = _generator_device(device)
+    if d.type == "cpu":
+        return torch.default_generator.get_state()
+    return torch.get_device_module(d.type).get_rng_state(d)
+
+
+# bytes of a generator's state: the CPU's Mersenne twister; CUDA's Philox seed and offset
+_STATE_BYTES = {"cpu": 5056, "cuda": 16}
+
+
+@rng_state.register_fake
+def _rng_state_fake(device: str) -> Tensor:
+    return torch.empty(_STATE_BYTES.get(torch.device(device).type, 16), dtype=torch.uint8)
+
+
+@torch.library.custom_op("zgraph::set_rng_state", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def set_rng_state(state: Tensor, device: str) -> Tensor:
+    """Set ``device``'s default generator to ``state`` (from ``rng_state``); returns an empty token."""
+    d = _generator_device(device)
+    if d.type == "cpu":
+        torch.default_generator.set_state(state)
+    else:
+        torch.get_device_module(d.type).set_rng_state(state, d)
+    return state.new_empty(0)
+
+
+@set_rng_state.register_fake
+def _set_rng_state_fake(state: Tensor, device: str) -> Tensor:
+    return state.new_empty(0)
+
+
 FLAG_TO_HOST = torch.ops.zgraph.flag_to_host.default
+RNG_STATE = torch.ops.zgraph.rng_state.default
+SET_RNG_STATE = torch.ops.zgraph.set_rng_state.default
+torch.fx.node.has_side_effect(SET_RNG_STATE)  # kept with its token unused, whatever the caller's DCE assumes
 RELOAD = torch.ops.zgraph.reload.default
 WRITE_BACK = torch.ops.zgraph.write_back.default
