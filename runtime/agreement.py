@@ -172,6 +172,15 @@ class Channel:
         return "Last zgraph call of each rank: " + "; ".join(parts) + "."
 
 
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective (a timeout, a closed connection) rather than this rank's own
+    computation."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        mark in text for mark in ("gloo", "Timed out", "Connection closed", "NCCL", "pair closure")
+    )
+
+
 def mark_broken(group: ProcessGroupInfo, why: str) -> None:
     """Every later zgraph call on ``group`` raises (see ``Channel.check_usable``)."""
     _BROKEN.setdefault(group.group_name or "", why)

@@ -7,10 +7,18 @@ in ``.grad``, as eager). Saved values are kept with ``ctx.save_for_backward``: P
 backward (unless ``retain_graph=True``) or when the outputs are dropped, and raises its own error on a second
 backward. Parameter gradients are added to ``.grad`` in the layout the step stores it (whole at stage 0/1, the
 rank's shard at 2/3), unless the backward is a ``torch.autograd.grad`` call that does not ask for them.
+
+On several ranks the backward's collectives run outside the step call, so the backward takes part in the failure
+protocol itself (``zgraph.runtime.agreement``): before its first collective the ranks compare a fingerprint of
+the backward they are about to run (one tiny all-gather, as a step call does), so a rank that is elsewhere —
+calling the step again after dropping its outputs, or backpropagating another call — makes every rank raise
+``RankMismatchError`` instead of pairing mismatched collectives (gloo aborts the process on those); a rank that
+fails or dies during it makes the others raise ``RankFailedError`` naming it, within ``Config.collective_timeout``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +31,8 @@ from zgraph.errors import ZGraphError
 from zgraph.graph import GraphInput, GraphOutput, input_specs, output_roles, state_key
 from zgraph.passes import PassRecord
 from zgraph.passes.partition import partition
+from zgraph.runtime.agreement import Channel, is_collective_failure, mark_broken
+from zgraph.runtime.consistency import check_same_graph, digest
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.sharded_state import StateIO, sharding_of
 from zgraph.runtime.state import Binding
@@ -43,13 +53,28 @@ class SplitCompiled:
     partitioned: dict[str, fx.GraphModule] = field(default_factory=dict)
     forward_reloads: tuple[int, ...] = ()  # the input slots (of the joint graph) each graph's reloads read
     backward_reloads: tuple[int, ...] = ()
+    backward_digest: int | None = None  # the fingerprint the ranks compare before a backward (set on first use)
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The other ranks of one call of a split step: where its backward agrees with them (``channel``, and the
+    group and device of the fingerprint all-gather) and the call's label (``call 3 of step `encode` ``)."""
+
+    channel: Channel
+    group_name: str | None
+    device: torch.device
+    label: str
 
 
 class _Call:
     """One call of a split step: what its backward needs besides the saved values."""
 
-    def __init__(self, compiled: Any, binding: Binding, user_tensors: list, name: str, anchor: Tensor):
+    def __init__(
+        self, compiled: Any, binding: Binding, user_tensors: list, name: str, anchor: Tensor, peers: Peers | None
+    ):
         self.compiled = compiled
+        self.peers = peers
         self.binding = binding
         self.user_tensors = user_tensors
         self.name = name
@@ -111,7 +136,8 @@ class _SplitFunction(torch.autograd.Function):
             write_params = True
         tangents = [g.contiguous() for g in grads]
         io = StateIO(call.binding, call.binding.plan)
-        outputs = list(_run(call, io, split.backward, split.backward_reloads, [*saved, *tangents]))
+        run = lambda: list(_run(call, io, split.backward, split.backward_reloads, [*saved, *tangents]))
+        outputs = run() if call.peers is None else _agreed(call, call.peers, run)
         input_grads: dict[int, Tensor] = {}
         for value, role in zip(outputs, split.backward_roles):
             if role.kind == "input_grad":
@@ -132,6 +158,27 @@ def _run(call: _Call, io: StateIO, executable: Executable, reloads: tuple[int, .
     return run_offloaded(store, reloads, slots, inputs, lambda: executable.run(inputs))
 
 
+def _agreed(call: _Call, peers: Peers, run: Callable[[], list]) -> list:
+    """``run()``, the backward graph, once every rank agreed to run the same backward (module docstring); a
+    failure while it runs marks the group broken and is recorded for the other ranks, as a step call's is."""
+    channel, label = peers.channel, f"backward of {peers.label}"
+    split, lines = call.compiled.split, [*call.compiled.description, "the backward of the step"]
+    if split.backward_digest is None:
+        split.backward_digest = digest(lines)
+    channel.enter(label)
+    check_same_graph(channel, peers.group_name, label, split.backward_digest, lines, device=peers.device)
+    try:
+        return run()
+    except Exception as error:
+        if channel.failures(wait=0.0) or is_collective_failure(error):
+            named = channel.peer_failure(label, error)
+            channel.record_failure(label, named)
+            raise named from error
+        mark_broken(channel.group, f"rank {channel.rank} failed in {label}: {type(error).__name__}: {error}")
+        channel.record_failure(label, error)
+        raise
+
+
 def _accumulate(io: StateIO, binding: Binding, role: GraphOutput, value: Tensor, user_tensors: list) -> None:
     """Add a parameter's gradient to its ``.grad`` (in the layout the step stores it), as eager accumulates."""
     if binding.params[role.index].tensor.grad is not None:
@@ -140,12 +187,12 @@ def _accumulate(io: StateIO, binding: Binding, role: GraphOutput, value: Tensor,
     io.write(role, value, user_tensors)
 
 
-def run_split(compiled: Any, binding: Binding, user_tensors: list, name: str) -> Any:
+def run_split(compiled: Any, binding: Binding, user_tensors: list, name: str, peers: Peers | None = None) -> Any:
     """Run a split step's forward; returns the step's result, its tensors that carry a ``grad_fn`` as outputs
-    of the step's autograd Function."""
+    of the step's autograd Function. ``peers``: the call's other ranks (None: one process)."""
     info = compiled.captured.split
     anchor = torch.empty(0, requires_grad=True)
-    call = _Call(compiled, binding, user_tensors, name, anchor)
+    call = _Call(compiled, binding, user_tensors, name, anchor, peers)
     grad_inputs = [user_tensors[i][1] for i in info.grad_inputs]
     outs = _SplitFunction.apply(call, anchor, *grad_inputs)
     values = list(call.others)

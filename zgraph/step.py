@@ -36,7 +36,7 @@ from zgraph.graph import input_specs, output_roles
 from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
 from zgraph.locate import Locator, Slot, locate
 from zgraph.passes import build_pipeline, default_pipeline, run_pipeline
-from zgraph.runtime.agreement import Channel, mark_broken
+from zgraph.runtime.agreement import Channel, is_collective_failure, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
 from zgraph.runtime.devices import control_device, state_device
 from zgraph.runtime.process_group import (
@@ -50,7 +50,7 @@ from zgraph.runtime.sharded_state import (
 )
 from zgraph.runtime.state import Binding, state_tensors
 from zgraph.split import needs_split, trace_joint
-from zgraph.split_run import lower_split, run_split
+from zgraph.split_run import Peers, lower_split, run_split
 from zgraph.trace_env import traced_arguments
 from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates, settle_first_state
 from zgraph.tree import iter_leaves
@@ -134,13 +134,16 @@ class DistributedStep:
         self._last = compiled
         try:
             if compiled.split is not None:
-                return run_split(compiled, binding, user_tensors, getattr(self._fn, "__qualname__", str(self._fn)))
+                peers = None if channel is None else Peers(channel, group.group_name, device, label)
+                return run_split(
+                    compiled, binding, user_tensors, getattr(self._fn, "__qualname__", str(self._fn)), peers
+                )
             return run(compiled, binding, user_tensors)
         except Exception as error:
             if channel is None:
                 raise
             failures = channel.failures(wait=0.0)
-            if failures or _is_collective_failure(error):
+            if failures or is_collective_failure(error):
                 raise channel.peer_failure(label, error) from error
             mark_broken(channel.group, f"rank {channel.rank} failed in {label}: {type(error).__name__}: {error}")
             raise
@@ -450,17 +453,6 @@ _MAX_REBINDS = 4
 
 
 _RECAPTURE_WARNING = 8
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` came from a collective (a timeout, a closed connection) rather than this rank's own
-    computation."""
-    import torch.distributed as dist
-
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        mark in text for mark in ("gloo", "Timed out", "Connection closed", "NCCL", "pair closure")
-    )
 
 
 def distribute(
