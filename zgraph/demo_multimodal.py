@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from zgraph.demo_support import (
+    RankFailedError,
     device_note,
     free_port,
     local_rank_and_size,
@@ -205,19 +207,44 @@ def run_ray(config: MultimodalConfig, steps: int, per_group: int) -> dict[str, A
         for role in ("vision", "text"):
             port = free_port()
             groups[role] = [actor.remote(role, config, r, per_group, port, device) for r in range(per_group)]
-        everyone = groups["vision"] + groups["text"]
-        ray.get([a.setup.remote() for a in everyone])
-        losses = []
-        for i in tqdm(range(steps), desc=f"zgraph multimodal ZeRO-{config.stage} (Ray)"):
-            embeddings = [v.forward.remote(i) for v in groups["vision"]]
-            results = [t.step.options(num_returns=2).remote(i, e) for t, e in zip(groups["text"], embeddings)]
-            ray.get([v.backward.remote(grad) for v, (_, grad) in zip(groups["vision"], results)])
-            losses.append(sum(ray.get([loss for loss, _ in results])) / per_group)
-        held = ray.get([a.state_bytes.remote() for a in everyone])
-        ray.get([a.close.remote() for a in everyone])
+        try:
+            losses, held = _train_actors(groups, steps, per_group, config.stage)
+        except ray.exceptions.RayError as error:  # an actor died, or raised: name it, no Ray traceback
+            raise _actor_failure(error, groups) from None
     finally:
-        ray.shutdown()
+        ray.shutdown()  # ends every actor, the ones waiting for a dead one included
     return _summary(losses, held, per_group, "Ray actors, one torch.distributed world per group", device)
+
+
+def _train_actors(groups: dict[str, list], steps: int, per_group: int, stage: int) -> tuple[list[float], list[int]]:
+    """The driver's loop: each step's embeddings from the vision actors to the text actors, their gradients back;
+    returns the mean loss of each step and each actor's model state bytes."""
+    import ray
+
+    everyone = groups["vision"] + groups["text"]
+    ray.get([a.setup.remote() for a in everyone])
+    losses = []
+    for i in tqdm(range(steps), desc=f"zgraph multimodal ZeRO-{stage} (Ray)"):
+        embeddings = [v.forward.remote(i) for v in groups["vision"]]
+        results = [t.step.options(num_returns=2).remote(i, e) for t, e in zip(groups["text"], embeddings)]
+        ray.get([v.backward.remote(grad) for v, (_, grad) in zip(groups["vision"], results)])
+        losses.append(sum(ray.get([loss for loss, _ in results])) / per_group)
+    held = ray.get([a.state_bytes.remote() for a in everyone])
+    ray.get([a.close.remote() for a in everyone])
+    return losses, held
+
+
+def _actor_failure(error: Exception, groups: dict[str, list]) -> RankFailedError:
+    """``RankFailedError`` naming the actor (side and rank) a Ray error reports dead or failing, and why."""
+    text = str(error)
+    names = {a._actor_id.hex(): f"{role} rank {r}" for role, actors in groups.items() for r, a in enumerate(actors)}
+    named = [names[i] for i in re.findall(r"actor_id[=: ]+([0-9a-f]+)", text) if i in names]
+    who = f"the {named[-1]} actor" if named else "an actor"
+    cause = getattr(error, "cause", None)
+    kind = type(cause if isinstance(cause, BaseException) else error).__name__
+    return RankFailedError(
+        f"{who} of the Ray actor groups failed ({kind}); the demo stopped every actor. Ray's report:\n{text}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ report
