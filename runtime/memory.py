@@ -7,10 +7,17 @@ the mode allocated — the CPU counterpart of ``torch.cuda.memory_allocated`` / 
 
 ``state_bytes`` counts what a rank holds of a model and optimizer: parameters, ``.grad`` and optimizer state,
 each storage once; for a sharded ``DTensor``, its local shard.
+
+``live_storages`` finds every tensor storage the process holds through a Python object (``gc.get_objects()``:
+tensors, parameters, a ``DTensor``'s local tensor, wherever they are referenced from — a cache, a closure, a
+thread), each storage once, with its bytes: what is held between steps, not only what a model and optimizer
+name. Storages only C++ holds (an autograd node's saved tensors) are not seen; ``LiveTensorBytes`` sees those
+that ops allocate under it.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -92,3 +99,27 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         out["optimizer"] = count(states)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def live_tensors() -> dict[int, Tensor]:
+    """One tensor per non-empty storage alive in this process that a Python tensor object refers to, by data
+    pointer (a ``DTensor``'s local tensor for a ``DTensor``; meta and fake tensors, which hold no memory, left
+    out); after a ``gc.collect()``."""
+    gc.collect()
+    found: dict[int, Tensor] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), Tensor):  # not isinstance: that reads __class__, which some objects warn on
+            continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        try:
+            storage = _storage(t)
+            if storage is not None and storage.nbytes():
+                found.setdefault(storage.data_ptr(), t)
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
+            continue
+    return found
+
+
+def live_storages() -> dict[int, int]:
+    """``live_tensors``' storages: data pointer to bytes."""
+    return {ptr: t.untyped_storage().nbytes() for ptr, t in live_tensors().items()}
