@@ -1,8 +1,9 @@
 """What a rank holds between steps, measured against ``step.estimate(...).model_state_bytes`` (issue 25, item 4).
 
-Each case builds a small GPT and AdamW on every rank, runs a few steps (captures, the first step's optimizer state),
-estimates the next call, runs it, drops what it returned and then counts the tensor bytes the process holds that it
-did not hold before the case began, the batch the caller keeps aside, two ways:
+Each case builds a small MLP (or a one-layer GPT) and AdamW (none in split mode) on every rank, runs a few steps
+(captures, the first step's optimizer state), estimates the next call, runs it, drops what it returned and then counts
+the tensor bytes the process holds that it did not hold before the case began — leaving aside the batch the caller
+keeps and the rank tables of DTensor's device meshes (``world`` int32s: not state) — two ways:
 
 - ``live``: every tensor storage a Python object refers to (``zgraph.runtime.memory.live_storages``: the model,
   the optimizer, and any cache, closure, store or thread that keeps a tensor);
@@ -12,7 +13,8 @@ did not hold before the case began, the batch the caller keeps aside, two ways:
 
 Both must equal the estimate's ``model_state_bytes["total"]`` (parameters, master copies, ``.grad`` left, optimizer
 state, buffers; the offloaded bytes live in files and are not in it). Split mode runs its forward step, then the
-user's backward, no optimizer.
+user's backward (an optimizer the step never binds would keep the whole, unsharded parameters at stage 3 until its
+first eager ``step()`` re-points it: the user's, not zgraph's).
 """
 
 from __future__ import annotations
