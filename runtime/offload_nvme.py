@@ -119,8 +119,10 @@ class NvmeStore(TierStore):
         return self._io.submit(_read_new, state, like)
 
     def _write_async(self, state: State, value: Tensor) -> Future:
-        # copied: the graph may reuse the value's memory while the I/O thread writes it
-        return self._io.submit(_write, state.block[1 - state.current], value.clone(), state.nbytes, True)
+        # copied: the graph may reuse the value's memory while the I/O thread writes it; handed over in a list the
+        # task empties, so the copy is freed before the write counts as done (the pool's worker holds a task's
+        # arguments a moment after its future is done: under load, a copy still alive after the step returned)
+        return self._io.submit(_write_handed, state.block[1 - state.current], [value.clone()], state.nbytes)
 
     def _committed(self, state: State) -> None:
         state.current ^= 1
@@ -164,6 +166,11 @@ def _write(path: str, value: Tensor, nbytes: int, during_graph: bool = False) ->
                 "resume from the last checkpoint"
             ) from error
         raise _disk_error("writing", path, nbytes, error) from error
+
+
+def _write_handed(path: str, handed: list[Tensor], nbytes: int) -> None:
+    """``_write`` during the graph of the one tensor in ``handed``, taken out of it first."""
+    _write(path, handed.pop(), nbytes, during_graph=True)
 
 
 def _release(released: dict, path: str, io: ThreadPoolExecutor) -> None:
