@@ -4,10 +4,15 @@
 the backend that serves the model's device (``zgraph.runtime.devices.default_backend``: gloo for a CPU model even
 where CUDA exists, NCCL for a CUDA model, whose device becomes the rank's current CUDA device). A group the user
 initialised first is used as it is. Without either, the step runs on one process and sharding is the identity.
+
+At interpreter exit (``atexit``: before finalization, while gloo's threads can still be joined) zgraph destroys
+its own groups and then the default group if zgraph started it; a default group the user started is theirs to
+destroy (``destroy_process_group_at_exit``).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import socket
@@ -61,6 +66,7 @@ def ensure_process_group(
         if backend == "nccl":
             torch.cuda.set_device(device)  # NCCL's communicators use the current device: the model's
         dist.init_process_group(backend=backend)
+        _destroy_at_exit(dist.group.WORLD)
     group = dist.group.WORLD
     return ProcessGroupInfo(
         rank=dist.get_rank(),
@@ -115,7 +121,33 @@ def timed_group(
         )
         found = ProcessGroupInfo(parent.rank, parent.world_size, group.group_name, parent.backend, parent.ranks)
         _TIMED_GROUPS[key] = found
+        _destroy_at_exit(group)
     return found
+
+
+_OWN_GROUPS: list[weakref.ref] = []  # the groups zgraph started (its timed groups, a default group), oldest first
+
+
+def _destroy_at_exit(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` (one zgraph started) at interpreter exit, if it still exists then."""
+    if not _OWN_GROUPS:
+        atexit.register(destroy_own_groups)
+    _OWN_GROUPS.append(weakref.ref(group))
+
+
+def destroy_own_groups() -> None:
+    """Destroy the process groups zgraph started that still exist, newest first: its own groups, then the
+    default group if zgraph started it (destroying a default group destroys every group, the user's too).
+
+    Registered with ``atexit`` when zgraph starts its first group. A gloo group still alive when the
+    interpreter finalizes (DTensor's caches keep zgraph's device meshes, and with them the groups) is torn down
+    after Python's threads are gone and occasionally aborts the process ("terminate called without an active
+    exception") after all the work succeeded; destroyed here, its worker threads are joined first."""
+    while _OWN_GROUPS:
+        group = _OWN_GROUPS.pop()()
+        if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_names:
+            dist.destroy_process_group(group)
+    _TIMED_GROUPS.clear()
 
 
 ONE_WORKER_GLOO = "zgraph_gloo"
