@@ -96,3 +96,20 @@ def zgraph_groups_run_one_collective_at_a_time(rank: int, world: int) -> None:
     threads = lambda name: dist.distributed_c10d._resolve_process_group(name)._get_backend(cpu).options._threads
     assert _TIMED_GROUPS and all(threads(info.group_name) == 1 for info in _TIMED_GROUPS.values())
     assert threads(dist.group.WORLD.group_name) == 2
+
+
+def exit_hook_destroys_zgraph_groups_only(rank: int, world: int) -> None:
+    """zgraph's exit hook destroys zgraph's own groups, and the default group only if zgraph started it."""
+    from zgraph.runtime.process_group import _TIMED_GROUPS, destroy_own_groups
+
+    user_started = dist.is_initialized()
+    model = _model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    zgraph.distribute(stage=3, param_persistence_threshold=0, backend="eager")(_train)(model, opt, *_batch(rank, 0))
+    ours = {info.group_name for info in _TIMED_GROUPS.values()}
+    assert ours and dist.is_initialized()
+    dist.barrier()  # both ranks are done with the step (and the store rank 0 serves) before anything goes
+    destroy_own_groups()
+    assert dist.is_initialized() == user_started
+    if user_started:
+        assert not ours & set(dist.distributed_c10d._world.pg_names.values())
