@@ -8,14 +8,14 @@ Each round runs every case of ``--cases`` once (default all of ``CASES``): ``zgr
 (``tests/zero_cases``) at worlds 2 and 4; split steps; stage-3 steps with parameters and states in files (nvme);
 the stage-3 bf16 GPT with a global-norm clip whose ranks end through the interpreter's exit (the CI SIGABRT);
 ``tests/exit_program.py`` (ten 2-rank runs of a program that never destroys its group). Rounds repeat until
-``--rounds`` or ``--minutes`` is reached. Every process runs with ``PYTHONFAULTHANDLER=1`` (a fatal signal prints
-every thread's Python stack), core files allowed (``RLIMIT_CORE``) in a directory of its own; ``--malloc-check``
-adds ``MALLOC_CHECK_=3`` and a random ``MALLOC_PERTURB_`` (glibc's heap checks; the byte is in the record);
-``--load`` keeps one busy-loop process running throughout (the other core loaded). A failed run is classified by
-the signal faulthandler, torch's launcher or the exit status names, its log kept, and, where it left a core file
-and ``gdb`` exists, the crashing thread's ``bt`` saved beside it. The summary table (runs, clean, failures by
-signal per case) is printed; ``--out`` writes it with every failure's stack to
-``benchmarks/results/stress-<date>.md``.
+``--rounds`` or ``--minutes`` is reached (no run starts after it; Ctrl-C ends early, with a summary). Every process
+runs with ``PYTHONFAULTHANDLER=1`` (a fatal signal prints every thread's Python stack), core files allowed
+(``RLIMIT_CORE``) in a directory of its own; ``--malloc-check`` adds ``MALLOC_CHECK_=3`` and a random
+``MALLOC_PERTURB_`` (glibc's heap checks; the byte is in the record); ``--load`` keeps one busy-loop process
+running throughout (the other core loaded). A failed run is classified by the signal faulthandler, torch's launcher
+or the exit status names, its log kept, and, where it left a core file and ``gdb`` exists, the crashing thread's
+``bt`` saved beside it. The summary table (runs, clean, failures by signal per case) is printed; ``--out`` writes
+it with every failure's stack to ``benchmarks/results/stress-<date>.md``.
 """
 
 from __future__ import annotations
@@ -184,11 +184,21 @@ def start_load() -> subprocess.Popen:
     return subprocess.Popen([PY, "-c", "while True: pass"])
 
 
+def loop(args: argparse.Namespace, runs: list[Run], deadline: float) -> None:
+    """Rounds of every case until ``args.rounds`` of them ran or ``deadline`` (no run starts after it)."""
+    for _ in range(args.rounds):
+        for case in args.cases.split(","):
+            if time.monotonic() > deadline:
+                return
+            runs.append(run_once(case, args, args.logs, len(runs)))
+            print(f"{case}: {runs[-1].kind} ({runs[-1].seconds:.0f} s)", flush=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     parser.add_argument("--rounds", type=int, default=1000, help="rounds of every case (at most)")
-    parser.add_argument("--minutes", type=float, default=30.0, help="no new round starts after this")
+    parser.add_argument("--minutes", type=float, default=30.0, help="no new run starts after this")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (then killed)")
     parser.add_argument("--load", action="store_true", help="keep one busy-loop process running")
     parser.add_argument("--malloc-check", action="store_true", help="MALLOC_CHECK_=3 and MALLOC_PERTURB_")
@@ -208,12 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[Run] = []
     start = time.monotonic()
     try:
-        for _ in range(args.rounds):
-            if time.monotonic() - start > args.minutes * 60:
-                break
-            for case in args.cases.split(","):
-                runs.append(run_once(case, args, args.logs, len(runs)))
-                print(f"{case}: {runs[-1].kind} ({runs[-1].seconds:.0f} s)", flush=True)
+        loop(args, runs, start + args.minutes * 60)
+    except KeyboardInterrupt:
+        print("interrupted: the runs so far", flush=True)
     finally:
         if load is not None:
             load.kill()
