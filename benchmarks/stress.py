@@ -122,13 +122,22 @@ def run_once(case: str, args: argparse.Namespace, logs: Path, number: int) -> Ru
     start = time.monotonic()
     with open(log, "w") as out:
         process = subprocess.Popen(
-            CASES[case], cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=allow_cores
+            CASES[case],
+            cwd=directory,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=allow_cores,
+            start_new_session=True,
         )
         try:
             returncode: int | None = process.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             kill_tree(process)
             returncode = None
+        except KeyboardInterrupt:  # its own session: Ctrl-C does not reach it
+            kill_tree(process)
+            raise
     text = log.read_text(errors="replace")
     run = Run(case, time.monotonic() - start, returncode, signal_of(text, returncode), perturb, log)
     if run.kind != "clean":
@@ -139,13 +148,8 @@ def run_once(case: str, args: argparse.Namespace, logs: Path, number: int) -> Ru
 
 
 def kill_tree(process: subprocess.Popen) -> None:
-    """End a run that overran its deadline and the ranks it started (its own process group's children)."""
-    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
-    for pid in [process.pid, *map(int, children)]:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
+    """End a run that overran its deadline and every process it started (its session)."""
+    os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
 
