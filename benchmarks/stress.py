@@ -168,7 +168,7 @@ def report(runs: list[Run], args: argparse.Namespace, minutes: float) -> str:
     head = (
         f"# Stress {datetime.date.today()}\n\n`python -m benchmarks.stress {' '.join(sys.argv[1:])}`: "
         f"{minutes:.1f} minutes, load {'one busy core' if args.load else 'none added'}, "
-        f"malloc checks {'on' if args.malloc_check else 'off'}, code at `{git_head()}`.\n\n"
+        f"malloc checks {'on' if args.malloc_check else 'off'}, code at `{args.head}`.\n\n"
     )
     failures = [
         f"## {run.case}: {run.kind} ({run.seconds:.0f} s, MALLOC_PERTURB_={run.perturb}, log {run.log})\n\n"
@@ -217,6 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.head = git_head()  # the code the runs ran, before anything changes
     args.logs.mkdir(parents=True, exist_ok=True)
     load = start_load() if args.load else None
     runs: list[Run] = []
