@@ -7,7 +7,7 @@ initialised first is used as it is. Without either, the step runs on one process
 
 At interpreter exit (``atexit``: before finalization, while gloo's threads can still be joined) zgraph destroys
 its own groups and then the default group if zgraph started it; a default group the user started is theirs to
-destroy (``destroy_process_group_at_exit``).
+destroy (``destroy_own_groups``).
 """
 
 from __future__ import annotations
@@ -130,9 +130,13 @@ _OWN_GROUPS: list[weakref.ref] = []  # the groups zgraph started (its timed grou
 
 def _destroy_at_exit(group: dist.ProcessGroup) -> None:
     """Destroy ``group`` (one zgraph started) at interpreter exit, if it still exists then."""
-    if not _OWN_GROUPS:
-        atexit.register(destroy_own_groups)
+    _register_exit_hook()
     _OWN_GROUPS.append(weakref.ref(group))
+
+
+@functools.cache
+def _register_exit_hook() -> None:
+    atexit.register(destroy_own_groups)
 
 
 def destroy_own_groups() -> None:
