@@ -337,13 +337,19 @@ def main(argv: list[str] | None = None) -> int:
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         threads=torch.get_num_threads(),
     )
+    return run_and_report(lambda: run(args, result), result, args.out)
+
+
+def run_and_report(body: Callable[[], None], result: Any, out: str) -> int:
+    """Run ``body()``; write ``result`` (a dataclass with ``error``, set to the traceback of any failure, an OOM
+    included) as JSON to ``out`` either way; end the process group after a success. Returns the exit code."""
     code = 0
     try:
-        run(args, result)
+        body()
     except BaseException:  # noqa: BLE001 - report any failure to the harness, then exit non-zero
         result.error = traceback.format_exc()
         code = 1
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(asdict(result), f, indent=1)
     if code == 0 and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -338,6 +338,11 @@ def execute(args: argparse.Namespace, gpus: dict[str, Any], skip: dict[str, str]
         row = run_system(item, args, world, layers, timeout, tmp)
         rows[item.part].append(row)
         print(f"       {row.status}: " + (f"{row.tokens_per_s:,.0f} tokens/s" if row.status == "ok" else str(row.why)))
+    return summary(tests, rows, sizing)
+
+
+def summary(tests: dict, rows: dict[str, list[Row]], sizing: dict) -> dict:
+    """The report's parts: the test run, the table and the offload rows with their ratios and verdict."""
     for part, reference in (("table", TABLE_REFERENCE), ("offload", OFFLOAD_REFERENCE)):
         add_ratios(rows[part], reference)
     ratio, verdict = offload_verdict(rows["offload"])
@@ -386,25 +391,11 @@ def dry_run(args: argparse.Namespace) -> dict:
         }
         error = "RuntimeError: made up: CUDA out of memory" if item.system == "fsdp2" else None
         rows[item.part].append(summarize(item.part, item.system, [rank], error, 30.0 + n))
-    for part, reference in (("table", TABLE_REFERENCE), ("offload", OFFLOAD_REFERENCE)):
-        add_ratios(rows[part], reference)
-    ratio, verdict = offload_verdict(rows["offload"])
     record = {"test": "estimate[nccl-1-z0-fp32]", "ratio": 0.98, "raw_ratio": 0.95, "estimated_mib": 980.0}
     record.update(measured_mib=1000.0, outside_mib=40.0)
     tests = {"status": "ok", "summary": "60 passed, 15 skipped in 120.00s", "failed": [], "records": [record]}
     tests["wall_s"] = 120.0
-    return {
-        "machine": machine_facts(gpus, "-"),
-        "tests": tests,
-        "table": {"rows": [asdict(r) for r in rows["table"]]},
-        "offload": {
-            "sizing": sizing,
-            "rows": [asdict(r) for r in rows["offload"]],
-            "zgraph_over_deepspeed": ratio,
-            "target": OFFLOAD_TARGET,
-            "verdict": verdict,
-        },
-    }
+    return {"machine": machine_facts(gpus, "-"), **summary(tests, rows, sizing)}
 
 
 def parse_systems(text: str) -> list[str]:

@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from benchmarks.compare_worker import peak_rss_mib, reset_peak_rss
+from benchmarks.compare_worker import peak_rss_mib, reset_peak_rss, run_and_report
 from zgraph.llama import Llama, LlamaConfig
 from zgraph.models import count_params, lm_loss
 
@@ -315,17 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     result = RankResult(
         system=args.system, rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1"))
     )
-    code = 0
-    try:
-        run(args, result)
-    except BaseException:  # noqa: BLE001 - report any failure (an OOM included) to the harness, then exit non-zero
-        result.error = traceback.format_exc()
-        code = 1
-    with open(args.out, "w") as f:
-        json.dump(asdict(result), f, indent=1)
-    if code == 0 and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    return run_and_report(lambda: run(args, result), result, args.out)
 
 
 if __name__ == "__main__":
