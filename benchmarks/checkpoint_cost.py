@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 import zgraph
-from zgraph import checkpoint_io
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, count_params
+from zgraph.checkpoint import io as checkpoint_io
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, count_params
 
 
 def _state(config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -33,7 +33,7 @@ SYSTEMS = ("zgraph", "torch.compile(step)", "torch.compile(model)", "torch.compi
 
 
 def _train_step(model, opt, idx, tgt):
-    from zgraph.models import lm_loss
+    from zgraph.demos.models import lm_loss
 
     loss = lm_loss(model(idx), tgt)
     loss.backward()
@@ -47,7 +47,7 @@ def _build(system: str):
     import torch
 
     import zgraph
-    from zgraph.models import BENCH_GPT, GPT, lm_loss
+    from zgraph.demos.models import BENCH_GPT, GPT, lm_loss
 
     torch.manual_seed(0)
     model = GPT(BENCH_GPT)

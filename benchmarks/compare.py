@@ -1,6 +1,6 @@
 """Side-by-side distributed step time, memory and loss: eager PyTorch, DDP, FSDP2, DeepSpeed ZeRO, zgraph.
 
-Every system trains the same ``zgraph.models.GPT`` (same seed) on the same batches (global batch 16 x seq 128;
+Every system trains the same ``zgraph.demos.models.GPT`` (same seed) on the same batches (global batch 16 x seq 128;
 2 gloo ranks x 8 sequences, or one process on all 16) with AdamW, each run in a fresh group of processes
 with one thread each. Systems alternate across repeats; the median step time over all timed steps of all
 repeats is reported, with peak RSS per rank and the loss after the last timed step.
@@ -47,7 +47,7 @@ from benchmarks.compare_machine import (
     wait_ranks,
     zgraph_revision,
 )
-from zgraph.models import BENCH_GPT, GPT_100M, GPTConfig
+from zgraph.demos.models import BENCH_GPT, GPT_100M, GPTConfig
 from zgraph.runtime.host_memory import GLIBC_TUNABLES
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -114,7 +114,7 @@ class Summary:
 # ------------------------------------------------------------------------------------------------ environment
 def make_data(path: Path, vocab: int, seq: int, batches: int, seed: int) -> None:
     """``batches`` global batches of next-token windows from zgraph's local text corpus (byte tokens)."""
-    from zgraph.data import batch, corpus_tokens
+    from zgraph.demos.data import batch, corpus_tokens
 
     tokens = corpus_tokens()
     if int(tokens.max()) >= vocab:

@@ -6,7 +6,7 @@ distributed systems and none for ``eager-1proc``:
 
     python -m benchmarks.compare_worker --system ddp --model bench --data data.pt --out rank0.json
 
-Every system trains ``zgraph.models.GPT`` built from the same seed, on the same batches (rank ``r`` of ``w``
+Every system trains ``zgraph.demos.models.GPT`` built from the same seed, on the same batches (rank ``r`` of ``w``
 takes rows ``[r * B / w, (r + 1) * B / w)`` of each global batch of ``B`` sequences), with ``torch.optim.AdamW``
 (weight decay on matrices only). DeepSpeed is imported here only, and only for the ``deepspeed-z*`` systems.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, count_params, lm_loss, weight_decay_groups
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, count_params, lm_loss, weight_decay_groups
 
 MODELS: dict[str, GPTConfig] = {"bench": BENCH_GPT, "100m": GPT_100M}
 MIB = 1024 * 1024

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss, weight_decay_groups
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss, weight_decay_groups
 
 MODELS = {"bench": BENCH_GPT, "100m": GPT_100M}
 

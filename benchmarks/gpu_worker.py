@@ -5,7 +5,7 @@ environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
 
     python -m benchmarks.gpu_worker --system zgraph-eager --model llama-1b --micro-batch 4 --seq 1024 --out r0.json
 
-Every system trains ``zgraph.llama.Llama`` built on the rank's GPU from the same seed, on the same batches (rank
+Every system trains ``zgraph.demos.llama.Llama`` built on the rank's GPU from the same seed, on the same batches (rank
 ``r`` of ``w`` takes rows ``[r * B, (r + 1) * B)`` of each global batch of ``w * B`` sequences of zgraph's text
 corpus), AdamW (lr ``--lr``, weight decay 0.01). The torch-based systems keep float32 parameters and run the
 forward under ``torch.autocast(bfloat16)`` (``--precision autocast``, the default; ``fp32``: no autocast); DeepSpeed
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from benchmarks.compare_worker import peak_rss_mib, reset_peak_rss, run_and_report
-from zgraph.llama import Llama, LlamaConfig
-from zgraph.models import count_params, lm_loss
+from zgraph.demos.llama import Llama, LlamaConfig
+from zgraph.demos.models import count_params, lm_loss
 
 SYSTEMS = (  # the systems this worker builds (benchmarks.gpu runs each in its own processes)
     "ddp",
@@ -222,7 +222,7 @@ def build_system(name: str, model: nn.Module, args: argparse.Namespace, device: 
 def local_batches(args: argparse.Namespace, rank: int, world: int, count: int, device: torch.device) -> list:
     """This rank's rows of ``count`` global batches of next-token windows of zgraph's corpus (byte tokens, which
     fit the vocabulary), the same on every rank and in every system."""
-    from zgraph.data import batch, corpus_tokens
+    from zgraph.demos.data import batch, corpus_tokens
 
     tokens = corpus_tokens()
     generator = torch.Generator().manual_seed(args.seed)

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 import zgraph
 from benchmarks.compare_worker import reset_peak_rss, status_kib
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 MODELS = {"bench": BENCH_GPT, "100m": GPT_100M}

@@ -22,9 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zgraph
-from zgraph.data import VOCAB, corpus_tokens
-from zgraph.demo import DEMO_GPT, rank_batch
-from zgraph.models import GPT, GPT_100M, count_params, lm_loss
+from zgraph.demos.data import VOCAB, corpus_tokens
+from zgraph.demos.gpt_demo import DEMO_GPT, rank_batch
+from zgraph.demos.models import GPT, GPT_100M, count_params, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")

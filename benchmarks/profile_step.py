@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.compare_worker import MODELS, build_system, init_group
-from zgraph.data import batch, corpus_tokens
-from zgraph.models import GPT
+from zgraph.demos.data import batch, corpus_tokens
+from zgraph.demos.models import GPT
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 WORLD = 2

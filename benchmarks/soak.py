@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import zgraph
 from benchmarks.compare import MICRO_BATCH
 from benchmarks.compare_worker import status_kib
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.runtime.memory import live_storages
 
 MODELS = {"bench": BENCH_GPT, "100m": GPT_100M}

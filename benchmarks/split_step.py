@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zgraph
-from zgraph.models import BENCH_GPT, GPT, lm_loss
+from zgraph.demos.models import BENCH_GPT, GPT, lm_loss
 
 
 def _one_graph(model, opt, idx, tgt):

@@ -18,7 +18,7 @@ import time
 import torch
 
 import zgraph
-from zgraph.models import BENCH_GPT, GPT, lm_loss
+from zgraph.demos.models import BENCH_GPT, GPT, lm_loss
 
 
 def train_step(model, opt, idx, tgt):

@@ -44,7 +44,7 @@ def gpt_rank(rank: int, world: int, port: int, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import zgraph
-    from zgraph.models import GPT, GPTConfig, lm_loss
+    from zgraph.demos.models import GPT, GPTConfig, lm_loss
 
     shape = GPTConfig(vocab=256, d_model=64, layers=2, heads=4, seq=32)
     torch.manual_seed(0)

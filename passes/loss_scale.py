@@ -1,7 +1,7 @@
 """``loss_scale``: the fp16 overflow check sees every rank's gradients, at the cost of one tiny all-reduce.
 
 Capture checks the gradients an optimizer step uses for inf/nan with ``zgraph::nonfinite([g, ...])`` and skips
-the update when it is set (see ``zgraph.precision``). Once gradients are sharded (stage ≥ 2), each rank holds
+the update when it is set (see ``zgraph.capture.precision``). Once gradients are sharded (stage ≥ 2), each rank holds
 only its shard; this pass makes the check read the shards (zero padding is finite) and ``combine``s the
 flag with a max over ranks, so every rank skips the same steps. Where all checked gradients are whole and
 identical on every rank (stage ≤ 1), the flag already agrees and no collective is added.

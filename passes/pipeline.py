@@ -24,7 +24,7 @@ from zgraph.errors import PipelineError
 from zgraph.graph import MADE_BY, PHASE, PHASES, CostModel, ParamInfo, copy_graph_module, running_pass
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 
-# Properties the captured graph has before any pass runs (see zgraph.capture); checked before the first pass.
+# Properties the captured graph has before any pass runs (see zgraph.capture.trace); checked before the first pass.
 CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
 
 

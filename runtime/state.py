@@ -74,7 +74,9 @@ class Binding:
         self.modules = modules
         self.plan: Any = None  # the ShardingPlan (zgraph.runtime.sharded_state), set when the step binds
         self.cost_model: Any = None  # the CostModel (zgraph.runtime.cost_model), set when the step binds
-        self.loss_scale_state: dict[str, Tensor] = {}  # fp16 loss scale carried between calls (zgraph.precision)
+        self.loss_scale_state: dict[
+            str, Tensor
+        ] = {}  # fp16 loss scale carried between calls (zgraph.capture.precision)
         self.device = torch.device("cpu")  # where the state lives (zgraph.runtime.devices.state_device)
         self.backend: str | None = None  # the group's backend for that device; None: the group's own name
         self.offload: Any = None  # the offload tier's store (zgraph.runtime.offload), set when the step binds

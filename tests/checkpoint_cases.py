@@ -189,7 +189,7 @@ def killed_child(path: str, signal_file: str, where: str) -> None:
     import torch.distributed.checkpoint.filesystem as fs
 
     import zgraph
-    import zgraph.checkpoint as zc
+    import zgraph.checkpoint.save_load as zc
 
     model, opt, _ = make_state()
     zgraph.save(path, model, opt)

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zgraph
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.graph import collective_kind, tensor_bytes
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 LOW_PRECISION = {

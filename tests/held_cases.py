@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import zgraph
-from zgraph.models import GPT, GPTConfig, lm_loss
+from zgraph.demos.models import GPT, GPTConfig, lm_loss
 from zgraph.runtime.memory import LiveTensorBytes, live_storages, live_tensors
 
 SHAPE = GPTConfig(vocab=96, d_model=32, layers=1, heads=2, seq=16)  # "gpt"; "mlp" is quicker to trace

@@ -272,7 +272,7 @@ def _guarded(fn: Callable, *args: object) -> dict:
 
 
 def capture_mixtral_unaided(rank: int, world: int, out_path: str) -> None:
-    """Worker: capture Mixtral's default experts in a process that never imports zgraph.fake_kernels itself;
+    """Worker: capture Mixtral's default experts in a process that never imports zgraph.capture.fake_kernels itself;
     saves the error's text, or None."""
     model = mixtral()
     step = zgraph.distribute(zgraph.Config(stage=3, backend="eager"))(train_step)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import zgraph
-from zgraph.models import GPT, GPTConfig, lm_loss
+from zgraph.demos.models import GPT, GPTConfig, lm_loss
 from zgraph.runtime.memory import live_storages
 
 SHAPE = GPTConfig(vocab=96, d_model=32, layers=1, heads=2, seq=16)

@@ -11,7 +11,7 @@ dtypes): the backward, and the recomputation inside it, ran without zgraph's cas
 The model draws dropout masks inside the checkpointed block and outside it (``checkpointing_cases.Net``). Before
 issue 25's fix the recomputation drew new masks: the loss was right, the gradients wrong (62 % off), and the
 generator advanced twice. Now the graph saves and restores the generator state where checkpoint does
-(``zgraph.traced_random``): masks, parameters and the generator's state after every step equal eager's.
+(``zgraph.capture.generator_state``): masks, parameters and the generator's state after every step equal eager's.
 """
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def test_new_batch_shape_retraces_and_stays_correct():
 
 
 def test_small_gpt_adamw():
-    from zgraph.models import GPT, GPTConfig, lm_loss
+    from zgraph.demos.models import GPT, GPTConfig, lm_loss
 
     cfg = GPTConfig(vocab=64, d_model=32, layers=2, heads=2, seq=16, tie_weights=True)
 

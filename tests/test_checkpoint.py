@@ -23,7 +23,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 import zgraph
-from zgraph.cli import main as cli_main
+from zgraph.cli.main import main as cli_main
 
 REL = 1e-6
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -21,7 +21,7 @@ import torch
 from dist_harness import run_ranks
 
 import zgraph
-from zgraph import checkpoint_io as cio
+from zgraph.checkpoint import io as cio
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 OFFSETS = [0.0, 0.01, 0.37, 0.5, 0.93, 1.0]  # where in a file bytes are flipped (fraction of its size)
@@ -163,7 +163,7 @@ def test_consolidate_cli_one_line_exit_1(copy, damage):
     else:
         flip(copy / shard, 0.37)
     done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli", "consolidate", str(target), str(copy.parent / "out.pt")],
+        [sys.executable, "-m", "zgraph.cli.main", "consolidate", str(target), str(copy.parent / "out.pt")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zgraph
-from zgraph import checkpoint_io as cio
+from zgraph.checkpoint import io as cio
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -176,7 +176,7 @@ def test_consolidate_cli_runs_no_code(tmp_path, attack):
     forge(tmp_path / "ck", attack, str(marker))
     out = tmp_path / "out.pt"
     done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli", "consolidate", str(tmp_path / "ck"), str(out)],
+        [sys.executable, "-m", "zgraph.cli.main", "consolidate", str(tmp_path / "ck"), str(out)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zgraph
-from zgraph import deepspeed_keys as keys
+from zgraph.deepspeed import keys
 
 # Every top-level key DeepSpeed 0.19.8's DeepSpeedConfig reads (recorded from DeepSpeedConfig(...) reading a dict
 # that logs its lookups, plus the sections read through .keys(): optimizer, scheduler, aio, activation_checkpointing,

@@ -22,9 +22,9 @@ from estimate_cases import compare, train_step
 from parity import WithUnused, square_step
 
 import zgraph
+from zgraph.demos.models import BENCH_GPT, GPT
 from zgraph.graph import shard_rows
-from zgraph.liveness import liveness
-from zgraph.models import BENCH_GPT, GPT
+from zgraph.inspect.liveness import liveness
 from zgraph.runtime.memory import LiveTensorBytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +152,7 @@ def test_an_all_gather_holds_its_input_until_its_wait(collective, args, out_nume
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
+        [sys.executable, "-m", "zgraph.cli.main", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
     )
 
 
@@ -187,7 +187,7 @@ def test_cli_bad_input_is_one_line_and_status_1(argv, says):
 def test_estimate_traces_once_unless_a_parameter_gets_no_gradient(monkeypatch, unused):
     """The first step's optimizer state is guessed before the trace (one trace); a parameter without a gradient
     gets none, as in a real first step, and the step is traced again without the guess."""
-    module = importlib.import_module("zgraph.estimate")
+    module = importlib.import_module("zgraph.inspect.estimate")
     traces = []
     trace_step = module.trace_step
     monkeypatch.setattr(module, "trace_step", lambda *a, **k: traces.append(1) or trace_step(*a, **k))

@@ -1,6 +1,6 @@
 """``step.estimate(..., device="cuda")`` and ``zgraph estimate --device cuda`` on a host without CUDA: NCCL's
-lowering, CUDA's attention and autocast (``zgraph.cuda_trace``), the CUDA caching allocator's blocks
-(``zgraph.liveness.cuda_block_bytes``)."""
+lowering, CUDA's attention and autocast (``zgraph.capture.cuda_trace``), the CUDA caching allocator's blocks
+(``zgraph.inspect.liveness.cuda_block_bytes``)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zgraph
-from zgraph import estimate_cli
-from zgraph.cuda_trace import CudaTrace, cuda_sdpa_backend, cuda_trace
-from zgraph.estimate import estimate_step
-from zgraph.liveness import cuda_block_bytes, liveness
-from zgraph.models import GPT, GPTConfig, lm_loss
+from zgraph.capture.cuda_trace import CudaTrace, cuda_sdpa_backend, cuda_trace
+from zgraph.cli import estimate as estimate_cli
+from zgraph.demos.models import GPT, GPTConfig, lm_loss
+from zgraph.inspect.estimate import estimate_step
+from zgraph.inspect.liveness import cuda_block_bytes, liveness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
@@ -260,7 +260,7 @@ def test_cli_device_cuda():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = ["--model", "gpt-bench", "--world", "4", "--stage", "3", "--device", "cuda"]
     done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
+        [sys.executable, "-m", "zgraph.cli.main", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""zgraph.fake_kernels: the fake kernel of ``aten::_grouped_mm`` agrees with the eager CPU kernel.
+"""zgraph.capture.fake_kernels: the fake kernel of ``aten::_grouped_mm`` agrees with the eager CPU kernel.
 
 For float32, float16 and bfloat16 and every operand layout the CPU kernel takes (2D x 3D with offsets, the MoE
 case; 3D x 3D; 2D x 2D; 3D x 2D; a transposed, column-major weight), the fake output has the eager output's
@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import zgraph.fake_kernels  # noqa: F401  (registers the kernel)
+import zgraph.capture.fake_kernels  # noqa: F401  (registers the kernel)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OFFS = torch.tensor([3, 3, 8], dtype=torch.int32)  # group sizes 3, 0, 5: an empty group too

@@ -86,6 +86,6 @@ def test_imports_point_down(module):
 def test_the_check_sees_function_level_imports(tmp_path):
     path = tmp_path / "m.py"
     path.write_text(
-        "import torch\n\n\ndef f():\n    from zgraph import capture\n    from zgraph.explain import estimate\n"
+        "import torch\n\n\ndef f():\n    from zgraph.capture.trace import trace as capture\n    from zgraph.inspect.explain import estimate\n"
     )
-    assert imports(str(path)) == [(5, "zgraph.capture"), (6, "zgraph.explain")]
+    assert imports(str(path)) == [(5, "zgraph.capture.trace"), (6, "zgraph.inspect.explain")]

@@ -1,4 +1,4 @@
-"""zgraph.model_hints: capture failures inside a known model pattern name the call that avoids them."""
+"""zgraph.capture.model_hints: capture failures inside a known model pattern name the call that avoids them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import torch
 from torch import nn
 
-from zgraph.model_hints import hint
+from zgraph.capture.model_hints import hint
 
 
 class _Experts(nn.Module):

@@ -117,7 +117,7 @@ def test_zero_matches_ddp(results, name, stage):
 
 # ------------------------------------------------------------------------------ MoE experts (issue 16, item 1)
 def test_default_experts_capture_without_manual_import(tmp_path):
-    """A fresh process that never imports zgraph.fake_kernels itself captures Mixtral's default experts."""
+    """A fresh process that never imports zgraph.capture.fake_kernels itself captures Mixtral's default experts."""
     path = tmp_path / "error.pt"
     run_ranks(1, "hf_cases.capture_mixtral_unaided", str(path), timeout=120)
     error = torch.load(path, weights_only=False)
@@ -152,9 +152,9 @@ def test_eager_experts_loop_names_batched_mm():
 
 
 def test_eager_experts_loop_hint_from_the_capture_failure():
-    """zgraph.model_hints.hint, given the failure behind capture's error, names the call (what capture should
+    """zgraph.capture.model_hints.hint, given the failure behind capture's error, names the call (what capture should
     append to its message)."""
-    from zgraph.model_hints import hint
+    from zgraph.capture.model_hints import hint
 
     model = hf_cases.mixtral()
     model.set_experts_implementation("eager")

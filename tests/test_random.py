@@ -1,4 +1,4 @@
-"""Random numbers drawn inside the step equal eager PyTorch's, element for element (``zgraph.random_layout``).
+"""Random numbers drawn inside the step equal eager PyTorch's, element for element (``zgraph.capture.random_layout``).
 
 Eager in-place random ops fill a tensor in its memory order; on a non-contiguous activation (a transposed view)
 functionalization's ``bernoulli.p`` used to fill a contiguous tensor instead, so dropout masks landed on other

@@ -14,8 +14,8 @@ from pass_graphs import Builder, context, param
 from test_zero_parity import assert_rel, expected
 
 import zgraph
+from zgraph.demos.models import BENCH_GPT, GPT
 from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, GraphOutput, collective_kind
-from zgraph.models import BENCH_GPT, GPT
 from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
 from zgraph.passes.bucket import plan_buckets
 from zgraph.passes.shard_params import shard_params

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zgraph.liveness import liveness
+from zgraph.inspect.liveness import liveness
 from zgraph.runtime.host_memory import GLIBC_TUNABLES
 from zgraph.runtime.memory import LiveTensorBytes
 from zgraph.runtime.reinplace import fresh_copies, reinplace_all_reduces, reinplace_temporaries

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zgraph
-from zgraph.models import GPT, GPTConfig, lm_loss
+from zgraph.demos.models import GPT, GPTConfig, lm_loss
 
 STEPS = 10
 GLOBAL_BATCH = 8  # divisible by every world size tested (1, 2, 4)

@@ -214,7 +214,7 @@ def run_checks(rank: int, world: int, out_path: str, names: list[str]) -> None:
 
 
 def _gpt_step(model, opt, idx, tgt):
-    from zgraph.models import lm_loss
+    from zgraph.demos.models import lm_loss
 
     loss = lm_loss(model(idx), tgt)
     loss.backward()
@@ -224,7 +224,7 @@ def _gpt_step(model, opt, idx, tgt):
 
 
 def _small_gpt():
-    from zgraph.models import GPT, GPTConfig
+    from zgraph.demos.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=128, d_model=64, layers=2, heads=2, seq=32))
@@ -285,7 +285,7 @@ def prefetch_memory(rank: int, world: int) -> dict:
 
 def persistence(rank: int, world: int) -> dict:
     """Default ``param_persistence_threshold``: small parameters are not sharded nor gathered in stage 3."""
-    from zgraph.models import GPT, GPTConfig
+    from zgraph.demos.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=2048, d_model=64, layers=1, heads=2, seq=16))  # embedding and head > 1e5

@@ -10,9 +10,10 @@ def train_step(model, opt, batch):
     return loss
 """
 
-from zgraph.checkpoint import consolidate, load, save
+from zgraph.checkpoint.gather import full_state_dict, gather
+from zgraph.checkpoint.save_load import consolidate, load, save
 from zgraph.config import Config, DynamicLossScale
-from zgraph.deepspeed_optim import optimizer_from_deepspeed
+from zgraph.deepspeed.optim import optimizer_from_deepspeed
 from zgraph.errors import (
     CaptureError,
     CheckpointError,
@@ -22,8 +23,7 @@ from zgraph.errors import (
     ShardedParameterError,
     ZGraphError,
 )
-from zgraph.estimate import Estimate, EstimateError
-from zgraph.gather import full_state_dict, gather
+from zgraph.inspect.estimate import Estimate, EstimateError
 from zgraph.step import DistributedStep, distribute
 
 __version__ = "0.1.0"

@@ -213,8 +213,8 @@ class Config:
     def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:
         """A Config from a DeepSpeed JSON config (a dict, or the path of a JSON file); keywords override fields.
         Every key is mapped, accepted or rejected with a ``ValueError`` that says why (see
-        ``zgraph.deepspeed_config`` for the table)."""
-        from zgraph.deepspeed_config import config_fields_from_deepspeed
+        ``zgraph.deepspeed.config`` for the table)."""
+        from zgraph.deepspeed.config import config_fields_from_deepspeed
 
         return cls(**{**config_fields_from_deepspeed(source), **overrides})
 

@@ -4,9 +4,9 @@ On a call it finds the modules and optimizers the step uses, looks up a compiled
 dtypes, structure, requires_grad, grad mode, training flags, optimizer structure), captures, transforms and
 compiles on a miss, then runs the graph and writes the new state back into the modules and optimizers.
 
-Discovery and guard keys live in ``zgraph.guards``; a compiled variant, its lowering for the backend and running
-it against the live state in ``zgraph.compiled``. This module binds state and decides: when a trace finds state
-to bind first (``zgraph.capture.Traced``), the call binds it and captures again, up to ``_MAX_REBINDS`` times.
+Discovery and guard keys live in ``zgraph.binding.guards``; a compiled variant, its lowering for the backend and running
+it against the live state in ``zgraph.compile.variant``. This module binds state and decides: when a trace finds state
+to bind first (``zgraph.capture.trace.Traced``), the call binds it and captures again, up to ``_MAX_REBINDS`` times.
 """
 
 from __future__ import annotations
@@ -24,17 +24,29 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph import optimizers as zopt
-from zgraph.bind import bind_state
-from zgraph.capture import CapturedGraph, UnboundState, finish, trace_step
-from zgraph.compiled import CompiledStep, lower, pass_context, reserve_offload, run
+from zgraph.binding.guards import (
+    KEY_PARTS,
+    binding_key,
+    bound_arguments,
+    describe_leaf,
+    discover,
+    guard_key,
+    named_objects,
+)
+from zgraph.binding.locate import Locator, Slot, locate
+from zgraph.binding.setup import bind_state
+from zgraph.capture import update_rules as zopt
+from zgraph.capture.environment import traced_arguments
+from zgraph.capture.joint import needs_split, trace_joint
+from zgraph.capture.optimizers import create_first_state, drop_state, first_state_candidates, settle_first_state
+from zgraph.capture.trace import CapturedGraph, UnboundState, finish, trace_step
+from zgraph.compile.split_runner import Peers, lower_split, run_split
+from zgraph.compile.variant import CompiledStep, lower, pass_context, reserve_offload, run
 from zgraph.config import Config
 from zgraph.errors import CaptureError
-from zgraph.estimate import Estimate, estimate_step
-from zgraph.explain import dump_graphs, explain_table
 from zgraph.graph import input_specs, output_roles
-from zgraph.guards import KEY_PARTS, binding_key, bound_arguments, describe_leaf, discover, guard_key, named_objects
-from zgraph.locate import Locator, Slot, locate
+from zgraph.inspect.estimate import Estimate, estimate_step
+from zgraph.inspect.explain import dump_graphs, explain_table
 from zgraph.passes import build_pipeline, default_pipeline, run_pipeline
 from zgraph.runtime.agreement import Channel, is_collective_failure, mark_broken
 from zgraph.runtime.consistency import check_same_graph, describe_collectives, describe_graph, digest
@@ -49,10 +61,6 @@ from zgraph.runtime.sharded_state import (
     current_parameter,
 )
 from zgraph.runtime.state import Binding, state_tensors
-from zgraph.split import needs_split, trace_joint
-from zgraph.split_run import Peers, lower_split, run_split
-from zgraph.trace_env import traced_arguments
-from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates, settle_first_state
 from zgraph.tree import iter_leaves
 
 
@@ -240,7 +248,7 @@ class DistributedStep:
         return binding
 
     def _located(self, binding: Binding, args: tuple, kwargs: dict) -> list[tuple[str, Slot, Tensor]]:
-        """``(path, slot, tensor)`` of the located tensors (see ``zgraph.locate``) as they are in this call.
+        """``(path, slot, tensor)`` of the located tensors (see ``zgraph.binding.locate``) as they are in this call.
 
         A located parameter that stage 3 replaced by its sharded version (a plain-object optimizer's list of
         ``model.parameters()``) is replaced in its place too, as ``torch.optim`` optimizers' are: the step then
@@ -274,7 +282,7 @@ class DistributedStep:
         return out
 
     def _add_locators(self, binding: Binding, args: tuple, kwargs: dict, wanted: Callable) -> list[Locator]:
-        """Locate the tensors ``wanted`` accepts (``zgraph.locate``) and remember the new places."""
+        """Locate the tensors ``wanted`` accepts (``zgraph.binding.locate``) and remember the new places."""
         arguments = dict(bound_arguments(self._fn, args, kwargs))
         known = {loc.path for loc in self._locators}
         new = [loc for loc in locate(wanted, self._fn, arguments, binding.modules).values() if loc.path not in known]

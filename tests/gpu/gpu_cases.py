@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import zgraph
-from zgraph.models import GPT, GPTConfig, lm_loss
+from zgraph.demos.models import GPT, GPTConfig, lm_loss
 
 ON_CPU_ENV = "ZGRAPH_GPU_TESTS_ON_CPU"
 SKIP_REASON = (

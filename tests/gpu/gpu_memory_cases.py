@@ -33,7 +33,7 @@ from gpu_cases import (
 from torch import Tensor, nn
 
 import zgraph
-from zgraph.models import BENCH_GPT
+from zgraph.demos.models import BENCH_GPT
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 

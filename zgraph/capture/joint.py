@@ -3,7 +3,7 @@
 ``needs_split`` decides from a finished trace; ``trace_joint`` traces the step again as a joint graph: the step,
 then ``torch.autograd.backward(outputs, tangents)`` with one tangent graph input per such output. The joint graph
 goes through the whole pass pipeline like any step; ``zgraph.passes.partition`` then cuts the transformed graph
-into a forward and a backward graph, and ``zgraph.split_run`` runs them (the backward from the outputs'
+into a forward and a backward graph, and ``zgraph.compile.split_runner`` runs them (the backward from the outputs'
 ``grad_fn``). The joint graph computes fresh gradients (``.grad`` present on entry is left out of the trace):
 the runtime adds them to whatever ``.grad`` holds when the backward runs, as eager accumulates.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zgraph.capture import Traced, trace_step
+from zgraph.capture.trace import Traced, trace_step
 from zgraph.graph import BACKWARD, CUSTOM, PHASE
 from zgraph.runtime.state import Binding
 from zgraph.tree import iter_leaves

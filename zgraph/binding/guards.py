@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zgraph import optimizers as zopt
+from zgraph.capture import update_rules as zopt
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, structure_key
 
@@ -143,7 +143,7 @@ KEY_PARTS = (
 
 def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: Sequence[Tensor] = ()) -> tuple:
     """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
-    arguments, ``located`` the tensors read from places ``zgraph.locate`` found. A different key retraces. Its
+    arguments, ``located`` the tensors read from places ``zgraph.binding.locate`` found. A different key retraces. Its
     parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
     params = tuple(
         (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.device, r.tensor.requires_grad, _grad_key(r.tensor))

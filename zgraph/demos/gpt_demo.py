@@ -23,11 +23,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 import zgraph
-from zgraph import demo_multimodal
-from zgraph.data import VOCAB, batch, corpus_tokens
-from zgraph.demo_support import device_note, local_rank_and_size, rank_device, spawn_ranks, unsharded_state_bytes
-from zgraph.explain import human_bytes
-from zgraph.models import GPT, GPTConfig, count_params, lm_loss
+from zgraph.demos import multimodal_demo as demo_multimodal
+from zgraph.demos.data import VOCAB, batch, corpus_tokens
+from zgraph.demos.models import GPT, GPTConfig, count_params, lm_loss
+from zgraph.demos.ranks import device_note, local_rank_and_size, rank_device, spawn_ranks, unsharded_state_bytes
+from zgraph.inspect.explain import human_bytes
 from zgraph.runtime.memory import state_bytes as held_state_bytes
 
 DEMO_GPT = GPTConfig(vocab=VOCAB, d_model=256, layers=4, heads=4, seq=128)

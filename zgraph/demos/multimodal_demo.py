@@ -1,4 +1,4 @@
-"""``zgraph demo --multimodal``: the seeds' disaggregated multimodal training (``zgraph.multimodal``) on two
+"""``zgraph demo --multimodal``: the seeds' disaggregated multimodal training (``zgraph.demos.multimodal``) on two
 groups of ranks, each sharding its own model with ZeRO over its own process group.
 
 * With Ray installed (``pip install 'zgraph[ray]'``) the demo starts a local Ray cluster and two groups of
@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from zgraph.demo_support import (
+from zgraph.demos.models import count_params
+from zgraph.demos.multimodal import MultimodalConfig, TextSide, VisionSide, build_models, eager_losses
+from zgraph.demos.ranks import (
     RankFailedError,
     device_note,
     free_port,
@@ -34,9 +36,7 @@ from zgraph.demo_support import (
     spawn_ranks,
     unsharded_state_bytes,
 )
-from zgraph.explain import human_bytes
-from zgraph.models import count_params
-from zgraph.multimodal import MultimodalConfig, TextSide, VisionSide, build_models, eager_losses
+from zgraph.inspect.explain import human_bytes
 from zgraph.runtime.devices import default_backend, served_backend
 from zgraph.runtime.memory import state_bytes as held_state_bytes
 from zgraph.runtime.process_group import ensure_process_group

@@ -3,7 +3,7 @@
 The model is built on the meta device (no weights in memory) and a plain step — forward, next-token loss,
 ``backward()``, AdamW ``step()``, ``zero_grad()`` — is estimated with ``step.estimate`` for ``--world`` ranks on
 ``--device`` (``cpu``: gloo; ``cuda``: NCCL, CUDA's attention, autocast and allocator, with the CPU plan's peak
-beside it: see ``zgraph.estimate``).
+beside it: see ``zgraph.inspect.estimate``).
 ``--budget`` finds the largest micro-batch that fits: every node's live bytes is linear in the micro-batch (the
 graph is the same, activations scale with it), so two traces (micro-batch 1 and 2) give the exact line per node;
 the answer is checked by a third trace. When even micro-batch 1 does not fit it says which stage and precision
@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from zgraph.config import Config
-from zgraph.estimate import DEVICES, Estimate, estimate_step
-from zgraph.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
-from zgraph.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {  # name: (builder, vocab, default sequence)

@@ -6,7 +6,7 @@ embeddings (split mode: they carry a compiled, sharded backward); the language s
 input that requires grad, runs ``loss.backward()`` and its optimizer, and leaves ``emb.grad``; the vision side
 then calls ``out.backward(gradient=emb.grad)`` and steps its own optimizer, exactly as the seeds' Ray actors do.
 How the tensors travel between the groups (Ray, or point-to-point sends) is the launcher's business
-(``zgraph.demo_multimodal``); this module holds the models, the data and one rank's part of a step.
+(``zgraph.demos.multimodal_demo``); this module holds the models, the data and one rank's part of a step.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zgraph
-from zgraph.data import VOCAB, corpus_tokens
-from zgraph.models import Block, lm_loss
+from zgraph.demos.data import VOCAB, corpus_tokens
+from zgraph.demos.models import Block, lm_loss
 
 
 @dataclass(frozen=True, kw_only=True)

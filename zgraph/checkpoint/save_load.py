@@ -1,6 +1,6 @@
 """Checkpoints of a training run: ``zgraph.save``, ``zgraph.load`` and ``zgraph.consolidate``.
 
-A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory (layout: ``zgraph.checkpoint_io``). Every
+A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory (layout: ``zgraph.checkpoint.io``). Every
 rank writes the shards it holds (the ``DTensor`` shards zgraph exposes) and rank 0 the whole tensors, each rank
 with DCP in its own process (no object collectives: nothing is pickled across ranks, numpy is not needed), into
 its own subdirectory; rank 0 merges the ranks' DCP metadata into the checkpoint's ``.metadata``, which records
@@ -11,10 +11,10 @@ What a checkpoint holds (DCP keys; ``<fqn>`` a name of ``model.state_dict()`` / 
 - ``model.<fqn>``: the tensors of ``model.state_dict()`` — parameters and persistent buffers, in their dtypes.
 - ``optim.<i>.state.<fqn>.<field>``: the tensor state of optimizer ``i`` (``exp_avg``, ``step``...), keyed by
   parameter name instead of position, in the state's own dtypes.
-- ``zgraph.data.<n>``: tensors inside the non-tensor values below; ``zgraph.rng.<rank>.<n>``: each rank's RNG
+- ``zgraph.demos.data.<n>``: tensors inside the non-tensor values below; ``zgraph.rng.<rank>.<n>``: each rank's RNG
   states (torch CPU, CUDA when initialised).
 
-Non-tensor values are data in the manifest (JSON; the storable types are listed in ``zgraph.checkpoint_data``):
+Non-tensor values are data in the manifest (JSON; the storable types are listed in ``zgraph.checkpoint.data``):
 the optimizers' class, parameter names per group and hyper-parameters, non-tensor state fields, the fp16
 loss-scale state a zgraph step with ``Config.loss_scale`` keeps in ``optimizer._zgraph_loss_scale``, the LR
 scheduler's ``state_dict()``, the user's ``extra``, modules' ``get_extra_state()``, each rank's Python (and
@@ -47,10 +47,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from zgraph import checkpoint_io as cio
-from zgraph.checkpoint_data import decode, rng_restorer
-from zgraph.checkpoint_read import dcp_save, read_into, read_manifest, read_metadata, siblings, tree_targets
-from zgraph.checkpoint_state import (
+from zgraph.checkpoint import io as cio
+from zgraph.checkpoint.data import decode, rng_restorer
+from zgraph.checkpoint.read import dcp_save, read_into, read_manifest, read_metadata, siblings, tree_targets
+from zgraph.checkpoint.state import (
     MODEL,
     OptimizerArg,
     Staged,

@@ -12,8 +12,8 @@ from typing import Any
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph import optimizers as zopt
-from zgraph.capture import CapturedGraph, _Returned
+from zgraph.capture import update_rules as zopt
+from zgraph.capture.trace import CapturedGraph, _Returned
 from zgraph.graph import (
     INPUT,
     OFFLOADED,
@@ -48,7 +48,7 @@ class CompiledStep:
     cost_model: Any = None
     backend_records: list[PassRecord] = field(default_factory=list)  # the backend's rewrites, after the passes
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
-    split: Any = None  # a split step's forward and backward (``zgraph.split_run.SplitCompiled``)
+    split: Any = None  # a split step's forward and backward (``zgraph.compile.split_runner.SplitCompiled``)
     offload: Any = None  # the binding's offload store (zgraph.runtime.offload), for explain()
 
     @functools.cached_property

@@ -4,7 +4,7 @@ Enumerated from DeepSpeed 0.19.8's source: ``DeepSpeedConfig._initialize_params`
 for the top level, ``DeepSpeedZeroConfig`` (``deepspeed/runtime/zero/config.py``, fields and their ``stage3_``
 aliases) for ``zero_optimization``, ``DeepSpeedBF16Config`` / ``DeepSpeedFP16Config``
 (``deepspeed/runtime/precision_config.py``) for ``bf16`` / ``fp16``. A key is mapped to a ``Config`` field
-(``zgraph.deepspeed_config``), accepted (zgraph does what it asks anyway, or it only concerns DeepSpeed's engine:
+(``zgraph.deepspeed.config``), accepted (zgraph does what it asks anyway, or it only concerns DeepSpeed's engine:
 logging, its data loader, its checkpoint files), accepted only while it says "off", or rejected with the reason.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from zgraph.deepspeed_values import boolean, choice, integer, is_auto, number, section, unknown
+from zgraph.deepspeed.values import boolean, choice, integer, is_auto, number, section, unknown
 
 GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed/runtime/constants.py, 0.19.8
 

@@ -12,15 +12,15 @@ From the final graph (the passes' result as the eager backend rewrites it, updat
 - model state: what the graph reads and writes back — parameters (split into ``params`` and ``master``: a
   parameter stored in a wider dtype than the step computes in is the master copy; zgraph keeps no second copy),
   the ``.grad`` left after the step, optimizer state, buffers — each rank's padded shard where it is sharded;
-- the peak: liveness in execution order (``zgraph.liveness``);
+- the peak: liveness in execution order (``zgraph.inspect.liveness``);
 - communication: every collective node, counted and sized by the graph contract, priced by the cost model.
 
 The device (``device=``; default: the device of the model's parameters, else the CPU) is the one the step is planned
 for. For ``"cuda"`` the group's backend is NCCL (the passes lower reduce-scatters natively, not as gloo's all-to-all;
 collectives are priced by the NCCL cost model this machine has measured, else the analytical one), offload to host
 memory moves state as it does from a GPU, and liveness counts CUDA caching-allocator blocks and NCCL's collectives
-(``zgraph.liveness``). Where this torch can trace CUDA tensors the stand-ins are CUDA fakes (torch's own autocast and
-attention choice); elsewhere they are CPU fakes traced under ``zgraph.cuda_trace``, which makes attention and
+(``zgraph.inspect.liveness``). Where this torch can trace CUDA tensors the stand-ins are CUDA fakes (torch's own
+autocast and attention choice); elsewhere they are CPU fakes traced under ``zgraph.capture.cuda_trace``, which makes attention and
 autocast CUDA's.
 """
 
@@ -37,9 +37,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from zgraph.capture import CapturedGraph, finish, trace_step
-from zgraph.compiled import lower, pass_context
-from zgraph.cuda_trace import cuda_trace
+from zgraph.binding.guards import discover
+from zgraph.capture.cuda_trace import cuda_trace
+from zgraph.capture.joint import needs_split, trace_joint
+from zgraph.capture.optimizers import create_first_state, drop_state, first_state_candidates
+from zgraph.capture.precision import initial_loss_scale_state
+from zgraph.capture.trace import CapturedGraph, finish, trace_step
+from zgraph.compile.variant import lower, pass_context
 from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
@@ -54,17 +58,13 @@ from zgraph.graph import (
     state_key,
     tensor_bytes,
 )
-from zgraph.guards import discover
-from zgraph.liveness import cuda_block_bytes, liveness, offloaded
+from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
 from zgraph.passes import run_pipeline
-from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
 from zgraph.runtime.devices import served_backend
 from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
 from zgraph.runtime.sharded_state import convert_master_dtype, make_plan
 from zgraph.runtime.state import Binding
-from zgraph.split import needs_split, trace_joint
-from zgraph.trace_optim import create_first_state, drop_state, first_state_candidates
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
@@ -97,7 +97,7 @@ class Estimate:
         nodes: the final graph's node count.
         device: the device type the step was planned for, ``"cpu"`` or ``"cuda"``; on ``"cuda"`` every byte count
             above that is memory (model state, peak, live bytes) counts CUDA caching-allocator blocks
-            (``zgraph.liveness.cuda_block_bytes``), as ``torch.cuda.max_memory_allocated`` does.
+            (``zgraph.inspect.liveness.cuda_block_bytes``), as ``torch.cuda.max_memory_allocated`` does.
     """
 
     world_size: int

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from zgraph.capture.precision import initial_loss_scale_state
 from zgraph.config import Config
-from zgraph.precision import initial_loss_scale_state
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.devices import check_served, served_backend, state_device

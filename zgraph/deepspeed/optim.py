@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from zgraph.deepspeed_values import _fail, boolean, choice, integer, is_auto, number, section, unknown
+from zgraph.deepspeed.values import _fail, boolean, choice, integer, is_auto, number, section, unknown
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad",
               "foreach", "fp32_optimizer_states"}  # fmt: skip
@@ -57,8 +57,8 @@ def optimizer_from_deepspeed(
 ) -> tuple[torch.optim.Optimizer, LRScheduler | None]:
     """The optimizer and LR scheduler a DeepSpeed config's ``optimizer`` / ``scheduler`` sections build, for
     ``params`` (tensors or param-group dicts); the scheduler is None without a ``scheduler`` section. See
-    ``zgraph.deepspeed_optim`` for what each type builds."""
-    from zgraph.deepspeed_config import _load
+    ``zgraph.deepspeed.optim`` for what each type builds."""
+    from zgraph.deepspeed.config import _load
 
     data = _load(config)
     spec = section("optimizer", data.get("optimizer"))

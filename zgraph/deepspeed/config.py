@@ -1,9 +1,9 @@
 """``zgraph.Config.from_deepspeed``: read a DeepSpeed 0.19.8 JSON config as a ``zgraph.Config``.
 
-Every key DeepSpeed 0.19.8 reads is accounted for (``zgraph.deepspeed_keys`` lists them with the reasons): a key
+Every key DeepSpeed 0.19.8 reads is accounted for (``zgraph.deepspeed.keys`` lists them with the reasons): a key
 with a zgraph meaning becomes a ``Config`` field, a key whose behaviour zgraph has anyway (or that only concerns
 DeepSpeed's engine, such as logging) is accepted, and a key zgraph cannot honour raises ``ValueError`` naming it
-and saying why — never silently dropped. Values are read strictly (``zgraph.deepspeed_values``): ``"false"`` is
+and saying why — never silently dropped. Values are read strictly (``zgraph.deepspeed.values``): ``"false"`` is
 not false, ``2.9`` is not a stage, ``inf`` is not a loss scale. A missing key means DeepSpeed's default; Hugging
 Face's ``"auto"`` means the same (DeepSpeed drops ``"auto"`` values too), except for bucket sizes, where it is
 zgraph's ``"auto"`` (sized from the cost model).
@@ -35,7 +35,7 @@ Mapping (DeepSpeed → zgraph):
 - ``zero_optimization.offload_optimizer`` / ``offload_param``: ``device`` (``"none"``, ``"cpu"``, ``"nvme"``) →
   ``offload_optimizer`` / ``offload_params``; ``nvme_path`` → ``offload_dir``; ``offload_optimizer.ratio`` →
   ``offload_fraction``; ``pin_memory``, ``buffer_count``, ``buffer_size``, ``max_in_cpu``, ``pipeline_read`` /
-  ``pipeline_write``, ``fast_init`` are accepted with no effect (``zgraph.deepspeed_keys.OFFLOAD_ACCEPTED`` says
+  ``pipeline_write``, ``fast_init`` are accepted with no effect (``zgraph.deepspeed.keys.OFFLOAD_ACCEPTED`` says
   why). ``Config`` then checks them as for any Config (stage >= 1, a directory for ``"nvme"``...).
 
 Rejected: ``gradient_accumulation_steps`` above 1 (write the micro-batch loop in the step), features zgraph does not
@@ -53,8 +53,8 @@ from typing import Any
 
 import torch
 
-from zgraph import deepspeed_keys as keys
-from zgraph.deepspeed_values import boolean, choice, dtype, integer, is_auto, number, section, unknown
+from zgraph.deepspeed import keys
+from zgraph.deepspeed.values import boolean, choice, dtype, integer, is_auto, number, section, unknown
 
 DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 """DeepSpeed's default ``stage3_max_reuse_distance`` (elements), applied when a DeepSpeed config leaves it out."""

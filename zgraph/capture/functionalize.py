@@ -3,7 +3,7 @@
 The graph ``make_fx`` traced still mutates its inputs in place; it is traced again through
 ``torch.func.functionalize``, so every change of state becomes an output. Then: placeholders get their
 ``GraphInput`` and readable names, outputs their ``GraphOutput`` (state the step did not change is dropped),
-eager's random fill order is restored (``zgraph.random_layout``) and every op gets its phase.
+eager's random fill order is restored (``zgraph.capture.random_layout``) and every op gets its phase.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zgraph.capture.random_layout import match_random_layout
 from zgraph.graph import (
     BACKWARD,
     CUSTOM,
@@ -33,7 +34,6 @@ from zgraph.graph import (
     output_node,
     state_key,
 )
-from zgraph.random_layout import match_random_layout
 
 aten = torch.ops.aten
 

@@ -1,5 +1,5 @@
 """Split mode, running side: the forward graph runs in the step call, inside an ``autograd.Function`` whose
-backward runs the compiled backward graph (see ``zgraph.split`` and ``zgraph.passes.partition``).
+backward runs the compiled backward graph (see ``zgraph.capture.joint`` and ``zgraph.passes.partition``).
 
 The Function's inputs are an empty anchor leaf (so the outputs require grad even when only parameters do) and
 the step's tensors that require grad (their gradients are what the backward returns: they flow upstream or land
@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph.compiled import _unalias, finish_call, lower, reload_slots, run_offloaded
+from zgraph.compile.variant import _unalias, finish_call, lower, reload_slots, run_offloaded
 from zgraph.errors import ZGraphError
 from zgraph.graph import GraphInput, GraphOutput, input_specs, output_roles, state_key
 from zgraph.passes import PassRecord

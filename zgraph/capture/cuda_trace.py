@@ -37,7 +37,7 @@ an op implemented in C++ that is in no list runs as called, and the ops it decom
 attention backend, which torch prefers on some sm90 / sm100 setups, is not chosen (it saves the same output and
 fp32 logsumexp as flash attention); a step that creates CUDA tensors itself, or recomputes checkpointed
 activations under autocast, is not emulated. On a host whose torch has CUDA the estimate traces CUDA fakes
-instead, with torch's own autocast and attention choice (``zgraph.estimate``).
+instead, with torch's own autocast and attention choice (``zgraph.inspect.estimate``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
-from zgraph.precision import BACKWARD_CALLS, active_in_engine
+from zgraph.capture.precision import BACKWARD_CALLS, active_in_engine
 
 aten = torch.ops.aten
 

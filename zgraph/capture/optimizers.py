@@ -1,8 +1,8 @@
 """Optimizers and LR schedulers while a step is traced.
 
-A bound optimizer's ``step()`` runs zgraph's kernel for its class (``zgraph.optimizers``: hyper-parameters read
-from graph inputs), or its own ``step()`` for other classes, on the traced parameters and state, inside the
-``optimizer`` phase, with loss-scale overflow skipping (``zgraph.precision``). What the optimizers did (state
+A bound optimizer's ``step()`` runs zgraph's kernel for its class (``zgraph.capture.update_rules``: hyper-parameters
+read from graph inputs), or its own ``step()`` for other classes, on the traced parameters and state, inside the
+``optimizer`` phase, with loss-scale overflow skipping (``zgraph.capture.precision``). What the optimizers did (state
 created, which stepped) is recorded on the ``Trace``. An LR scheduler's ``step()`` is recorded, not run: zgraph
 runs it for real around the graph on every call.
 """
@@ -20,13 +20,13 @@ from torch import Tensor
 from torch.fx import traceback as fx_traceback
 from torch.optim.lr_scheduler import LRScheduler
 
-from zgraph import optimizers as zopt
+from zgraph.capture import update_rules as zopt
+from zgraph.capture.environment import UnboundState, where
+from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
-from zgraph.precision import TracePrecision, keep_if_overflow
 from zgraph.runtime.sharded_state import graph_tensor, normalize_param_state
 from zgraph.runtime.state import Binding
-from zgraph.trace_env import UnboundState, where
 
 _INSTANCE_MISSING = object()
 

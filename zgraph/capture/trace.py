@@ -8,7 +8,7 @@ How:
    the user's code runs unchanged. Autograd runs for real during the trace, so ``loss.backward()``,
    ``out.backward(gradient=g)``, several backward calls, ``torch.autograd.grad`` all become explicit aten ops.
    Every gradient autograd produces for a parameter passes through ``zgraph::grad_contribution`` (see
-   ``zgraph.ops``). Registered optimizers (``zgraph.optimizers``) run a kernel that reads hyper-parameters
+   ``zgraph.ops``). Registered optimizers (``zgraph.capture.update_rules``) run a kernel that reads hyper-parameters
    from graph inputs; other optimizers run their own ``step()``.
 2. The traced graph (which still mutates its inputs in place) is traced again through
    ``torch.func.functionalize``: the result is functional. Every piece of state the step changed is a graph
@@ -18,8 +18,9 @@ How:
 Where: this module collects the graph inputs and traces the step once (``trace_step``), returning what the trace
 found (``Traced``: the graph, frozen constants, created optimizer state, or the unbound modules and optimizers it
 stopped at); the step decides whether to bind more and trace again, and ``finish`` functionalizes. The trace
-environment (swaps, autocast, restoring Python state, diagnosing failures) is ``zgraph.trace_env``; optimizers and
-LR schedulers while tracing, ``zgraph.trace_optim``; functionalization and naming, ``zgraph.functionalize``.
+environment (swaps, autocast, restoring Python state, diagnosing failures) is ``zgraph.capture.environment``;
+optimizers and LR schedulers while tracing, ``zgraph.capture.optimizers``; functionalization and naming,
+``zgraph.capture.functionalize``.
 
 What later code may rely on (the captured graph's contract; meta keys from ``zgraph.graph``):
 
@@ -47,14 +48,9 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.optim.lr_scheduler import LRScheduler
 
-from zgraph import optimizers as zopt
-from zgraph.errors import CaptureError
-from zgraph.functionalize import functionalize
-from zgraph.graph import GraphInput, GraphOutput
-from zgraph.ops import grad_contribution
-from zgraph.precision import StepMode, TracePrecision, kept_in_own_dtype
-from zgraph.runtime.state import Binding
-from zgraph.trace_env import (
+from zgraph.capture import update_rules as zopt
+from zgraph.capture.collectives import functional_c10d, untraceable_collective
+from zgraph.capture.environment import (
     UnboundState,
     autocast_forwards,
     cast_forward_inputs,
@@ -68,9 +64,14 @@ from zgraph.trace_env import (
     trace,
     watch_unbound_state,
 )
-from zgraph.trace_optim import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
-from zgraph.traced_collectives import functional_c10d, untraceable_collective
-from zgraph.traced_random import generator_state_ops
+from zgraph.capture.functionalize import functionalize
+from zgraph.capture.generator_state import generator_state_ops
+from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
+from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
+from zgraph.errors import CaptureError
+from zgraph.graph import GraphInput, GraphOutput
+from zgraph.ops import grad_contribution
+from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
 
 
@@ -94,7 +95,7 @@ class CapturedGraph:
         python_results: ``(path, value)`` of the Python numbers in the step's return value: computed once, while
             capturing, and returned unchanged by every call.
         grad_outputs: ``(position, shape, dtype, device)`` of the returned tensors that require grad.
-        split: set on a split step (``zgraph.split``): what partitions its joint graph and runs its backward.
+        split: set on a split step (``zgraph.capture.joint``): what partitions its joint graph and runs its backward.
     """
 
     gm: fx.GraphModule
@@ -225,10 +226,10 @@ def trace_step(
     meta_as: torch.device | None = None,
 ) -> Traced:
     """Trace ``fn(*args, **kwargs)`` once on fake tensors, with ``config``'s precision handling (compute dtype,
-    loss scaling, clipping: see ``zgraph.precision``).
+    loss scaling, clipping: see ``zgraph.capture.precision``).
 
     ``user_tensors`` are the tensors the step reads that are not bound state: leaves of its arguments, and
-    tensors located elsewhere (``zgraph.locate``); the traced step receives its arguments with bound parameters,
+    tensors located elsewhere (``zgraph.binding.locate``); the traced step receives its arguments with bound parameters,
     buffers and user tensors replaced by their traced stand-ins, and ``swaps`` are ``(slot, tensor)`` pairs whose
     slot gets the tensor's stand-in while tracing; meta tensors stand for tensors on ``meta_as`` when it is given.
     Returns what the trace found (``Traced``).
@@ -303,7 +304,7 @@ def _refuse_deferred(result: Any) -> None:
 
 def finish(traced: Traced) -> CapturedGraph:
     """The captured step graph from a complete trace: refuses collectives zgraph cannot trace, then
-    functionalizes (``zgraph.functionalize``)."""
+    functionalizes (``zgraph.capture.functionalize``)."""
     collective = untraceable_collective(traced.gm)
     if collective is not None:
         raise CaptureError(
@@ -370,8 +371,8 @@ def _environment(
     step_trace: Trace,
     grad_enabled: bool,
 ) -> Iterator[dict[int, Tensor]]:
-    """Everything the user's step runs under while traced (``zgraph.trace_env``, ``zgraph.trace_optim``); yields
-    ``id`` of each real tensor -> its traced stand-in."""
+    """Everything the user's step runs under while traced (``zgraph.capture.environment``,
+    ``zgraph.capture.optimizers``); yields ``id`` of each real tensor -> its traced stand-in."""
     params, buffers, user = state.params, state.buffers, state.user
     traced = {id(r.tensor): params[r.index] for r in binding.params}
     traced.update({id(t): user[i] for i, (_, t) in enumerate(user_tensors)})

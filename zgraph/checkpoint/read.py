@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zgraph import checkpoint_io as cio
-from zgraph.checkpoint_data import tensor_refs
-from zgraph.checkpoint_state import DATA, FORMAT, FORMAT_VERSION, RNG
+from zgraph.checkpoint import io as cio
+from zgraph.checkpoint.data import tensor_refs
+from zgraph.checkpoint.state import DATA, FORMAT, FORMAT_VERSION, RNG
 from zgraph.errors import CheckpointError
 
 MARKER = cio.MARKER

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zgraph import demo, estimate_cli
-from zgraph.demo_support import RankFailedError
+from zgraph.cli import estimate as estimate_cli
+from zgraph.demos import gpt_demo as demo
+from zgraph.demos.ranks import RankFailedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +66,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _consolidate(checkpoint: str, out: str) -> int:
-    from zgraph.checkpoint import consolidate
+    from zgraph.checkpoint.save_load import consolidate
     from zgraph.errors import CheckpointError
 
     try:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from zgraph.checkpoint_data import Encoder, rng_state
+from zgraph.checkpoint.data import Encoder, rng_state
 from zgraph.errors import CheckpointError
 from zgraph.runtime.sharded_state import sharding_of
 
@@ -22,7 +22,9 @@ FORMAT = "zgraph-checkpoint"
 FORMAT_VERSION = 2
 
 MODEL = "model."
-DATA = "zgraph.data"  # tensors of the non-tensor values (extra, scheduler, hyper-parameters...), written by rank 0
+DATA = (
+    "zgraph.demos.data"  # tensors of the non-tensor values (extra, scheduler, hyper-parameters...), written by rank 0
+)
 RNG = "zgraph.rng."  # ``zgraph.rng.<rank>.<n>``: tensors of each rank's RNG states, written by that rank
 # The attribute a zgraph step with ``Config.loss_scale`` keeps its loss-scale state in (zgraph/step.py), per optimizer
 LOSS_SCALE_ATTR = "_zgraph_loss_scale"

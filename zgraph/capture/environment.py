@@ -2,7 +2,7 @@
 code, and how a failed trace is explained.
 
 - traced stand-ins are swapped into the modules' parameter and buffer slots and into located slots
-  (``zgraph.locate``), then the originals put back;
+  (``zgraph.binding.locate``), then the originals put back;
 - ``t.data = value`` on traced state becomes an in-place copy; forward inputs are cast to the compute dtype and
   forwards run under autocast when the config asks;
 - modules and optimizers the step reaches that zgraph has not bound stop the trace (``UnboundState``) before
@@ -26,9 +26,9 @@ from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import zgraph.fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
+import zgraph.capture.fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
+from zgraph.capture.model_hints import hint
 from zgraph.errors import CaptureError
-from zgraph.model_hints import hint
 from zgraph.runtime.state import Binding
 from zgraph.tree import iter_leaves, map_leaves
 
@@ -210,7 +210,7 @@ def watch_unbound_state(binding: Binding) -> Iterator[None]:
 
 @contextlib.contextmanager
 def swap_slots(swaps: list[tuple[Any, Tensor]], traced: dict[int, Tensor]) -> Iterator[None]:
-    """Put the traced stand-in of each located tensor (see ``zgraph.locate``) into its slot while tracing."""
+    """Put the traced stand-in of each located tensor (see ``zgraph.binding.locate``) into its slot while tracing."""
     done = []
     try:
         for slot, real in swaps:

@@ -1,0 +1,21 @@
+"""Capture: the user's step traced, on fake tensors, into one functional aten graph (forward, every backward,
+the optimizer), with the state it reads and writes as graph inputs and outputs.
+
+Files::
+
+    protocol.py         the one capture protocol (guess the first optimizer state, trace, bind more, trace again, split)
+    trace.py            one trace of the step: its graph inputs, the traced call, its outputs and their roles
+    captured.py         what a capture returns: ``CapturedGraph``, ``Traced``, ``SplitInfo``
+    environment.py      what zgraph swaps, patches and watches while the step runs under ``make_fx``
+    optimizers.py       optimizers and LR schedulers while a step is traced; a first step's optimizer state
+    update_rules.py     traceable update rules of the ``torch.optim`` classes whose hyper-parameters are inputs
+    precision.py        mixed precision, loss scaling and clipping while tracing
+    collectives.py      ``torch.distributed`` calls in the step, traced as functional collectives
+    generator_state.py  random generator state read and set in the step, as graph operations
+    random_layout.py    random ops draw their numbers into the elements eager PyTorch gives them
+    functionalize.py    from the traced (mutating) graph to the captured step graph
+    joint.py            split mode: the step and the backward of its returned outputs, traced as one joint graph
+    cuda_trace.py       tracing a step as CUDA would run it, on CPU fakes (estimates)
+    fake_kernels.py     fake kernels wider than torch's
+    model_hints.py      what to change, for capture failures from known third-party model patterns
+"""
