@@ -57,7 +57,7 @@ def main() -> None:
         start = time.perf_counter()
         step(model, opt, *data[0])
         first = time.perf_counter() - start
-        compiled = step._last
+        compiled = step._dispatch.last
         passes = sum(r.seconds for r in compiled.records)
         setup[backend] = {
             "capture_s": compiled.capture_seconds,

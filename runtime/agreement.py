@@ -140,6 +140,15 @@ class Channel:
         mark_broken(self.group, message)
         return RankFailedError(message)
 
+    def failed_running(self, label: str, error: BaseException) -> BaseException:
+        """What ``error``, raised while this rank ran ``label``'s graph, becomes: where another rank failed
+        first, or the error came from a collective, the ``RankFailedError`` naming that rank (``peer_failure``);
+        else ``error`` itself, the group marked broken (its collectives are out of step with this rank's)."""
+        if self.failures(wait=0.0) or is_collective_failure(error):
+            return self.peer_failure(label, error)
+        mark_broken(self.group, f"rank {self.rank} failed in {label}: {type(error).__name__}: {error}")
+        return error
+
     def check_usable(self, label: str) -> None:
         why = _BROKEN.get(self.group.group_name or "")
         if why is not None:

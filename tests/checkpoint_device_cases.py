@@ -169,7 +169,7 @@ def load_on_standin(rank: int, world: int, plain: str, capturable: str, out: str
         loaded = measured_load(plain, model, opt)
         with DeviceAudit():
             step(model, opt, x, y)
-        return dict(loaded, variants=len(step._cache), devices_after_step=devices_of(opt))
+        return dict(loaded, variants=len(step._dispatch.cache), devices_after_step=devices_of(opt))
 
     for stage in (1, 3):
         seen[f"stage {stage}"] = attempt(after_a_step, stage)

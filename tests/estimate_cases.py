@@ -103,7 +103,7 @@ def compare(
     for t in state:
         tracker.track(_local(t))
     counter = CountCollectives()
-    executable = step._last.executable
+    executable = step._dispatch.last.executable
     graph_run = executable.run
     executable.run = lambda inputs: _counted(graph_run, inputs, counter)  # the step graph's collectives only
     with tracker:

@@ -89,7 +89,7 @@ def split_outputs_dropped(rank: int, world: int, out: str) -> None:
 # ----------------------------------------------------------------------------------------------- NVMe tier
 def current_copies(step: object) -> dict[str, str]:
     """The tier's current copy of every offloaded state of ``step``'s last call: path to sha256."""
-    store = step._last.offload
+    store = step._dispatch.last.offload
     paths = [state.block[state.current] for state in store.states.values()]
     return {path: sha256(path) for path in paths}
 

@@ -159,7 +159,7 @@ def params_in_files_ranks(rank: int, world: int, directory: str) -> None:
     assert held["memory"]["optimizer"] == held["nvme"]["optimizer"]  # offload_params alone: states stay
     storages = _shard_storages(model)
     assert all((n == 0) == name.endswith("weight") for name, n in storages.items()), storages
-    store = step._last.offload
+    store = step._dispatch.last.offload
     assert sum(os.path.getsize(os.path.join(store.path, f)) for f in os.listdir(store.path)) == 2 * sharded
     final = step.graphs["final"]
     reloads = [n for n in final.graph.nodes if n.target is torch.ops.zgraph.reload.default]
@@ -238,7 +238,7 @@ def params_eager_optimizer_ranks(rank: int, world: int, directory: str, split: b
             opt.zero_grad()
         results.append((losses, zgraph.full_state_dict(model)))
         if split and config.offload_params:  # both graphs of the split step read the shards through reloads
-            parts = forward_backward._last.split
+            parts = forward_backward._dispatch.last.split
             assert parts is not None and parts.forward_reloads and parts.backward_reloads
     assert same(results[0], results[1]), "an eager optimizer step over offloaded parameters differs"
 
@@ -250,7 +250,7 @@ def params_inductor_ranks(rank: int, world: int, directory: str) -> None:
     model, opt = make()
     step = make_step(with_offload(stage3(backend="inductor"), directory, optimizer=True))
     losses = [step(model, opt, x, y).item() for x, y in batches(rank, world)]
-    assert step._last.executable.backend == "inductor", step._last.executable.backend
+    assert step._dispatch.last.executable.backend == "inductor", step._dispatch.last.executable.backend
     assert same(expected, (losses, *zgraph.full_state_dict(model, opt)))
 
 
@@ -264,6 +264,6 @@ def params_recapture_ranks(rank: int, world: int, directory: str) -> None:
         for rows in (4, 3):
             got = step(model, opt, x[:rows], y[:rows]).item()
             assert got == plain(reference, ref_opt, x[:rows], y[:rows]).item(), rows
-    store = step._last.offload
+    store = step._dispatch.last.offload
     assert len(os.listdir(store.path)) == 2 * len(store.states) == 2 * (6 + 2 * 6)  # 6 shards, 12 states
     assert same(zgraph.full_state_dict(model, opt), zgraph.full_state_dict(reference, ref_opt))

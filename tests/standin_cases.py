@@ -73,7 +73,7 @@ def _observe(model: nn.Module, opt: torch.optim.Optimizer, step: Any, audit: Dev
         "step_devices": _devices([v for v in states if v.dim() == 0]),
         "loss_scale_devices": _devices(list(getattr(opt, "_zgraph_loss_scale", {}).values())),
         "reads": sorted(set(audit.reads)),
-        "variants": len(step._cache),
+        "variants": len(step._dispatch.cache),
         "graph_host_reads": host_reads_in_graphs(graphs),
         "flag_to_host": sum(1 for gm in graphs.values() for n in gm.graph.nodes if n.target is FLAG_TO_HOST),
         "explain": step.explain(),

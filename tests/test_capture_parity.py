@@ -199,7 +199,7 @@ def test_lr_scheduler_between_calls_takes_effect_without_retrace():
         return standard_step(model, opt, x, y)
 
     compiled = run_parity(step, make, batches(), between_calls=lambda state: state[2].step())
-    assert len(compiled._cache) == 1, "an LR change must not retrace"
+    assert len(compiled._dispatch.cache) == 1, "an LR change must not retrace"
 
 
 def _schedulers() -> dict[str, Callable]:
@@ -237,7 +237,7 @@ def test_lr_scheduler_stepped_inside_the_step(name):
     compiled = run_parity(step, make, batches(), between_calls=lambda state: lrs.append(_hparams(state[1])))
     assert lrs[0::2] == lrs[1::2], "learning rates and betas follow eager's"
     assert len(set(map(str, lrs))) > 1, "the schedule changed the learning rate"
-    assert len(compiled._cache) == 1
+    assert len(compiled._dispatch.cache) == 1
 
 
 def _hparams(opt: torch.optim.Optimizer) -> list:
@@ -293,7 +293,7 @@ def test_hyperparameters_are_graph_inputs_not_constants():
     compiled = run_parity(
         standard_step, lambda: _with_opt(mlp(), torch.optim.AdamW, lr=1e-2), batches(), between_calls=between
     )
-    assert len(compiled._cache) == 1
+    assert len(compiled._dispatch.cache) == 1
     hparams = [n for n in compiled.graphs["final"].graph.nodes if n.op == "placeholder" and "group0" in n.name]
     assert {n.meta["zgraph_input"].field for n in hparams} == {"lr", "beta1", "beta2", "eps", "weight_decay"}
 
@@ -322,7 +322,7 @@ def test_zero_grad_without_set_to_none():
 def test_new_batch_shape_retraces_and_stays_correct():
     data = batches(2, batch=6) + batches(2, batch=3, seed=5) + batches(1, batch=6, seed=6)
     compiled = run_parity(standard_step, lambda: _with_opt(mlp(), torch.optim.AdamW, lr=1e-2), data)
-    assert len(compiled._cache) == 2
+    assert len(compiled._dispatch.cache) == 2
 
 
 def test_small_gpt_adamw():

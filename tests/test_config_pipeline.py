@@ -108,7 +108,7 @@ def test_extra_pass_placed_after_a_named_pass():
         return gm
 
     step = zgraph.distribute(extra_passes=[Pass("noop", noop, after=default_pipeline()[0].name)])(_step)
-    assert [p.name for p in step._pipeline][1] == "noop"
+    assert [p.name for p in step._dispatch.pipeline][1] == "noop"
 
 
 def test_a_pass_that_breaks_its_contract_is_caught():

@@ -117,7 +117,7 @@ def test_cuda_autocast_is_part_of_the_guard_key():
         step(model, opt, x, y)
     finally:
         torch.set_autocast_enabled("cuda", False)
-    assert len(step._cache) == 2
+    assert len(step._dispatch.cache) == 2
 
 
 # --------------------------------------------------------------------------- the runtime on the stand-in

@@ -84,7 +84,7 @@ def test_estimate_before_the_first_call_changes_nothing():
     assert isinstance(e, zgraph.Estimate) and e.world_size == 4 and e.stage == 3
     for name, p in model.named_parameters():
         assert p is before[name][0] and p.grad is None and torch.equal(p, before[name][1])
-    assert not opt.state and not step._cache and not step._bindings
+    assert not opt.state and not step._dispatch.cache and not step._dispatch.session.bindings
     # stage 3 on 4 ranks: each rank holds a padded quarter of every parameter, gradient and Adam moment
     shard = sum(shard_rows(p.shape[0], 4) * p[0].numel() * 4 for p in model.parameters())
     assert e.params == sum(p.numel() for p in model.parameters())
@@ -187,7 +187,7 @@ def test_cli_bad_input_is_one_line_and_status_1(argv, says):
 def test_estimate_traces_once_unless_a_parameter_gets_no_gradient(monkeypatch, unused):
     """The first step's optimizer state is guessed before the trace (one trace); a parameter without a gradient
     gets none, as in a real first step, and the step is traced again without the guess."""
-    module = importlib.import_module("zgraph.inspect.estimate")
+    module = importlib.import_module("zgraph.capture.protocol")
     traces = []
     trace_step = module.trace_step
     monkeypatch.setattr(module, "trace_step", lambda *a, **k: traces.append(1) or trace_step(*a, **k))

@@ -25,7 +25,6 @@ import zgraph
 from zgraph.capture.cuda_trace import CudaTrace, cuda_sdpa_backend, cuda_trace
 from zgraph.cli import estimate as estimate_cli
 from zgraph.demos.models import GPT, GPTConfig, lm_loss
-from zgraph.inspect.estimate import estimate_step
 from zgraph.inspect.liveness import cuda_block_bytes, liveness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +45,7 @@ def _estimate(fn, model: nn.Module, batch: tuple, device: str, world: int = 1, *
     step = zgraph.distribute(backend="eager", **config)(fn)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # stage 3 keeping small parameters whole
-        return estimate_step(step, (model, opt, *batch), {}, world, device=device)
+        return step.estimate(model, opt, *batch, world_size=world, device=device)
 
 
 def test_cuda_plan_reduce_scatters_with_nccl():
@@ -249,10 +248,10 @@ def _linear_step(model: nn.Module, x: Tensor) -> None:
 def test_estimate_device_input():
     model = nn.Linear(4, 4)
     step = zgraph.distribute(backend="eager")(_linear_step)
-    assert estimate_step(step, (model, torch.randn(2, 4)), {}, device=torch.device("cuda")).device == "cuda"
-    assert estimate_step(step, (model, torch.randn(2, 4)), {}).device == "cpu"  # the parameters' device
+    assert step.estimate(model, torch.randn(2, 4), device=torch.device("cuda")).device == "cuda"
+    assert step.estimate(model, torch.randn(2, 4)).device == "cpu"  # the parameters' device
     with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
-        estimate_step(step, (model, torch.randn(2, 4)), {}, device="tpu")
+        step.estimate(model, torch.randn(2, 4), device="tpu")
 
 
 def test_cli_device_cuda():

@@ -93,7 +93,7 @@ def test_states_leave_memory_and_files_hold_them(tmp_path, fraction):
         step(model, opt, x, y)
     total = sum(2 * p.numel() * 4 for p in model.parameters())  # exp_avg, exp_avg_sq
     scalars = 4 * len(opt.state)  # each "step" count stays
-    store = step._last.offload
+    store = step._dispatch.last.offload
     assert store.bytes_total == total + (0 if fraction < 1 else 0)
     assert _state_bytes(opt) == total - store.bytes_offloaded + scalars
     assert store.bytes_offloaded >= fraction * total and (fraction > 0 or store.bytes_offloaded == 0)
@@ -121,7 +121,7 @@ def test_cpu_tier_on_cpu_is_the_identity():
     model, opt = make()
     step = make_step(config)
     step(model, opt, *batches()[0])
-    assert step._last.offload is None
+    assert step._dispatch.last.offload is None
     assert 'offload_optimizer="cpu": the identity here' in step.explain()
     assert same(train(BASE), train(config))
 
@@ -206,7 +206,7 @@ def test_another_batch_shape_recaptures_and_keeps_the_same_files(tmp_path):
             assert (
                 step(model, opt, x[:rows], y[:rows]).item() == eager_step(reference, ref_opt, x[:rows], y[:rows]).item()
             )
-    store = step._last.offload
+    store = step._dispatch.last.offload
     assert len(os.listdir(store.path)) == 2 * len(store.states) == 2 * 2 * 6  # exp_avg, exp_avg_sq of 6 params
 
 

@@ -58,7 +58,7 @@ def test_every_provided_property_has_a_checker():
 
 def test_final_graph_is_what_runs_and_the_rewrite_is_recorded(tmp_path):
     step = _run()
-    compiled = step._last
+    compiled = step._dispatch.last
     assert [r.name for r in compiled.backend_records] == ["reinplace"]
     final = step.graphs["final"]
     assert final is compiled.backend_records[-1].gm

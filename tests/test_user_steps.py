@@ -83,13 +83,13 @@ def test_plain_batch_object_is_an_input_not_a_constant(reuse):
         want = batch_step(ref_model, ref_opt, batch)
         assert_close(got, want, bitwise=True, what=f"call {call}: loss")
     compare_states((model, opt), (ref_model, ref_opt), bitwise=True, what="after the calls")
-    assert len(compiled._cache) == 1, "one capture for batches of the same shapes"
+    assert len(compiled._dispatch.cache) == 1, "one capture for batches of the same shapes"
 
 
 def test_user_dict_batch():
     data = [(collections.UserDict(x=x, y=y),) for x, y in batches()]
     compiled = run_parity(mapping_step, lambda: with_opt(torch.optim.AdamW, lr=1e-2), data)
-    assert len(compiled._cache) == 1, "one capture for batches of the same shapes"
+    assert len(compiled._dispatch.cache) == 1, "one capture for batches of the same shapes"
 
 
 class Weighted(nn.Module):

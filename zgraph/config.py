@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zgraph.passes import Pass, build_pipeline, default_pipeline
 from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
 
 _BACKENDS = ("inductor", "eager")
@@ -194,6 +195,11 @@ class Config:
             offload_fraction=self.offload_fraction,
             offload_params=self.offload_params,
         )
+
+    def pipeline(self) -> list[Pass]:
+        """The pass pipeline of a step of this config: the default one with these options, less
+        ``disable_passes``, plus ``extra_passes``."""
+        return build_pipeline(default_pipeline(**self.pipeline_options()), self.disable_passes, self.extra_passes)
 
     def _check_loss_scale(self) -> None:
         value = self.loss_scale
@@ -380,8 +386,6 @@ def _as_str_tuple(name: str, value: object) -> tuple[str, ...]:
 
 
 def _as_pass_tuple(value: object) -> tuple[Any, ...]:
-    from zgraph.passes import Pass
-
     if not isinstance(value, (list, tuple)):
         raise ValueError(
             f"Config.extra_passes must be a list of zgraph.passes.Pass or fn(gm, ctx) -> gm; got {value!r}"

@@ -6,7 +6,8 @@ of plain Python classes whose attributes hold tensors and no modules or optimize
 function returns). Everything else (tensors, modules, optimizers, numbers, strings, a trainer that holds a model)
 is a leaf. Paths are readable (``batch.x``, ``args[0]['ids']``) because they name graph inputs.
 
-Rebuilding never mutates the user's containers: it makes new ones of the same type.
+Rebuilding never mutates the user's containers: it makes new ones of the same type. A ``Slot`` is one settable
+place that holds a tensor (an attribute, an item, a closure cell): where capture swaps a traced stand-in in.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import copy
 import dataclasses
 import types
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,3 +119,31 @@ def structure_key(obj: object) -> tuple:
     if kids is None:
         return ()
     return (type(obj), tuple((suffix, structure_key(child)) for suffix, child in kids))
+
+
+@dataclass
+class Slot:
+    """A place that holds a tensor now: ``owner.key`` (``kind`` ``attr``), ``owner[key]`` (``item``), or a
+    closure cell's contents (``cell``)."""
+
+    owner: object
+    kind: str
+    key: str | int | None
+
+    def get(self) -> object:
+        if self.kind == "attr":
+            return getattr(self.owner, self.key)
+        if self.kind == "item":
+            return self.owner[self.key]
+        return self.owner.cell_contents
+
+    def set(self, value: object) -> None:
+        if self.kind == "attr":
+            if isinstance(self.owner, torch.nn.Module):
+                self.owner.__dict__[self.key] = value  # a plain attribute (not a parameter or buffer)
+            else:
+                object.__setattr__(self.owner, self.key, value)
+        elif self.kind == "item":
+            self.owner[self.key] = value
+        else:
+            self.owner.cell_contents = value

@@ -6,28 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from zgraph.binding.arguments import StepCall
 from zgraph.capture import update_rules as zopt
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, structure_key
 
 _STATE_TYPES = (nn.Module, torch.optim.Optimizer)
-
-
-def bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """``[(name, value)]`` of the call's arguments, named after the step's signature where possible."""
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
-    return list(bound.arguments.items())
 
 
 def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int], depth: int = 0) -> None:
@@ -47,15 +38,16 @@ def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int],
 
 
 def discover(
-    fn: Callable, args: tuple, kwargs: dict, observed: Sequence[tuple[str, Any]] = ()
-) -> tuple[list[tuple[str, nn.Module]], list]:
-    """Modules and optimizers a step uses: in its arguments (any nesting), the arguments a ``functools.partial``
-    binds, its closure, the globals it names, and ``observed`` (found while tracing an earlier call)."""
+    call: StepCall, observed: Sequence[tuple[str, object]] = ()
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, torch.optim.Optimizer]]]:
+    """Modules and optimizers a step call uses: in its arguments (any nesting), the arguments a
+    ``functools.partial`` binds, its closure, the globals it names, and ``observed`` (found while tracing an
+    earlier call)."""
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
-    for name, value in bound_arguments(fn, args, kwargs):
+    for name, value in call.arguments:
         _find_state(value, name, found, seen)
-    inner = fn
+    inner = call.fn
     while isinstance(inner, (functools.partial, types.MethodType)):
         if isinstance(inner, functools.partial):
             _find_state(list(inner.args), "partial.args", found, seen)
@@ -85,12 +77,12 @@ def discover(
 # ------------------------------------------------------------------------------------------------ guard key
 
 
-def named_objects(fn: Callable, args: tuple, kwargs: dict) -> dict[int, str]:
-    """``id -> name`` of the objects a step's arguments, globals and closure name directly."""
+def named_objects(call: StepCall) -> dict[int, str]:
+    """``id -> name`` of the objects a step call's arguments, globals and closure name directly."""
     names: dict[int, str] = {}
-    for name, value in bound_arguments(fn, args, kwargs):
+    for name, value in call.arguments:
         names.setdefault(id(value), name)
-    inner = fn
+    inner = call.fn
     while isinstance(inner, (functools.partial, types.MethodType)):
         inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
     code = getattr(inner, "__code__", None)

@@ -22,36 +22,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from zgraph.tree import Slot
+
 _MAX_DEPTH = 3
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, Tensor)
-
-
-@dataclass
-class Slot:
-    """A place that holds a tensor now: ``owner.key`` (``kind`` ``attr``), ``owner[key]`` (``item``), or a
-    closure cell's contents (``cell``)."""
-
-    owner: Any
-    kind: str
-    key: Any
-
-    def get(self) -> Any:
-        if self.kind == "attr":
-            return getattr(self.owner, self.key)
-        if self.kind == "item":
-            return self.owner[self.key]
-        return self.owner.cell_contents
-
-    def set(self, value: Any) -> None:
-        if self.kind == "attr":
-            if isinstance(self.owner, nn.Module):
-                self.owner.__dict__[self.key] = value  # a plain attribute (not a parameter or buffer)
-            else:
-                object.__setattr__(self.owner, self.key, value)
-        elif self.kind == "item":
-            self.owner[self.key] = value
-        else:
-            self.owner.cell_contents = value
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Binding a step's state, once per set of modules and optimizers: check, then lay it out.
+"""Binding a step's state, once per set of modules and optimizers: check, then lay it out — one set-up, for a call
+(``bind_state``) and for an estimate (``plan_state``).
 
 ``bind_state`` first checks everything that could refuse the state — its device against the group's backend and
 the offload tiers, the layout other steps gave its modules, one GPU per rank under NCCL — so that a refusal
@@ -6,16 +7,19 @@ leaves the model and optimizers as they were. Only then does it change them: mas
 the state's device), rank 0's initial parameters and buffers on every rank, the sharding plan applied, the
 offload store opened, and the collective cost model fitted (a collective on every rank, before any user code
 runs, so a failing capture cannot skip it).
+
+``plan_state`` lays out an estimate's meta stand-ins the same way (device, master dtype, loss-scale state,
+sharding plan) for a group that need not exist: nothing is broadcast, applied, opened or measured.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch import nn
 
 from zgraph.capture.precision import initial_loss_scale_state
 from zgraph.config import Config
+from zgraph.graph import CostModel
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.devices import check_served, served_backend, state_device
@@ -31,9 +35,12 @@ from zgraph.runtime.sharded_state import (
 )
 from zgraph.runtime.state import Binding, state_tensors
 
+Modules = list[tuple[str, nn.Module]]
+Optimizers = list[tuple[str, torch.optim.Optimizer]]
+
 
 def bind_state(
-    config: Config, group: ProcessGroupInfo, channel: Channel | None, modules: list, optimizers: list
+    config: Config, group: ProcessGroupInfo, channel: Channel | None, modules: Modules, optimizers: Optimizers
 ) -> Binding:
     """The binding of ``modules`` and ``optimizers`` for a step of ``config`` on ``group`` (module docstring).
     Collective (every rank of ``group`` calls it at the same point) where ``channel`` is given."""
@@ -44,9 +51,8 @@ def bind_state(
     check_owners(config.stage, group, binding)
     if channel is not None:
         check_one_device_per_rank(channel, group.backend, device)
-    binding.device, binding.backend = device, served_backend(group.backend, device.type)
-    convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
-    binding.loss_scale_state = _loss_scale_state(config, optimizers, device)
+    _lay_out(binding, config, device, _loss_scale_state(config, optimizers, device))
+    binding.backend = served_backend(group.backend, device.type)
     broadcast_initial_state(binding, group)
     binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold)
     apply_plan(binding.plan, binding)  # may replace parameters (stage 3)
@@ -59,7 +65,31 @@ def bind_state(
     return binding
 
 
-def _loss_scale_state(config: Config, optimizers: list[tuple[str, Any]], device: torch.device) -> dict:
+def plan_state(
+    config: Config,
+    group: ProcessGroupInfo,
+    modules: Modules,
+    optimizers: Optimizers,
+    device: torch.device,
+    cost_model: CostModel,
+) -> Binding:
+    """The binding an estimate plans with (module docstring): ``modules`` and ``optimizers`` hold meta stand-ins
+    of state that would live on ``device``; ``cost_model`` prices the collectives."""
+    binding = Binding(modules, optimizers)
+    _lay_out(binding, config, device, initial_loss_scale_state(config))
+    binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold, mesh=False)
+    binding.cost_model = cost_model
+    return binding
+
+
+def _lay_out(binding: Binding, config: Config, device: torch.device, loss_scale_state: dict) -> None:
+    """What a call and an estimate both do to the state: its device, master dtype and loss-scale state."""
+    binding.device = device
+    convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
+    binding.loss_scale_state = loss_scale_state
+
+
+def _loss_scale_state(config: Config, optimizers: Optimizers, device: torch.device) -> dict:
     """The loss-scale state the step starts from, on ``device``: the config's initial one, updated from what
     ``zgraph.load`` left on an optimizer before the first step; shared with every optimizer, whose
     ``_zgraph_loss_scale`` ``zgraph.save`` / ``load`` read and write."""

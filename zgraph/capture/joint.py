@@ -11,42 +11,23 @@ the runtime adds them to whatever ``.grad`` holds when the backward runs, as eag
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from zgraph.capture.trace import Traced, trace_step
+from zgraph.capture.captured import CaptureRequest, SplitInfo, Traced
+from zgraph.capture.trace import trace_step
 from zgraph.graph import BACKWARD, CUSTOM, PHASE
-from zgraph.runtime.state import Binding
 from zgraph.tree import iter_leaves
 
 TANGENT_PREFIX = "tangent"
 
 
-@dataclass
-class SplitInfo:
-    """What partitions a split step's joint graph and runs it.
-
-    Attributes:
-        positions: positions (among the step's returned tensors) of the outputs that carry a ``grad_fn``.
-        tangents: argument-leaf indices of the tangent inputs, one per position.
-        n_user: the step's own user tensors (the tangents follow them).
-        grad_inputs: argument-leaf indices of the step's tensors that require grad (their gradients are
-            returned by the backward, to flow upstream or land in ``.grad``).
-    """
-
-    positions: list[int]
-    tangents: list[int]
-    n_user: int
-    grad_inputs: list[int]
-
-
 def needs_split(traced: Traced) -> bool:
     """Whether the traced step returns tensors that require grad and ran no backward itself."""
-    if traced.captured is None or not traced.captured.grad_outputs:
+    if traced.captured is None or traced.gm is None or not traced.captured.grad_outputs:
         return False
     backward = lambda n: (n.meta.get(CUSTOM) or {}).get(PHASE) == BACKWARD
     return not any(backward(n) for n in traced.gm.graph.nodes)
@@ -65,25 +46,19 @@ def _without_grads(tensors: list[Tensor]) -> Iterator[None]:
             t.grad = grad
 
 
-def trace_joint(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    binding: Binding,
-    user_tensors: list[tuple[str, Tensor]],
-    config: Any,
-    swaps: list,
-    first: Traced,
-    meta_as: torch.device | None = None,
-) -> Traced:
-    """Trace ``fn`` with the backward of its grad-requiring outputs (found by the ``first`` trace) against
-    tangent inputs; the returned trace's ``captured.split`` is its ``SplitInfo``."""
+def trace_joint(request: CaptureRequest, first: Traced) -> Traced:
+    """Trace the request's step with the backward of its grad-requiring outputs (found by the ``first`` trace)
+    against tangent inputs; the returned trace's ``captured.split`` is its ``SplitInfo``."""
+    assert first.captured is not None
     specs = first.captured.grad_outputs
     positions = [position for position, *_ in specs]
-    where = (lambda device: "meta") if meta_as is not None else (lambda device: device)  # estimates hold no memory
-    tangents = [torch.zeros(shape, dtype=dtype, device=where(device)) for _, shape, dtype, device in specs]
+    estimate = request.meta_as is not None  # estimates hold no memory
+    tangents = [
+        torch.zeros(shape, dtype=dtype, device="meta" if estimate else device) for _, shape, dtype, device in specs
+    ]
+    fn = request.fn
 
-    def joint(step_args: tuple, step_kwargs: dict, traced_tangents: list[Tensor]) -> Any:
+    def joint(step_args: tuple, step_kwargs: dict, traced_tangents: list[Tensor]) -> object:
         result = fn(*step_args, **step_kwargs)
         kinds = (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
         returned = [leaf for _, leaf in iter_leaves(result, "") if isinstance(leaf, kinds)]
@@ -92,11 +67,15 @@ def trace_joint(
         return result
 
     joint.__name__, joint.__qualname__ = getattr(fn, "__name__", "step"), getattr(fn, "__qualname__", "step")
+    user_tensors = request.user_tensors
     n_user = len(user_tensors)
     all_user = [*user_tensors, *((f"{TANGENT_PREFIX}[{i}]", t) for i, t in enumerate(tangents))]
-    grads_of = [r.tensor for r in binding.params] + [t for _, t in user_tensors]
+    grads_of = [r.tensor for r in request.binding.params] + [t for _, t in user_tensors]
+    joint_request = dataclasses.replace(
+        request, fn=joint, args=(request.args, request.kwargs, tangents), kwargs={}, user_tensors=all_user
+    )
     with _without_grads(grads_of):
-        traced = trace_step(joint, (args, kwargs, tangents), {}, binding, all_user, config, swaps, meta_as)
+        traced = trace_step(joint_request)
     if traced.captured is not None:
         grad_inputs = [i for i, (_, t) in enumerate(user_tensors) if t.requires_grad]
         traced.captured.split = SplitInfo(positions, list(range(n_user, n_user + len(tangents))), n_user, grad_inputs)

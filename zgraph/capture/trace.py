@@ -17,7 +17,8 @@ How:
 
 Where: this module collects the graph inputs and traces the step once (``trace_step``), returning what the trace
 found (``Traced``: the graph, frozen constants, created optimizer state, or the unbound modules and optimizers it
-stopped at); the step decides whether to bind more and trace again, and ``finish`` functionalizes. The trace
+stopped at); the capture protocol (``zgraph.capture.protocol``) decides whether to bind more and trace again, and
+``finish`` functionalizes. The trace
 environment (swaps, autocast, restoring Python state, diagnosing failures) is ``zgraph.capture.environment``;
 optimizers and LR schedulers while tracing, ``zgraph.capture.optimizers``; functionalization and naming,
 ``zgraph.capture.functionalize``.
@@ -36,20 +37,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
-from torch import Tensor, nn
+from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture import update_rules as zopt
-from zgraph.capture.collectives import functional_c10d, untraceable_collective
+from zgraph.capture.captured import CapturedGraph, CaptureRequest, Returned, Traced
+from zgraph.capture.collectives import functional_c10d
 from zgraph.capture.environment import (
     UnboundState,
     autocast_forwards,
@@ -64,7 +63,6 @@ from zgraph.capture.environment import (
     trace,
     watch_unbound_state,
 )
-from zgraph.capture.functionalize import functionalize
 from zgraph.capture.generator_state import generator_state_ops
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
@@ -73,76 +71,6 @@ from zgraph.graph import GraphInput, GraphOutput
 from zgraph.ops import grad_contribution
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
-
-
-@dataclass
-class CapturedGraph:
-    """The captured step and what is needed to run it again.
-
-    Attributes:
-        gm: the functional graph (see the module docstring for its contract).
-        result_template: the step's return value with each graph-returned leaf replaced by ``_Returned(i)``.
-        none_grads: parameter indices whose ``.grad`` is None after the step.
-        none_input_grads: argument-leaf indices whose ``.grad`` is None after the step.
-        constant_state: non-tensor optimizer state the step sets: ``(optimizer, param, key, value)``.
-        training_flags: ``(module, training)`` to restore where the step called ``train()``/``eval()``.
-        created_state: ``(optimizer, param)`` pairs whose state the step created (first optimizer step).
-        updated_state: ``(optimizer, param)`` pairs whose state a zgraph optimizer kernel updated.
-        optimizers_stepped: indices of optimizers whose ``step()`` the step called.
-        scheduler_steps: LR schedulers whose ``step()`` the step called, in call order, each as
-            ``(scheduler, before_update)``: they run eagerly around the graph on every call (``before_update``:
-            before the graph, so its optimizer update reads the new values, as in eager; else after it).
-        python_results: ``(path, value)`` of the Python numbers in the step's return value: computed once, while
-            capturing, and returned unchanged by every call.
-        grad_outputs: ``(position, shape, dtype, device)`` of the returned tensors that require grad.
-        split: set on a split step (``zgraph.capture.joint``): what partitions its joint graph and runs its backward.
-    """
-
-    gm: fx.GraphModule
-    result_template: Any
-    none_grads: list[int] = field(default_factory=list)
-    none_input_grads: list[int] = field(default_factory=list)
-    constant_state: list[tuple[int, int, str, Any]] = field(default_factory=list)
-    training_flags: list[tuple[nn.Module, bool]] = field(default_factory=list)
-    created_state: list[tuple[int, int]] = field(default_factory=list)
-    updated_state: list[tuple[int, int]] = field(default_factory=list)
-    optimizers_stepped: list[int] = field(default_factory=list)
-    scheduler_steps: list[tuple[LRScheduler, bool]] = field(default_factory=list)
-    python_results: list[tuple[str, Any]] = field(default_factory=list)
-    grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
-    split: Any = None
-
-
-class _Returned:
-    """Stands for the ``position``-th graph-returned leaf in a result template (deliberately not a dataclass:
-    templates are walked by ``zgraph.tree``, which would look inside one)."""
-
-    __slots__ = ("position",)
-
-    def __init__(self, position: int):
-        self.position = position
-
-
-@dataclass
-class Traced:
-    """What one trace of the step found; the step decides what to do with it (bind more state and trace again,
-    create optimizer state and trace again, or finish the graph: ``finish``).
-
-    Attributes:
-        unbound: the trace stopped at modules or optimizers zgraph has not bound (the rest is then empty).
-        gm: the traced graph, still mutating its inputs.
-        captured: what the trace recorded (``gm`` not set yet; ``created_state``: optimizer state it created).
-        constants: real tensors the trace froze into ``gm`` (read from places zgraph did not swap).
-    """
-
-    unbound: UnboundState | None = None
-    gm: fx.GraphModule | None = None
-    captured: CapturedGraph | None = None
-    constants: list[Tensor] = field(default_factory=list)
-    specs: list[GraphInput] = field(default_factory=list)
-    roles: list[GraphOutput] = field(default_factory=list)
-    fakes: list[Tensor] = field(default_factory=list)
-    mode: FakeTensorMode | None = None
 
 
 @dataclass
@@ -215,83 +143,95 @@ def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs, meta_as: torch.device | 
     return fakes
 
 
-def trace_step(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    binding: Binding,
-    user_tensors: list[tuple[str, Tensor]],
-    config: Any,
-    swaps: list[tuple[Any, Tensor]] = (),
-    meta_as: torch.device | None = None,
-) -> Traced:
-    """Trace ``fn(*args, **kwargs)`` once on fake tensors, with ``config``'s precision handling (compute dtype,
-    loss scaling, clipping: see ``zgraph.capture.precision``).
+def trace_step(request: CaptureRequest) -> Traced:
+    """Trace the request's step once on fake tensors, with its config's precision handling (compute dtype, loss
+    scaling, clipping: see ``zgraph.capture.precision``).
 
-    ``user_tensors`` are the tensors the step reads that are not bound state: leaves of its arguments, and
-    tensors located elsewhere (``zgraph.binding.locate``); the traced step receives its arguments with bound parameters,
-    buffers and user tensors replaced by their traced stand-ins, and ``swaps`` are ``(slot, tensor)`` pairs whose
-    slot gets the tensor's stand-in while tracing; meta tensors stand for tensors on ``meta_as`` when it is given.
-    Returns what the trace found (``Traced``).
+    The traced step receives its arguments with bound parameters, buffers and user tensors (see
+    ``CaptureRequest``) replaced by their traced stand-ins; each swap's slot holds its tensor's stand-in while
+    tracing. Returns what the trace found (``Traced``).
     """
+    binding, user_tensors = request.binding, request.user_tensors
     inputs = collect_inputs(binding, user_tensors)
-    for spec, value in zip(inputs.specs, inputs.values):
-        if spec.kind == "hparam":
-            continue
-        if not isinstance(value, Tensor) or value.is_sparse:
-            raise CaptureError(f"{spec.name}: only dense tensors can be graph inputs, got {type(value).__name__}")
+    _check_dense(inputs)
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
-    fakes = _fake_inputs(mode, inputs, meta_as)
-    found: dict[str, Any] = {}
+    fakes = _fake_inputs(mode, inputs, request.meta_as)
+    found: list[tuple[CapturedGraph, list[GraphOutput]]] = []
     grad_enabled = torch.is_grad_enabled()
 
-    def traced_step(*flat: Tensor) -> list[Any]:
+    def traced_step(*flat: Tensor) -> list[object]:
         state = _unpack(inputs.specs, flat, binding, len(user_tensors))
-        kept = kept_in_own_dtype(binding, config.keep_fp32_modules) if config.param_dtype is not None else set()
-        precision = TracePrecision(
-            config, {id(p): p for p in state.params}, state.loss_state, {id(state.params[i]) for i in kept}
-        )
-        for i, p in enumerate(state.params):
-            if p.requires_grad:
-                p.register_hook(lambda g, i=i: grad_contribution(precision.unscale_contribution(g), i))
-        step_trace = Trace(binding, config, state.params, state.states, state.hparams, precision)
+        step_trace = _step_trace(request, state)
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = group_values(binding)
-        with _environment(binding, config, state, swaps, user_tensors, step_trace, grad_enabled) as traced:
-            result = fn(*_substitute(args, traced), **_substitute(kwargs, traced))
+        with _environment(request, state, step_trace, grad_enabled) as traced:
+            result = request.fn(*_substitute(request.args, traced), **_substitute(request.kwargs, traced))
             _refuse_deferred(result)
             final = _final_state(binding, state.params)
-            if group_values(binding) != groups_before:
-                raise CaptureError(
-                    "the step changed optimizer param_groups values (e.g. lr) while it ran; in a zgraph step that "
-                    "change would be baked into the graph as a constant. Set them before calling the step, or use "
-                    "an LR scheduler (its step(), inside the step or between calls, runs eagerly around the "
-                    "graph): they are graph inputs."
-                )
+            _refuse_changed_groups(binding, groups_before)
             with torch.no_grad():
-                final_loss_state = precision.finish_step([p.grad for p in state.params if p.grad is not None])
-        captured = CapturedGraph(gm=None, result_template=None)  # type: ignore[arg-type]
+                grads = [p.grad for p in state.params if p.grad is not None]
+                final_loss_state = step_trace.precision.finish_step(grads)
+        captured = CapturedGraph(gm=None, result_template=None)
         captured.training_flags = [(m, m.training) for m, before in flags_before if m.training != before]
         outs, roles = _outputs(captured, result, binding, state, final, user_tensors, final_loss_state)
-        captured.created_state = step_trace.created
-        captured.updated_state = step_trace.updated
-        captured.optimizers_stepped = sorted(set(step_trace.stepped))
-        captured.scheduler_steps = scheduler_order(step_trace)
-        found.update(captured=captured, roles=roles)
+        _record(captured, step_trace)
+        found.append((captured, roles))
         return outs
 
     try:
-        gm = trace(traced_step, fakes, mode, fn)
+        gm = trace(traced_step, fakes, mode, request.fn)
     except UnboundState as unbound:
         return Traced(unbound=unbound)
     constants = real_constants(gm)
     for t in constants:
         if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
             t.grad = None
-    return Traced(None, gm, found["captured"], constants, inputs.specs, found["roles"], fakes, mode)
+    captured, roles = found[-1]
+    return Traced(None, gm, captured, constants, inputs.specs, roles, fakes, mode)
 
 
-def _refuse_deferred(result: Any) -> None:
+def _check_dense(inputs: _Inputs) -> None:
+    for spec, value in zip(inputs.specs, inputs.values):
+        if spec.kind == "hparam":
+            continue
+        if not isinstance(value, Tensor) or value.is_sparse:
+            raise CaptureError(f"{spec.name}: only dense tensors can be graph inputs, got {type(value).__name__}")
+
+
+def _step_trace(request: CaptureRequest, state: _TracedState) -> Trace:
+    """The trace's record of optimizers and precision, with each traced parameter's gradient hooked so that
+    every contribution passes through ``zgraph::grad_contribution``."""
+    binding, config = request.binding, request.config
+    kept = kept_in_own_dtype(binding, config.keep_fp32_modules) if config.param_dtype is not None else set()
+    precision = TracePrecision(
+        config, {id(p): p for p in state.params}, state.loss_state, {id(state.params[i]) for i in kept}
+    )
+    for i, p in enumerate(state.params):
+        if p.requires_grad:
+            p.register_hook(lambda g, i=i: grad_contribution(precision.unscale_contribution(g), i))
+    return Trace(binding, config, state.params, state.states, state.hparams, precision)
+
+
+def _refuse_changed_groups(binding: Binding, before: object) -> None:
+    if group_values(binding) != before:
+        raise CaptureError(
+            "the step changed optimizer param_groups values (e.g. lr) while it ran; in a zgraph step that "
+            "change would be baked into the graph as a constant. Set them before calling the step, or use "
+            "an LR scheduler (its step(), inside the step or between calls, runs eagerly around the "
+            "graph): they are graph inputs."
+        )
+
+
+def _record(captured: CapturedGraph, step_trace: Trace) -> None:
+    """What the optimizers and LR schedulers did while traced."""
+    captured.created_state = step_trace.created
+    captured.updated_state = step_trace.updated
+    captured.optimizers_stepped = sorted(set(step_trace.stepped))
+    captured.scheduler_steps = scheduler_order(step_trace)
+
+
+def _refuse_deferred(result: object) -> None:
     """A generator (or coroutine) step has not run when it returns: nothing of it would be captured."""
     if inspect.isgenerator(result) or inspect.isasyncgen(result) or inspect.iscoroutine(result):
         raise CaptureError(
@@ -302,22 +242,7 @@ def _refuse_deferred(result: Any) -> None:
         )
 
 
-def finish(traced: Traced) -> CapturedGraph:
-    """The captured step graph from a complete trace: refuses collectives zgraph cannot trace, then
-    functionalizes (``zgraph.capture.functionalize``)."""
-    collective = untraceable_collective(traced.gm)
-    if collective is not None:
-        raise CaptureError(
-            f"the step calls a torch.distributed collective zgraph cannot trace ({collective}); inside a step "
-            "use torch.distributed.all_reduce, broadcast, all_gather_into_tensor or reduce_scatter_tensor on "
-            "tensors (traced as functional collectives), or torch.distributed._functional_collectives"
-        )
-    captured = traced.captured
-    captured.gm = functionalize(traced.gm, traced.specs, traced.fakes, traced.mode, traced.roles)
-    return captured
-
-
-def _substitute(obj: Any, traced: dict[int, Tensor]) -> Any:
+def _substitute(obj: object, traced: dict[int, Tensor]) -> object:
     """``obj`` with each tensor leaf that has a traced stand-in replaced by it."""
     return map_leaves(obj, lambda _path, leaf: traced.get(id(leaf), leaf) if isinstance(leaf, Tensor) else leaf)
 
@@ -328,7 +253,7 @@ class _TracedState:
 
     params: list[Tensor]
     buffers: list[Tensor | None]
-    states: dict[tuple[int, int], dict[str, Any]]
+    states: dict[tuple[int, int], dict[str, object]]
     hparams: dict[tuple[int, int], dict[str, Tensor]]
     user: list[Tensor]
     loss_state: dict[str, Tensor]
@@ -346,7 +271,7 @@ def _unpack(specs: list[GraphInput], flat: tuple, binding: Binding, n_user: int)
     buffers = [by_kind["buffer"].get(r.index) for r in binding.buffers]
     for i, grad in by_kind["grad"].items():
         params[i].grad = grad
-    states: dict[tuple[int, int], dict[str, Any]] = defaultdict(dict)
+    states: dict[tuple[int, int], dict[str, object]] = defaultdict(dict)
     for o in binding.optimizers:
         for i in {i for indices in o.group_params for i in indices}:
             for key, value in binding.optimizer_state(o.index, i).items():
@@ -363,16 +288,11 @@ def _unpack(specs: list[GraphInput], flat: tuple, binding: Binding, n_user: int)
 
 @contextlib.contextmanager
 def _environment(
-    binding: Binding,
-    config: Any,
-    state: _TracedState,
-    swaps: list[tuple[Any, Tensor]],
-    user_tensors: list[tuple[str, Tensor]],
-    step_trace: Trace,
-    grad_enabled: bool,
+    request: CaptureRequest, state: _TracedState, step_trace: Trace, grad_enabled: bool
 ) -> Iterator[dict[int, Tensor]]:
     """Everything the user's step runs under while traced (``zgraph.capture.environment``,
     ``zgraph.capture.optimizers``); yields ``id`` of each real tensor -> its traced stand-in."""
+    binding, config, user_tensors = request.binding, request.config, request.user_tensors
     params, buffers, user = state.params, state.buffers, state.user
     traced = {id(r.tensor): params[r.index] for r in binding.params}
     traced.update({id(t): user[i] for i, (_, t) in enumerate(user_tensors)})
@@ -384,7 +304,7 @@ def _environment(
         stack.enter_context(restore_python_state_on_error(binding))
         stack.enter_context(refuse_created_state(binding))
         stack.enter_context(swap_module_tensors(binding, params, buffers))
-        stack.enter_context(swap_slots(swaps, traced))
+        stack.enter_context(swap_slots(list(request.swaps), traced))
         stack.enter_context(watch_unbound_state(binding))
         stack.enter_context(
             data_assignment_as_copy(
@@ -423,32 +343,32 @@ def _final_state(binding: Binding, params: list[Tensor]) -> tuple[list, dict]:
 
 def _outputs(
     captured: CapturedGraph,
-    result: Any,
+    result: object,
     binding: Binding,
     state: _TracedState,
     final: tuple[list, dict],
     user_tensors: list[tuple[str, Tensor]],
     final_loss_state: dict[str, Tensor],
-) -> tuple[list[Any], list[GraphOutput]]:
+) -> tuple[list[object], list[GraphOutput]]:
     """The traced step's outputs and their roles: the result's tensors, then every piece of state (unchanged
     state is dropped later); fills the result template and what the runtime restores on ``captured``."""
     params, user = state.params, state.user
     final_buffers, final_states = final
-    outs: list[Any] = []
+    outs: list[object] = []
     roles: list[GraphOutput] = []
 
-    def returned(path: str, leaf: Any) -> Any:
+    def returned(path: str, leaf: object) -> object:
         if isinstance(leaf, (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 captured.grad_outputs.append((len(outs), tuple(leaf.shape), leaf.dtype, leaf.device))
             outs.append(leaf)
             roles.append(GraphOutput("user", path, len(roles)))
-            return _Returned(len(outs) - 1)
+            return Returned(len(outs) - 1)
         if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
             captured.python_results.append((f"result{path}", leaf))
         return leaf
 
-    def out(value: Any, role: GraphOutput) -> None:
+    def out(value: object, role: GraphOutput) -> None:
         outs.append(value)
         roles.append(role)
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from zgraph.config import Config
 from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
 from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.binding.arguments import StepCall
 from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model
 
@@ -127,16 +128,14 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
 def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
     """Estimate one setting at one micro-batch (the model on the meta device; collectives priced as NCCL's: on
     ``cuda`` by this machine's NCCL measurement when it has one, else analytically)."""
-    from zgraph.step import distribute
-
     build, vocab, _ = MODELS[setting.model]
     with torch.device("meta"):
         model = build()
         idx = torch.zeros(micro_batch, setting.seq, dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = distribute(setting.config())(_train_step)
+    call = StepCall.of(_train_step, (model, opt, idx, idx), {})
     with _gc_paused():
-        return estimate_step(step, (model, opt, idx, idx), {}, setting.world, _cost_model(setting), setting.device)
+        return estimate_step(call, setting.config(), setting.world, _cost_model(setting), setting.device)
 
 
 def _cost_model(setting: Setting) -> CostModel:

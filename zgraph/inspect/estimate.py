@@ -20,8 +20,8 @@ for. For ``"cuda"`` the group's backend is NCCL (the passes lower reduce-scatter
 collectives are priced by the NCCL cost model this machine has measured, else the analytical one), offload to host
 memory moves state as it does from a GPU, and liveness counts CUDA caching-allocator blocks and NCCL's collectives
 (``zgraph.inspect.liveness``). Where this torch can trace CUDA tensors the stand-ins are CUDA fakes (torch's own
-autocast and attention choice); elsewhere they are CPU fakes traced under ``zgraph.capture.cuda_trace``, which makes attention and
-autocast CUDA's.
+autocast and attention choice); elsewhere they are CPU fakes traced under ``zgraph.capture.cuda_trace``, which makes
+attention and autocast CUDA's.
 """
 
 from __future__ import annotations
@@ -34,16 +34,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from zgraph.binding.arguments import StepCall
 from zgraph.binding.guards import discover
+from zgraph.binding.session import user_tensors
+from zgraph.binding.setup import plan_state
+from zgraph.capture.captured import CapturedGraph, CaptureRequest, Traced
 from zgraph.capture.cuda_trace import cuda_trace
-from zgraph.capture.joint import needs_split, trace_joint
-from zgraph.capture.optimizers import create_first_state, drop_state, first_state_candidates
-from zgraph.capture.precision import initial_loss_scale_state
-from zgraph.capture.trace import CapturedGraph, finish, trace_step
-from zgraph.compile.variant import lower, pass_context
+from zgraph.capture.protocol import capture
+from zgraph.compile.build import pass_context
+from zgraph.compile.lower import lower
+from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
@@ -63,7 +67,6 @@ from zgraph.passes import run_pipeline
 from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
 from zgraph.runtime.devices import served_backend
 from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
-from zgraph.runtime.sharded_state import convert_master_dtype, make_plan
 from zgraph.runtime.state import Binding
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
@@ -141,40 +144,27 @@ class EstimateError(CaptureError):
 
 
 def estimate_step(
-    step: Any,
-    args: tuple,
-    kwargs: dict,
+    call: StepCall,
+    config: Config,
     world_size: int | None = None,
     cost_model: CostModel | None = None,
     device: str | torch.device | None = None,
 ) -> Estimate:
-    """The ``Estimate`` of ``step`` (a ``DistributedStep``) called with ``args`` / ``kwargs`` on ``world_size``
-    ranks (None: the current world), planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None:
-    the device of the model's parameters, else the CPU). ``cost_model``: prices collectives (default: the one the
-    step would plan with for the backend that serves the device)."""
+    """The ``Estimate`` of a step of ``config`` making ``call`` on ``world_size`` ranks (None: the current world),
+    planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None: the device of the model's
+    parameters, else the CPU). ``cost_model``: prices collectives (default: the one the step would plan with for
+    the backend that serves the device)."""
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    config = step.config
-    shadow_args, shadow_kwargs, found = _shadow(step._fn, args, kwargs)
+    shadow, found = _shadow(call)
     device = _planned_device(device, found)
     group = _group(world_size, device)
-    modules, optimizers = discover(step._fn, shadow_args, shadow_kwargs)
-    binding = Binding(modules, optimizers)
-    binding.device = device
-    convert_master_dtype(binding, config.master_dtype, config.optimizer_state_dtype)
-    binding.loss_scale_state = initial_loss_scale_state(config)
-    binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold, mesh=False)
-    binding.cost_model = cost_model or _cost_model(config, group, device)
-    user_tensors = step._user_tensors(binding, shadow_args, shadow_kwargs)
-    emulated = device.type == "cuda" and not torch.cuda.is_available()  # CPU fakes under CUDA's attention, autocast
-    traced_on = torch.device("cpu") if emulated else device
-    trace_config = dataclasses.replace(config, autocast_dtype=None) if emulated else config
-    with cuda_trace([m for _, m in modules], config.autocast_dtype) if emulated else contextlib.nullcontext():
-        captured = _capture(step._fn, shadow_args, shadow_kwargs, binding, user_tensors, trace_config, traced_on)
+    modules, optimizers = discover(shadow)
+    binding = plan_state(config, group, modules, optimizers, device, cost_model or _cost_model(config, group, device))
+    captured = _capture(shadow, binding, config, device)
     ctx = pass_context(binding)
-    records = run_pipeline(captured.gm, ctx, step._pipeline, keep=False)  # only the final graph is read
+    records = run_pipeline(captured.gm, ctx, config.pipeline(), keep=False)  # only the final graph is read
     transformed = records[-1].gm if records else captured.gm
-
     backend_records, _ = lower(transformed, ctx, "eager", keep=False)  # the eager backend's rewrites: what runs
     final = backend_records[-1].gm
     live = liveness(final, device.type)
@@ -198,6 +188,36 @@ def estimate_step(
     )
 
 
+def _capture(call: StepCall, binding: Binding, config: Config, device: torch.device) -> CapturedGraph:
+    """The step captured on the stand-ins by the capture protocol (``zgraph.capture.protocol``), as a call would
+    capture it; on ``"cuda"`` where this torch cannot trace CUDA tensors, as CPU fakes under CUDA's attention and
+    autocast (``zgraph.capture.cuda_trace``)."""
+    emulated = device.type == "cuda" and not torch.cuda.is_available()
+    request = CaptureRequest(
+        fn=call.fn,
+        args=call.args,
+        kwargs=call.kwargs,
+        binding=binding,
+        user_tensors=user_tensors(binding, call),
+        config=dataclasses.replace(config, autocast_dtype=None) if emulated else config,
+        meta_as=torch.device("cpu") if emulated else device,
+    )
+    modules = [m for _, m in binding.modules]
+    with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext():
+        captured = capture(request, _refuse_unbound)
+    assert isinstance(captured, CapturedGraph)  # _refuse_unbound never asks to bind more
+    return captured
+
+
+def _refuse_unbound(traced: Traced) -> None:
+    """An estimate binds once: a step that reaches modules or optimizers outside its arguments is refused."""
+    if traced.unbound is not None:
+        raise EstimateError(
+            "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
+            "arguments"
+        )
+
+
 def _planned_device(device: str | torch.device | None, found: torch.device) -> torch.device:
     """The device an estimate plans for: ``device`` (a device type of ``DEVICES``), else ``found``, the device of
     the model's parameters."""
@@ -212,7 +232,7 @@ def _planned_device(device: str | torch.device | None, found: torch.device) -> t
     return planned
 
 
-def _collectives(gm: Any, cost_model: CostModel) -> tuple[dict, dict, dict, dict]:
+def _collectives(gm: fx.GraphModule, cost_model: CostModel) -> tuple[dict, dict, dict, dict]:
     """Per collective kind: count, bytes and seconds; and the count per op name."""
     counts: dict[str, int] = {}
     sent: dict[str, int] = {}
@@ -244,7 +264,7 @@ def _group(world_size: int | None, device: torch.device) -> ProcessGroupInfo:
     return ProcessGroupInfo(0, world_size, ESTIMATE_GROUP, backend)
 
 
-def _cost_model(config: Any, group: ProcessGroupInfo, device: torch.device) -> CostModel:
+def _cost_model(config: Config, group: ProcessGroupInfo, device: torch.device) -> CostModel:
     """The cost model the real step would plan with: its cached measurement for this world size (when it measures
     collectives), else the analytical model of the backend it would use."""
     backend = group.backend
@@ -262,12 +282,12 @@ def _meta(t: Tensor) -> Tensor:
     return t.detach()
 
 
-def _shadow(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.device]:
+def _shadow(call: StepCall) -> tuple[StepCall, torch.device]:
     """Copies of the arguments whose modules and optimizers hold meta stand-ins of every tensor (tied tensors
     stay tied, tensors outside modules and optimizers are shared, not copied), and the device the stand-ins
     stand for."""
-    modules, optimizers = discover(fn, args, kwargs)
-    memo: dict[int, Any] = {}
+    modules, optimizers = discover(call)
+    memo: dict[int, object] = {}
     devices = []
     grads = []
     for _, root in modules:
@@ -284,12 +304,13 @@ def _shadow(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.devi
             for value in state.values():
                 if isinstance(value, Tensor) and value.dim() > 0:
                     memo.setdefault(id(value), _meta(value))
-    _share_other_tensors((args, kwargs), memo)
-    shadow_args, shadow_kwargs = copy.deepcopy((args, kwargs), memo)
+    _share_other_tensors((call.args, call.kwargs), memo)
+    shadow_args, shadow_kwargs = copy.deepcopy((call.args, call.kwargs), memo)
+    shadow = StepCall.of(call.fn, shadow_args, shadow_kwargs)
     for p, grad in grads:
         p.grad = grad
     ids = {id(obj) for _, obj in [*modules, *optimizers]}
-    copied_modules, copied_optimizers = discover(fn, shadow_args, shadow_kwargs)
+    copied_modules, copied_optimizers = discover(shadow)
     left = [name for name, obj in [*copied_modules, *copied_optimizers] if id(obj) in ids]
     if left:
         raise EstimateError(
@@ -297,10 +318,10 @@ def _shadow(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.devi
             f"them; it reaches {', '.join(left)} through its closure or globals. Pass them as arguments."
         )
     real = [d for d in devices if d.type != "meta"]
-    return shadow_args, shadow_kwargs, real[0] if real else torch.device("cpu")
+    return shadow, real[0] if real else torch.device("cpu")
 
 
-def _share_other_tensors(value: Any, memo: dict[int, Any]) -> None:
+def _share_other_tensors(value: object, memo: dict[int, object]) -> None:
     """Map every tensor among the arguments that is not a module's or optimizer's to itself (shared, not copied)."""
     if isinstance(value, Tensor):
         memo.setdefault(id(value), value)
@@ -312,47 +333,12 @@ def _share_other_tensors(value: Any, memo: dict[int, Any]) -> None:
             _share_other_tensors(v, memo)
 
 
-def _capture(
-    fn: Any,
-    args: tuple,
-    kwargs: dict,
-    binding: Binding,
-    user_tensors: list,
-    config: Any,
-    device: torch.device,
-) -> CapturedGraph:
-    """Capture the step on the stand-ins: trace, create a first step's optimizer state (meta) and trace again,
-    trace forward and backward together for a step returning outputs with a grad_fn.
-
-    The state a first step creates is guessed (every parameter that requires grad gets a gradient) and created
-    before the first trace: when the trace updates all of it, that trace is the one the second would be, and the
-    step is traced once; else the state it did not update is dropped and the step traced again."""
-    guessed = first_state_candidates(binding)
-    create_first_state(binding, guessed, config.optimizer_state_dtype)
-    traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
-    if traced.unbound is not None:
-        raise EstimateError(
-            "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
-            "arguments"
-        )
-    updated = set(traced.captured.updated_state)
-    missed = [pair for pair in guessed if pair not in updated]  # parameters the step gave no gradient
-    if missed:
-        drop_state(binding, missed)
-        traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
-    if traced.captured.created_state and create_first_state(
-        binding, traced.captured.created_state, config.optimizer_state_dtype
-    ):
-        traced = trace_step(fn, args, kwargs, binding, user_tensors, config, (), device)
-    if needs_split(traced):
-        traced = trace_joint(fn, args, kwargs, binding, user_tensors, config, [], traced, device)
-    return finish(traced)
-
-
-def _model_state(final: Any, captured: CapturedGraph, binding: Binding, config: Any, device: str) -> dict[str, int]:
+def _model_state(
+    final: fx.GraphModule, captured: CapturedGraph, binding: Binding, config: Config, device: str
+) -> dict[str, int]:
     """Bytes of the state the graph leaves: each piece's output value, else its input (``.grad`` the step sets
     to None excepted); on ``"cuda"``, each tensor's allocator block."""
-    after: dict[tuple, Any] = {}
+    after: dict[tuple, tuple] = {}
     for node in placeholders(final):
         spec = node.meta[INPUT]
         if spec.kind in STATE_KINDS and not (spec.kind == "grad" and spec.index in captured.none_grads):

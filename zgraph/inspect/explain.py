@@ -7,10 +7,11 @@ import os
 import re
 from collections import Counter
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from zgraph.compile.variant import CompiledStep
+from zgraph.config import Config
 from zgraph.graph import (
     COLLECTIVE,
     COLLECTIVE_KINDS,
@@ -23,9 +24,6 @@ from zgraph.graph import (
 from zgraph.ops import UNSHARD
 from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import estimate
-
-if TYPE_CHECKING:
-    from zgraph.step import CompiledStep
 
 _SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
@@ -57,7 +55,7 @@ def _cell(summary: dict[str, tuple[int, int]], kind: str) -> str:
     return f"{count} ({human_bytes(size)})"
 
 
-def explain_table(compiled: CompiledStep, config: Any) -> str:
+def explain_table(compiled: CompiledStep, config: Config) -> str:
     """The pipeline as a table: one row per graph (captured, each pass, final)."""
     rows = [("captured", compiled.captured.gm, compiled.capture_seconds, "trace + functionalize")]
     rows += [(r.name, r.gm, r.seconds, r.doc) for r in compiled.records]
@@ -96,7 +94,7 @@ def explain_table(compiled: CompiledStep, config: Any) -> str:
     return "\n".join(lines)
 
 
-def _sharding_lines(params: tuple[ParamInfo, ...], config: Any) -> list[str]:
+def _sharding_lines(params: tuple[ParamInfo, ...], config: Config) -> list[str]:
     """Stage 3: how many parameters (and bytes) are sharded, and how many stay whole under the threshold."""
     if config.stage < 3 or not params:
         return []
@@ -109,7 +107,7 @@ def _sharding_lines(params: tuple[ParamInfo, ...], config: Any) -> list[str]:
     ]
 
 
-def _reuse_lines(compiled: CompiledStep, config: Any) -> list[str]:
+def _reuse_lines(compiled: CompiledStep, config: Config) -> list[str]:
     """Stage 3 with ``max_reuse_distance``: how many parameters ``shard_params`` kept gathered from one use
     region into the next."""
     record = next((r for r in compiled.records if r.name == "shard_params"), None)

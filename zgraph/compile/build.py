@@ -1,0 +1,74 @@
+"""From a captured graph to a compiled variant: what the passes know of the bound state (``pass_context``), the
+pass pipeline, lowering for the backend (both halves of a split step), and the fingerprint the ranks compare."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zgraph.capture.captured import CapturedGraph
+from zgraph.compile.lower import lower, lower_split
+from zgraph.compile.variant import CompiledStep
+from zgraph.graph import ParamInfo, input_specs, output_roles
+from zgraph.passes import Pass, PassContext, run_pipeline
+from zgraph.runtime.consistency import describe_collectives, describe_graph, digest
+from zgraph.runtime.state import Binding
+
+
+def compile_step(
+    captured: CapturedGraph, binding: Binding, pipeline: Sequence[Pass], backend: str, capture_seconds: float
+) -> CompiledStep:
+    """Transform ``captured`` with ``pipeline`` and compile it for ``backend``."""
+    assert captured.gm is not None
+    ctx = pass_context(binding)
+    records = run_pipeline(captured.gm, ctx, list(pipeline))
+    transformed = records[-1].gm if records else captured.gm
+    split = None
+    if captured.split is not None:
+        split = lower_split(transformed, ctx, backend, captured.split)
+        backend_records, executable = split.forward_records, split.forward
+    else:
+        backend_records, executable = lower(transformed, ctx, backend)
+    final = backend_records[-1].gm
+    description = describe_graph(captured.gm) + describe_collectives(transformed)
+    return CompiledStep(
+        captured,
+        records,
+        executable,
+        capture_seconds,
+        input_specs(final),
+        output_roles(final),
+        description,
+        digest(description),
+        binding.cost_model,
+        backend_records,
+        ctx.params,
+        split,
+    )
+
+
+def pass_context(binding: Binding) -> PassContext:
+    """What the passes know of a bound step: its parameters (shape, dtype, shard spec, persistence), its process
+    group and the cost model."""
+    plan = binding.plan
+    params = tuple(
+        ParamInfo(
+            r.index,
+            tuple(r.names),
+            tuple(r.tensor.shape),
+            r.tensor.dtype,
+            r.tensor.requires_grad,
+            shard=plan.specs[r.index],
+            persistent=plan.persistent[r.index],
+        )
+        for r in binding.params
+    )
+    group = plan.group
+    return PassContext(
+        world_size=group.world_size,
+        rank=group.rank,
+        group_name=group.group_name,
+        backend=binding.backend or group.backend,
+        device_type=binding.device.type,
+        params=params,
+        cost_model=binding.cost_model,
+    )

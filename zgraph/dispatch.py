@@ -1,0 +1,188 @@
+"""One call of a step, along the data's way: bind its state (``zgraph.binding``), find its compiled variant by guard
+key or capture (``zgraph.capture.protocol``) and compile (``zgraph.compile.build``) one, agree on it with the other
+ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step).
+
+On several ranks a call takes part in the failure protocol (``zgraph.runtime.agreement``): the ranks compare a
+fingerprint of the graph they are about to run, a rank that fails records its error for the others, and a rank
+whose collective fails raises ``RankFailedError`` naming the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch.distributed as dist
+
+from zgraph.binding.arguments import StepCall
+from zgraph.binding.guards import KEY_PARTS, describe_leaf
+from zgraph.binding.session import Bound, Session
+from zgraph.capture import update_rules as zopt
+from zgraph.capture.environment import traced_arguments
+from zgraph.capture.protocol import Rebind, capture
+from zgraph.compile.build import compile_step
+from zgraph.compile.run import reserve_offload, run
+from zgraph.compile.split_runner import Peers, run_split
+from zgraph.compile.variant import CompiledStep
+from zgraph.config import Config
+from zgraph.errors import CaptureError
+from zgraph.runtime.agreement import Channel
+from zgraph.runtime.consistency import check_same_graph
+from zgraph.runtime.devices import control_device
+from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
+
+_MAX_REBINDS = 4  # captures of one call that may each find more state to bind
+_RECAPTURE_WARNING = 8  # captures for the same state after which the step warns
+
+
+class Dispatcher:
+    """Runs the calls of one step; holds its state between calls (bindings, compiled variants by guard key)."""
+
+    def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
+        self.config = config
+        self.process_group = process_group
+        self.pipeline = config.pipeline()
+        self.session = Session(config)
+        self.cache: dict[tuple, CompiledStep] = {}
+        self.last: CompiledStep | None = None  # the variant the last call ran
+        self.calls = 0  # calls made, for naming the call in errors other ranks see
+        self.failed = False  # the last call raised (its failure record is cleared by the next good call)
+
+    def __call__(self, call: StepCall) -> object:
+        if traced_arguments(call.args, call.kwargs):
+            raise CaptureError(
+                f"zgraph step `{call.name}` was called from inside another zgraph step while that one was being "
+                "captured; steps do not nest. Call the inner step's undecorated function there (`inner.__wrapped__`), "
+                "or call the two steps one after the other."
+            )
+        group = ensure_process_group(self.process_group, lambda: self.session.device_of(call))
+        label = f"call {self.calls} of step `{call.name}`"
+        self.calls += 1
+        if not group.distributed:
+            return self._call(call, None, group, label)
+        channel = Channel(group, self.config.collective_timeout)
+        try:
+            result = self._call(call, channel, group, label)
+        except Exception as error:
+            if not getattr(error, "_zgraph_recorded", False):
+                channel.record_failure(label, error)
+            self.failed = True
+            raise
+        if self.failed:
+            channel.clear_failure()
+            self.failed = False
+        return result
+
+    def _call(self, call: StepCall, channel: Channel | None, group: ProcessGroupInfo, label: str) -> object:
+        """One call: bind, look up or capture, agree with the other ranks on the graph, run it."""
+        if channel is not None:
+            channel.enter(label)
+            group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
+        try:
+            compiled, bound = self._prepare(call, group, channel)
+        except Exception as error:
+            if channel is None:
+                raise
+            channel.record_failure(label, error)
+            error._zgraph_recorded = True
+            device = control_device(group.backend, self.session.device)
+            check_same_graph(channel, group.group_name, label, 0, [], error, device)  # tell the others; re-raises
+            raise
+        peers = None
+        if channel is not None:
+            device = control_device(group.backend, bound.binding.device)
+            check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
+            peers = Peers(channel, group.group_name, device, label)
+        self.last = compiled
+        try:
+            return self._run(compiled, bound, peers)
+        except Exception as error:
+            failure = error if channel is None else channel.failed_running(label, error)
+            if failure is error:
+                raise
+            raise failure from error
+
+    @staticmethod
+    def _run(compiled: CompiledStep, bound: Bound, peers: Peers | None) -> object:
+        if compiled.split is not None:
+            split = compiled.split
+            return run_split(compiled, split, bound.binding, bound.user_tensors, bound.call.name, peers)
+        return run(compiled, bound.binding, bound.user_tensors)
+
+    def _prepare(self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None) -> tuple[CompiledStep, Bound]:
+        """The compiled variant for this call (captured now if there is none) and the call bound."""
+        schedulers_stepped = False
+        for attempt in range(_MAX_REBINDS + 1):
+            bound = self.session.bind(call, group, channel)
+            compiled = self.cache.get(bound.guard_key())
+            if compiled is None:
+                compiled = self._compile(bound)
+                if isinstance(compiled, Rebind):  # the trace found state to bind first: bind it, capture again
+                    if attempt == _MAX_REBINDS:
+                        raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
+                    continue
+                key = bound.guard_key()
+                self._warn_if_recaptured_often(key, call)
+                self.cache[key] = compiled
+            if not schedulers_stepped:
+                schedulers_stepped = True
+                if self._step_schedulers_first(compiled):
+                    continue
+            break
+        if bound.binding.offload is not None:
+            reserve_offload(compiled, bound.binding.offload)  # a full disk is reported here, where every rank hears
+        return compiled, bound
+
+    def _compile(self, bound: Bound) -> CompiledStep | Rebind:
+        """Capture, transform and compile the call's step; or what the trace found to bind first."""
+        start = time.perf_counter()
+        captured = capture(bound.request(self.config), self.session.more_to_bind(bound))
+        if isinstance(captured, Rebind):
+            return captured
+        capture_seconds = time.perf_counter() - start
+        if captured.python_results:
+            shown = ", ".join(f"{path} = {value!r}" for path, value in captured.python_results[:3])
+            warnings.warn(
+                f"zgraph: `{bound.call.name}` returns Python numbers ({shown}"
+                f"{', ...' if len(captured.python_results) > 3 else ''}): they were computed once, when the step "
+                "was captured, and every call returns them unchanged. Return tensors (they are computed on every "
+                "call), or read Python values such as the learning rate after the call.",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+
+    def _warn_if_recaptured_often(self, key: tuple, call: StepCall) -> None:
+        """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what
+        changed since the previous capture: each capture traces (and compiles) the whole step."""
+        same_state = [k for k in self.cache if k[0] == key[0]]
+        if len(same_state) + 1 != _RECAPTURE_WARNING:
+            return
+        previous = same_state[-1]
+        part = next(i for i, (a, b) in enumerate(zip(previous, key)) if a != b)
+        why = KEY_PARTS[part]
+        if part == KEY_PARTS.index("an argument"):
+            changed = [(p, a, b) for (p, a), (_, b) in zip(previous[part], key[part]) if a != b]
+            if changed:
+                path, before, after = changed[0]
+                why = f"argument `{path}` changed from {describe_leaf(before)} to {describe_leaf(after)}"
+        warnings.warn(
+            f"zgraph: `{call.name}` has been captured {_RECAPTURE_WARNING} times; the last time because {why}. "
+            "Every capture traces and compiles the whole step again. Python numbers and objects among the "
+            "arguments are part of the graph (pass numbers that change as tensors), and an optimizer zgraph has no "
+            "kernel for (other than SGD, Adam, AdamW) is traced with its hyper-parameters as constants, so a "
+            "changing learning rate recaptures it.",
+            RuntimeWarning,
+            stacklevel=6,
+        )
+
+    @staticmethod
+    def _step_schedulers_first(compiled: CompiledStep) -> bool:
+        """Step the LR schedulers the user's step steps before its optimizer's ``step()``, as eager would at
+        that point (the graph then reads the new learning rates). True if an optimizer traced as written (no
+        zgraph kernel: its hyper-parameters are constants of the graph, part of the guard key) reads them: the
+        graph must then be looked up, or traced, again."""
+        first = [scheduler for scheduler, before_update in compiled.captured.scheduler_steps if before_update]
+        for scheduler in first:
+            scheduler.step()
+        return any(zopt.kernel_for(scheduler.optimizer) is None for scheduler in first)
