@@ -11,7 +11,7 @@ What a checkpoint holds (DCP keys; ``<fqn>`` a name of ``model.state_dict()`` / 
 - ``model.<fqn>``: the tensors of ``model.state_dict()`` — parameters and persistent buffers, in their dtypes.
 - ``optim.<i>.state.<fqn>.<field>``: the tensor state of optimizer ``i`` (``exp_avg``, ``step``...), keyed by
   parameter name instead of position, in the state's own dtypes.
-- ``zgraph.demos.data.<n>``: tensors inside the non-tensor values below; ``zgraph.rng.<rank>.<n>``: each rank's RNG
+- ``zgraph.data.<n>``: tensors inside the non-tensor values below; ``zgraph.rng.<rank>.<n>``: each rank's RNG
   states (torch CPU, CUDA when initialised).
 
 Non-tensor values are data in the manifest (JSON; the storable types are listed in ``zgraph.checkpoint.data``):

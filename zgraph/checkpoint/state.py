@@ -22,9 +22,7 @@ FORMAT = "zgraph-checkpoint"
 FORMAT_VERSION = 2
 
 MODEL = "model."
-DATA = (
-    "zgraph.demos.data"  # tensors of the non-tensor values (extra, scheduler, hyper-parameters...), written by rank 0
-)
+DATA = "zgraph.data"  # tensors of the non-tensor values (extra, scheduler, hyper-parameters...), written by rank 0
 RNG = "zgraph.rng."  # ``zgraph.rng.<rank>.<n>``: tensors of each rank's RNG states, written by that rank
 # The attribute a zgraph step with ``Config.loss_scale`` keeps its loss-scale state in (zgraph/step.py), per optimizer
 LOSS_SCALE_ATTR = "_zgraph_loss_scale"
