@@ -17,6 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from zgraph.checkpoint.data import Encoder, rng_state
 from zgraph.errors import CheckpointError
 from zgraph.runtime.sharded_state import sharding_of
+from zgraph.version import __version__
 
 FORMAT = "zgraph-checkpoint"
 FORMAT_VERSION = 2
@@ -120,7 +121,7 @@ def saved_state(
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "zgraph_version": _zgraph_version(),
+        "zgraph_version": __version__,
         "torch_version": torch.__version__,
         "world_size": world,
         "stage": found[0].stage if found is not None else None,
@@ -359,9 +360,3 @@ def restore_loss_scale(opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> No
                 current[key] = value.to(here.device) if on_device else value
     else:
         setattr(opt, LOSS_SCALE_ATTR, dict(loaded))
-
-
-def _zgraph_version() -> str:
-    import zgraph
-
-    return getattr(zgraph, "__version__", "unknown")
