@@ -21,7 +21,8 @@ from torch.fx import traceback as fx_traceback
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture import update_rules as zopt
-from zgraph.capture.environment import UnboundState, where
+from zgraph.capture.diagnosis import where
+from zgraph.capture.environment import UnboundState
 from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
