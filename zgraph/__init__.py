@@ -25,8 +25,7 @@ from zgraph.errors import (
 )
 from zgraph.inspect.estimate import Estimate, EstimateError
 from zgraph.step import DistributedStep, distribute
-
-__version__ = "0.1.0"
+from zgraph.version import __version__ as __version__
 
 __all__ = [
     "CaptureError",

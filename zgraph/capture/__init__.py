@@ -7,6 +7,7 @@ Files::
     trace.py            one trace of the step: its graph inputs, the traced call, its outputs and their roles
     captured.py         what a capture returns: ``CapturedGraph``, ``Traced``, ``SplitInfo``
     environment.py      what zgraph swaps, patches and watches while the step runs under ``make_fx``
+    diagnosis.py        how a failed trace is explained: the user's line, the data-dependent operation
     optimizers.py       optimizers and LR schedulers while a step is traced; a first step's optimizer state
     update_rules.py     traceable update rules of the ``torch.optim`` classes whose hyper-parameters are inputs
     precision.py        mixed precision, loss scaling and clipping while tracing

@@ -7,14 +7,13 @@ code, and how a failed trace is explained.
   forwards run under autocast when the config asks;
 - modules and optimizers the step reaches that zgraph has not bound stop the trace (``UnboundState``) before
   they act on real tensors; Python state the step changed (param groups, train flags) is restored if it fails;
-- ``trace`` runs ``make_fx`` and turns its failures into ``CaptureError`` naming the user's line.
+- ``trace`` runs ``make_fx`` and turns its failures into ``CaptureError`` naming the user's line (found by
+  ``zgraph.capture.diagnosis``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,18 +26,13 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import zgraph.capture.fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
+from zgraph.capture.diagnosis import data_dependent, raised_in_grad_scaler, where
 from zgraph.capture.model_hints import hint
 from zgraph.errors import CaptureError
 from zgraph.runtime.state import Binding
 from zgraph.tree import iter_leaves, map_leaves
 
 aten = torch.ops.aten
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_ZGRAPH_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__))
-    for m in (__import__("zgraph"), __import__("zgraph.passes"), __import__("zgraph.runtime"))
-)
 
 
 def _batch_norm_with_honest_schema(
@@ -76,48 +70,6 @@ _TRACE_DECOMPOSITIONS = {
     aten.native_batch_norm.default: _batch_norm_with_honest_schema,
     getattr(aten.random_, "from"): _random_from_to,
 }
-
-
-def _user_frame(tb: traceback.StackSummary | list) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's own code (not torch, not zgraph) in a traceback."""
-    found = None
-    for frame in tb:
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_TORCH_DIR) or path.startswith(_ZGRAPH_DIRS) or frame.filename.startswith("<"):
-            continue
-        found = frame
-    return found
-
-
-def where(exc: BaseException) -> str:
-    frame = _user_frame(traceback.extract_tb(exc.__traceback__))
-    if frame is None:
-        return ""
-    return f" at {frame.filename}:{frame.lineno} ({frame.name}): `{(frame.line or '').strip()}`"
-
-
-def _raised_in_grad_scaler(exc: BaseException) -> bool:
-    return any(
-        frame.filename.replace(os.sep, "/").endswith("amp/grad_scaler.py")
-        for frame in traceback.extract_tb(exc.__traceback__)
-    )
-
-
-def _data_dependent(exc: BaseException) -> str | None:
-    """A description of the data-dependent Python operation behind a tracing failure, or None."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    if isinstance(exc, GuardOnDataDependentSymNode):
-        return (
-            "Python control flow depends on the value of a tensor (a branch or conversion on `.item()`, "
-            "`bool(tensor)`, `float(tensor)`, `.tolist()`...)"
-        )
-    if isinstance(exc, DataDependentOutputException):
-        return f"`{exc.func}` returns a Python value computed from tensor data"
-    if isinstance(exc, DynamicOutputShapeException):
-        return f"`{exc.func}` returns a tensor whose shape depends on tensor data"
-    return None
 
 
 # ------------------------------------------------------------------------------------------- state swapping
@@ -389,8 +341,8 @@ def trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: 
     except (CaptureError, UnboundState):
         raise
     except Exception as exc:
-        detail = _data_dependent(exc)
-        if detail is not None and _raised_in_grad_scaler(exc):
+        detail = data_dependent(exc)
+        if detail is not None and raised_in_grad_scaler(exc):
             raise CaptureError(
                 f"zgraph cannot capture `{name}`: torch.amp.GradScaler decides in Python whether gradients "
                 f"overflowed{where(exc)}. zgraph does fp16 loss scaling in the graph: drop the GradScaler (call "

@@ -21,7 +21,8 @@ from torch.fx import traceback as fx_traceback
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture import update_rules as zopt
-from zgraph.capture.environment import UnboundState, where
+from zgraph.capture.diagnosis import where
+from zgraph.capture.environment import UnboundState
 from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
@@ -167,6 +168,32 @@ def _untraceable(opt: torch.optim.Optimizer, exc: Exception) -> CaptureError:
     )
 
 
+def _own_step(trace: Trace, o_index: int, original_step: Callable, flat: list[int], overflow: Tensor | None) -> None:
+    """The optimizer's own ``step()`` on the traced parameters ``flat`` (indices of those with a gradient), for a
+    class zgraph has no kernel for; its updates undone on overflow, the state it created recorded."""
+    opt = trace.binding.optimizers[o_index].optimizer
+    params = trace.params
+    if trace.precision.grads_stay_scaled:
+        raise CaptureError(
+            f"fp16 master gradients with loss scaling need an optimizer zgraph has a kernel for "
+            f"(SGD, Adam, AdamW), not {type(opt).__name__}"
+        )
+    before = {id(params[i]): len(opt.state.get(params[i], {})) for i in flat}
+    tensors = [params[i] for i in flat] + [
+        v for i in flat for v in opt.state.get(params[i], {}).values() if isinstance(v, Tensor)
+    ]
+    previous = [t.clone() for t in tensors] if overflow is not None else []
+    try:
+        original_step()
+    except (CaptureError, UnboundState):
+        raise
+    except Exception as exc:
+        raise _untraceable(opt, exc) from exc
+    keep_if_overflow(overflow, tensors, previous)
+    new_state = [i for i in flat if before[id(params[i])] == 0 and opt.state.get(params[i])]
+    trace.created.extend((o_index, i) for i in new_state)
+
+
 def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callable:
     """``optimizer.step`` while the step is traced: zgraph's kernel for registered classes (hyper-parameters
     from graph inputs), the optimizer's own ``step()`` otherwise; with loss-scale overflow skipping and
@@ -196,25 +223,7 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
             grads, overflow = precision.prepare_update([params[i] for i in flat])
             grad_of = {i: g for i, g in zip(flat, grads)}
             if kernel is None:
-                if precision.grads_stay_scaled:
-                    raise CaptureError(
-                        f"fp16 master gradients with loss scaling need an optimizer zgraph has a kernel for "
-                        f"(SGD, Adam, AdamW), not {type(opt).__name__}"
-                    )
-                before = {id(params[i]): len(opt.state.get(params[i], {})) for i in flat}
-                tensors = [params[i] for i in flat] + [
-                    v for i in flat for v in opt.state.get(params[i], {}).values() if isinstance(v, Tensor)
-                ]
-                previous = [t.clone() for t in tensors] if overflow is not None else []
-                try:
-                    original_step()
-                except (CaptureError, UnboundState):
-                    raise
-                except Exception as exc:
-                    raise _untraceable(opt, exc) from exc
-                keep_if_overflow(overflow, tensors, previous)
-                new_state = [i for i in flat if before[id(params[i])] == 0 and opt.state.get(params[i])]
-                trace.created.extend((o_index, i) for i in new_state)
+                _own_step(trace, o_index, original_step, flat, overflow)
                 return
             for g_index, (group, indices) in enumerate(zip(opt.param_groups, groups)):
                 trace.updated.extend((o_index, i) for i in indices)

@@ -300,3 +300,17 @@ def _remove(old: str | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
     elif os.path.lexists(old):
         os.remove(old)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush ``path``'s directory entries to disk (best effort: nothing where the system does not allow it)."""
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -11,7 +11,7 @@ What a checkpoint holds (DCP keys; ``<fqn>`` a name of ``model.state_dict()`` / 
 - ``model.<fqn>``: the tensors of ``model.state_dict()`` — parameters and persistent buffers, in their dtypes.
 - ``optim.<i>.state.<fqn>.<field>``: the tensor state of optimizer ``i`` (``exp_avg``, ``step``...), keyed by
   parameter name instead of position, in the state's own dtypes.
-- ``zgraph.demos.data.<n>``: tensors inside the non-tensor values below; ``zgraph.rng.<rank>.<n>``: each rank's RNG
+- ``zgraph.data.<n>``: tensors inside the non-tensor values below; ``zgraph.rng.<rank>.<n>``: each rank's RNG
   states (torch CPU, CUDA when initialised).
 
 Non-tensor values are data in the manifest (JSON; the storable types are listed in ``zgraph.checkpoint.data``):
@@ -43,30 +43,26 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zgraph.checkpoint import io as cio
 from zgraph.checkpoint.data import decode, rng_restorer
+from zgraph.checkpoint.load_optimizers import check_optimizer_values, commit_optimizers
+from zgraph.checkpoint.ranks import gather_results, rank_and_world
 from zgraph.checkpoint.read import dcp_save, read_into, read_manifest, read_metadata, siblings, tree_targets
 from zgraph.checkpoint.state import (
     MODEL,
     OptimizerArg,
-    Staged,
     as_list,
     check_model,
     check_optimizers,
-    keeps_on_host,
     model_targets,
-    optimizer_params,
     parameter_names,
-    restore_loss_scale,
     saved_state,
-    split_state_key,
     state_targets,
 )
-from zgraph.errors import CheckpointError, RankFailedError
+from zgraph.errors import CheckpointError
 from zgraph.ops import host_read
 from zgraph.runtime.agreement import Channel, world_channel
 from zgraph.runtime.offload import materialize
@@ -102,7 +98,7 @@ def save(
             anything is written; or writing failed on some rank.
     """
     path = os.path.abspath(os.fspath(path))
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     channel = world_channel()
     label = f"zgraph.save({path!r})"
     tensors: dict[str, Tensor] = {}
@@ -116,7 +112,7 @@ def save(
         json.dumps(manifest, allow_nan=False)  # storable as JSON: checked before anything is written
     except Exception as caught:  # raised on every rank below, before anything is written
         error = caught
-    _gather(channel, f"{label}: state", {}, error)
+    gather_results(channel, f"{label}: state", {}, error)
 
     temp, error = None, None
     if rank == 0:
@@ -124,7 +120,7 @@ def save(
             temp = _prepare(path)
         except Exception as caught:
             error = caught
-    temp = _gather(channel, f"{label}: prepare", {"temp": temp}, error)[0]["temp"]
+    temp = gather_results(channel, f"{label}: prepare", {"temp": temp}, error)[0]["temp"]
     try:
         _write_and_commit(channel, label, temp, path, tensors, manifest, rng, rank)
     except BaseException:
@@ -155,14 +151,14 @@ def _write_and_commit(
         report = {"files": cio.digests(temp, cio.rank_files(temp, subdir)), "rng": rng}
     except Exception as caught:
         error = caught
-    reports = _gather(channel, f"{label}: write", report, error)
+    reports = gather_results(channel, f"{label}: write", report, error)
     error = None
     if rank == 0:
         try:
             _finish(temp, path, manifest, reports)
         except Exception as caught:
             error = caught
-    _gather(channel, f"{label}: commit", {}, error)
+    gather_results(channel, f"{label}: commit", {}, error)
 
 
 def _finish(temp: str, path: str, manifest: dict[str, Any], reports: list[dict[str, Any]]) -> None:
@@ -198,9 +194,9 @@ def _prepare(path: str) -> str:
 def _commit(temp: str, path: str, manifest: dict) -> None:
     """Rank 0, after every rank has written: write the marker last, then move the directory to ``path``."""
     cio.write_marker(temp, manifest)
-    _fsync_dir(temp)
+    cio.fsync_dir(temp)
     cio.move_into_place(temp, path)
-    _fsync_dir(os.path.dirname(path))
+    cio.fsync_dir(os.path.dirname(path))
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -246,7 +242,7 @@ def load(
         commit = _stage(path, model, as_list(optimizer), scheduler, verify)
     except Exception as caught:
         error = caught
-    _gather(channel, f"zgraph.load({path!r})", {}, error)  # every rank raises if one failed: nothing changed
+    gather_results(channel, f"zgraph.load({path!r})", {}, error)  # every rank raises if one failed: nothing changed
     return commit()
 
 
@@ -263,7 +259,7 @@ def _stage(
     check_optimizers(optimizers, names, manifest, tensor_meta)
     if scheduler is not None and manifest.get("scheduler") is None:
         raise CheckpointError(f"{path} holds no LR scheduler state (it was saved without scheduler=)")
-    rank, _ = _rank_and_world()
+    rank, _ = rank_and_world()
     targets = model_targets(model_state)
     new_states = []
     for i, opt in enumerate(optimizers):
@@ -286,7 +282,7 @@ def _stage(
     values = decode(trees, targets)
     extra = values["extra"] if values["extra"] is not None else {}
     restore_rng = rng_restorer(values["rng"]) if values["rng"] is not None else None
-    optimizer_values = _check_optimizer_values(optimizers, names, values["optimizers"], new_states)
+    optimizer_values = check_optimizer_values(optimizers, names, values["optimizers"], new_states)
     if not isinstance(extra, dict) or not isinstance(values["model"], dict):
         raise CheckpointError(f"{path}: malformed extra or model values in the manifest")
 
@@ -299,22 +295,7 @@ def _stage(
             for key, live in model_state.items():
                 if isinstance(live, Tensor):  # host to device, one tensor at a time; the staging tensor goes
                     _local(live).copy_(_local(targets.pop(MODEL + key)))
-        for opt, new_state, (hyper, loss_scale) in zip(optimizers, new_states, optimizer_values):
-            for group, saved in zip(opt.param_groups, hyper):
-                group.update(saved)  # first: `capturable` / `fused` say where `step` goes, as in torch.optim
-            for group in opt.param_groups:
-                for param in group["params"]:
-                    current = opt.state.pop(param, None) or {}
-                    if param not in new_state:
-                        continue
-                    opt.state[param] = {
-                        field: value.live(current.pop(field, None), keeps_on_host(field, group))
-                        if isinstance(value, Staged)
-                        else value
-                        for field, value in new_state.pop(param).items()
-                    }
-            if loss_scale is not None:
-                restore_loss_scale(opt, loss_scale)
+        commit_optimizers(optimizers, new_states, optimizer_values)
         found = sharding_of(model)
         if found is not None:
             normalize_state(*found)
@@ -323,33 +304,6 @@ def _stage(
         return extra
 
     return commit
-
-
-def _check_optimizer_values(
-    optimizers: list[torch.optim.Optimizer],
-    names: dict[int, str],
-    values: list[Any],
-    new_states: list[dict[Tensor, dict[str, Any]]],
-) -> list[tuple[list[dict], dict | None]]:
-    """Check the decoded hyper-parameters, non-tensor state and loss scale of each optimizer; put the state into
-    ``new_states``; returns ``(hyper, loss_scale)`` per optimizer."""
-    out = []
-    for i, (opt, (hyper, state_values, loss_scale)) in enumerate(zip(optimizers, values)):
-        if (
-            not isinstance(hyper, list)
-            or len(hyper) != len(opt.param_groups)
-            or not all(isinstance(g, dict) and "params" not in g for g in hyper)
-            or not isinstance(state_values, dict)
-            or not (loss_scale is None or isinstance(loss_scale, dict))
-        ):
-            raise CheckpointError(f"malformed state of optimizer {i} in the checkpoint's manifest")
-        by_name = {names[id(p)]: p for p in optimizer_params(opt)}
-        prefix = f"optim.{i}.state."
-        for key, value in state_values.items():
-            fqn, field = split_state_key(key[len(prefix) :], set(by_name))
-            new_states[i].setdefault(by_name[fqn], {})[field] = value
-        out.append((hyper, loss_scale))
-    return out
 
 
 def _local(t: Tensor) -> Tensor:
@@ -405,49 +359,3 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, verify
         if os.path.exists(temp):
             os.remove(temp)
     return state
-
-
-# ------------------------------------------------------------------------------------------------ ranks
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _gather(channel: Channel | None, label: str, payload: dict[str, Any], error: BaseException | None) -> list[dict]:
-    """Every rank's JSON ``payload`` (through the store, no pickles), in rank order; raises on every rank if one
-    failed: its own error where it happened, a ``CheckpointError`` naming the failing rank elsewhere."""
-    if channel is None:
-        if error is not None:
-            raise error
-        return [payload]
-    body = {"error": f"{type(error).__name__}: {error}"} if error is not None else {"ok": payload}
-    try:
-        results = channel.exchange(label, json.dumps(body, allow_nan=False).encode())
-    except RankFailedError as failed:
-        if error is not None:
-            raise error from failed
-        raise CheckpointError(str(failed)) from failed
-    if error is not None:
-        raise error
-    out = []
-    for r, raw in enumerate(results):
-        value = json.loads(raw)
-        if "error" in value:
-            raise CheckpointError(f"rank {r} failed in {label}: {value['error']}")
-        out.append(value["ok"])
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ files
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -17,14 +17,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from zgraph.checkpoint.data import Encoder, rng_state
 from zgraph.errors import CheckpointError
 from zgraph.runtime.sharded_state import sharding_of
+from zgraph.version import __version__
 
 FORMAT = "zgraph-checkpoint"
 FORMAT_VERSION = 2
 
 MODEL = "model."
-DATA = (
-    "zgraph.demos.data"  # tensors of the non-tensor values (extra, scheduler, hyper-parameters...), written by rank 0
-)
+DATA = "zgraph.data"  # tensors of the non-tensor values (extra, scheduler, hyper-parameters...), written by rank 0
 RNG = "zgraph.rng."  # ``zgraph.rng.<rank>.<n>``: tensors of each rank's RNG states, written by that rank
 # The attribute a zgraph step with ``Config.loss_scale`` keeps its loss-scale state in (zgraph/step.py), per optimizer
 LOSS_SCALE_ATTR = "_zgraph_loss_scale"
@@ -91,28 +90,7 @@ def saved_state(
             tensors[MODEL + key] = value
         else:
             model_values[key] = data.encode(value, f"model.state_dict()[{key!r}]")
-    optimizers_out = []
-    for i, opt in enumerate(optimizers):
-        fqn_groups = group_names(opt, names, i)
-        values = {}
-        for param, fqn in zip(optimizer_params(opt), (f for g in fqn_groups for f in g)):
-            for field, value in opt.state.get(param, {}).items():
-                key = f"optim.{i}.state.{fqn}.{field}"
-                if isinstance(value, Tensor):
-                    tensors[key] = value
-                else:
-                    values[key] = data.encode(value, f"optimizer {i} state[{fqn!r}][{field!r}]")
-        hyper = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-        loss_scale = getattr(opt, LOSS_SCALE_ATTR, None)
-        optimizers_out.append(
-            {
-                "class": type(opt).__name__,
-                "param_groups": fqn_groups,
-                "hyper": data.encode(hyper, f"optimizer {i} param_groups"),
-                "state_values": values,
-                "loss_scale": data.encode(dict(loss_scale), f"optimizer {i} loss scale") if loss_scale else None,
-            }
-        )
+    optimizers_out = [_saved_optimizer(opt, i, names, tensors, data) for i, opt in enumerate(optimizers)]
     scheduler_tree = data.encode(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None
     extra_tree = data.encode(dict(extra), "extra") if extra is not None else None
     rng = Encoder(f"{RNG}{rank}", tensors).encode(rng_state(), f"rank {rank}'s RNG state")
@@ -122,7 +100,7 @@ def saved_state(
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "zgraph_version": _zgraph_version(),
+        "zgraph_version": __version__,
         "torch_version": torch.__version__,
         "world_size": world,
         "stage": found[0].stage if found is not None else None,
@@ -134,6 +112,31 @@ def saved_state(
         "extra": extra_tree,
     }
     return tensors, manifest, rng
+
+
+def _saved_optimizer(
+    opt: torch.optim.Optimizer, i: int, names: dict[int, str], tensors: dict[str, Tensor], data: Encoder
+) -> dict[str, Any]:
+    """Optimizer ``i``'s entry in the manifest; its state tensors go into ``tensors`` (DCP keys by parameter
+    name), its other values are encoded as data."""
+    fqn_groups = group_names(opt, names, i)
+    values = {}
+    for param, fqn in zip(optimizer_params(opt), (f for g in fqn_groups for f in g)):
+        for field, value in opt.state.get(param, {}).items():
+            key = f"optim.{i}.state.{fqn}.{field}"
+            if isinstance(value, Tensor):
+                tensors[key] = value
+            else:
+                values[key] = data.encode(value, f"optimizer {i} state[{fqn!r}][{field!r}]")
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+    loss_scale = getattr(opt, LOSS_SCALE_ATTR, None)
+    return {
+        "class": type(opt).__name__,
+        "param_groups": fqn_groups,
+        "hyper": data.encode(hyper, f"optimizer {i} param_groups"),
+        "state_values": values,
+        "loss_scale": data.encode(dict(loss_scale), f"optimizer {i} loss scale") if loss_scale else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ checking
@@ -361,9 +364,3 @@ def restore_loss_scale(opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> No
                 current[key] = value.to(here.device) if on_device else value
     else:
         setattr(opt, LOSS_SCALE_ATTR, dict(loaded))
-
-
-def _zgraph_version() -> str:
-    import zgraph
-
-    return getattr(zgraph, "__version__", "unknown")

@@ -7,7 +7,7 @@ import sys
 
 from zgraph.cli import estimate as estimate_cli
 from zgraph.demos import gpt_demo as demo
-from zgraph.demos.ranks import RankFailedError
+from zgraph.demos.ranks import DemoRankError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         try:
             demo.run(args)
-        except RankFailedError as error:
+        except DemoRankError as error:
             print(f"zgraph demo: {error}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

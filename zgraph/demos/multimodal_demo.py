@@ -28,7 +28,7 @@ from tqdm import tqdm
 from zgraph.demos.models import count_params
 from zgraph.demos.multimodal import MultimodalConfig, TextSide, VisionSide, build_models, eager_losses
 from zgraph.demos.ranks import (
-    RankFailedError,
+    DemoRankError,
     device_note,
     free_port,
     local_rank_and_size,
@@ -234,15 +234,15 @@ def _train_actors(groups: dict[str, list], steps: int, per_group: int, stage: in
     return losses, held
 
 
-def _actor_failure(error: Exception, groups: dict[str, list]) -> RankFailedError:
-    """``RankFailedError`` naming the actor (side and rank) a Ray error reports dead or failing, and why."""
+def _actor_failure(error: Exception, groups: dict[str, list]) -> DemoRankError:
+    """``DemoRankError`` naming the actor (side and rank) a Ray error reports dead or failing, and why."""
     text = str(error)
     names = {a._actor_id.hex(): f"{role} rank {r}" for role, actors in groups.items() for r, a in enumerate(actors)}
     named = [names[i] for i in re.findall(r"actor_id[=: ]+([0-9a-f]+)", text) if i in names]
     who = f"the {named[-1]} actor" if named else "an actor"
     cause = getattr(error, "cause", None)
     kind = type(cause if isinstance(cause, BaseException) else error).__name__
-    return RankFailedError(
+    return DemoRankError(
         f"{who} of the Ray actor groups failed ({kind}); the demo stopped every actor. Ray's report:\n{text}"
     )
 

@@ -24,15 +24,17 @@ ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each of the parameter's shape
 ADAMW_STEP_BYTES = 4  # the float32 ``step`` tensor AdamW keeps per parameter
 
 
-class RankFailedError(RuntimeError):
-    """A rank started by ``zgraph demo`` failed; the message carries its traceback."""
+class DemoRankError(RuntimeError):
+    """A rank ``zgraph demo`` started itself (a local process that exited non-zero or raised, or a Ray actor)
+    failed; the message carries its traceback or Ray's report. Not ``zgraph.RankFailedError``, which a zgraph
+    step raises on the ranks of a process group when another rank failed."""
 
 
 def spawn_ranks(args: argparse.Namespace, nproc: int, target: Callable[[argparse.Namespace], Any]) -> dict[str, Any]:
     """Start ``nproc`` local ranks running ``target(args)`` (a module-level function), wait for them, and return
     the summary of the rank whose ``target`` returned one.
 
-    If a rank fails the others are stopped and ``RankFailedError`` carries the failing rank's traceback.
+    If a rank fails the others are stopped and ``DemoRankError`` carries the failing rank's traceback.
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="zgraph_demo_") as scratch:
@@ -45,7 +47,7 @@ def spawn_ranks(args: argparse.Namespace, nproc: int, target: Callable[[argparse
                 while not ranks.join():  # on a rank's failure, join stops the others and raises
                     pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-            raise RankFailedError(f"rank {error.error_index} of {nproc} failed: {error}") from None
+            raise DemoRankError(f"rank {error.error_index} of {nproc} failed: {error}") from None
         finally:  # also on Ctrl-C or SIGTERM to this process: no rank outlives the demo
             for process in ranks.processes:
                 if process.is_alive():
