@@ -25,7 +25,6 @@ from zgraph.graph import (
     output_node,
     set_input_layout,
     shard_rows,
-    stamp,
 )
 from zgraph.ops import SHARD, UNSHARD
 
@@ -215,7 +214,6 @@ def push_shards(gm: fx.GraphModule) -> None:
         with gm.graph.inserting_before(anchor):
             replacement = gm.graph.call_function(source.target, args, dict(source.kwargs))
         replacement.meta = {k: v for k, v in source.meta.items() if k != VAL}
-        stamp(replacement)
         compute_val(replacement, mode)
         for user in list(source.users):
             replace(user, replacement)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PipelineError
-from zgraph.graph import MADE_BY, PHASE, PHASES, CostModel, ParamInfo, copy_graph_module, running_pass
+from zgraph.graph import PHASE, PHASES, CostModel, ParamInfo, copy_graph_module, run_pass
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 
 # Properties the captured graph has before any pass runs (see zgraph.capture.trace); checked before the first pass.
@@ -163,8 +163,9 @@ def run_pipeline(
 ) -> list[PassRecord]:
     """Run ``passes`` in order; returns one record per pass (its output graph and time).
 
-    ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every op node a pass
-    adds carries ``meta[MADE_BY]``, the pass's name (``insert`` stamps it; nodes made otherwise are stamped here).
+    ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every node a pass
+    creates carries ``meta[MADE_BY]``, the pass's name (``zgraph.graph.run_pass`` runs it: a create-node hook on
+    the module the pass edits, the copy below when ``keep``).
     ``keep``: each pass edits a copy, leaving ``gm`` and every record's graph as it was; False: each pass edits
     the graph it receives, ``gm`` included (only the last record's graph is then the pass's output as made).
     """
@@ -174,16 +175,11 @@ def run_pipeline(
     for p in passes:
         start = time.perf_counter()
         before = copy_graph_module(gm) if keep else gm
-        known = {id(n.meta) for n in before.graph.nodes}
-        with running_pass(p.name):
-            out = p.fn(before, ctx)
+        out = run_pass(p.name, before, p.fn, ctx)
         if not isinstance(out, fx.GraphModule):
             raise PipelineError(f"pass {p.name!r} returned {type(out).__name__}, expected a torch.fx.GraphModule")
         out.graph.lint()
         out.recompile()
-        for node in out.graph.nodes:
-            if node.op == "call_function" and id(node.meta) not in known and MADE_BY not in node.meta:
-                node.meta[MADE_BY] = p.name
         check_properties(out, p.provides, f"pass {p.name!r}")
         records.append(PassRecord(p.name, out, time.perf_counter() - start, p.doc))
         gm = out

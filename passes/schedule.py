@@ -162,10 +162,18 @@ def schedule(
     issue_early()  # gathers of updated parameters follow the optimizer work that moved into backward
     _place_prefetch(anchor, prefetchable, first_reader, prefetch_limit(ctx, prefetch_bytes, allgather_bytes))
     _monotone(nodes, anchor)
-    # wait late: each wait and its unpacking right before the first reader of that result; a reduce-scatter's
-    # before the next is issued: its whole input (and on gloo, where it is an all-to-all, its W chunks) is held
-    # until the wait — NCCL keeps a collective's input alive until it is waited for — so at most one gradient
-    # bucket is held whole
+    _wait_late(anchor, starts, unpacking)
+    _monotone(nodes, anchor)
+    ordered = sorted(nodes, key=lambda n: (anchor[n], index[n]))
+    _reorder(gm.graph, ordered)
+    return gm
+
+
+def _wait_late(anchor: dict, starts: list[fx.Node], unpacking: dict) -> None:
+    """Wait late: each wait and its unpacking right before the first reader of that result; a reduce-scatter's
+    before the next is issued: its whole input (and on gloo, where it is an all-to-all, its W chunks) is held until
+    the wait — NCCL keeps a collective's input alive until it is waited for — so at most one gradient bucket is
+    held whole."""
     scatters = sorted((s for s in starts if s.target in (_ALL_TO_ALL, _REDUCE_SCATTER)), key=anchor.__getitem__)
     next_issue = {s: [anchor[t]] for s, t in zip(scatters, scatters[1:])}
     for start in reversed(starts):
@@ -175,10 +183,6 @@ def schedule(
             if readers:
                 for i, node in enumerate(chain):
                     anchor[node] = min(readers + next_issue.get(start, [])) - _EPS * (len(chain) - i)
-    _monotone(nodes, anchor)
-    ordered = sorted(nodes, key=lambda n: (anchor[n], index[n]))
-    _reorder(gm.graph, ordered)
-    return gm
 
 
 def _place(anchor: dict, chain: list[fx.Node], position: float) -> None:

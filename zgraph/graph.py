@@ -6,7 +6,8 @@ A step graph is a ``torch.fx.GraphModule`` of aten ops (and ``zgraph.ops``) whos
 - every placeholder carries ``node.meta[INPUT]``, a ``GraphInput`` (what the runtime feeds it);
 - the output node carries ``node.meta[OUTPUTS]``, one ``GraphOutput`` per returned value (where it is written);
 - every op node carries ``node.meta[PHASE]``, one of ``PHASES``;
-- a node a pass added carries ``node.meta[MADE_BY]``, the pass's name (``insert`` stamps it);
+- a node a pass added carries ``node.meta[MADE_BY]``, the pass's name (``run_pass`` stamps it: a create-node hook
+  on the module the pass edits);
 - collectives are counted and sized by ``collective_kind`` / ``collective_bytes``;
 - a tensor of a parameter's shape is sharded along dim 0 by ``ShardSpec`` (``shard_rows`` rows per rank).
 
@@ -15,12 +16,10 @@ This module depends on torch only: passes, runtime and the user surface all buil
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -298,24 +297,42 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
     graph.eliminate_dead_code(is_impure_node=impure)
 
 
-_RUNNING_PASS: ContextVar[str | None] = ContextVar("zgraph_running_pass", default=None)
+_KEPT = "zgraph_kept"  # node.meta, only while ``run_pass`` runs a pass: the node is one of the graph it received
 
 
-@contextlib.contextmanager
-def running_pass(name: str) -> Iterator[None]:
-    """Nodes ``insert`` adds inside this block are stamped ``meta[MADE_BY] = name``."""
-    token = _RUNNING_PASS.set(name)
+def run_pass(name: str, gm: fx.GraphModule, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(gm, *args, **kwargs)`` (a pass), with ``node.meta[MADE_BY] = name`` on every node it creates.
+
+    As inductor's ``GraphTransformObserver``: a create-node hook on ``gm``, and on the copies of it the pass makes
+    (``copy.deepcopy`` and ``copy_graph_module`` carry it), sees each node made there — by ``insert``,
+    ``graph.call_function`` / ``create_node``, ``node_copy`` — and the node is stamped when ``fn`` returns. A pass
+    may instead return a module built on a graph of its own (``fx.Graph()``, then a ``GraphModule``), where no
+    hook sees anything: there a node is the pass's unless it copies one of ``gm``'s (``node_copy`` copies a node's
+    meta, and with it the mark ``gm``'s nodes carry while ``fn`` runs). A node that survives, in place or copied,
+    keeps the stamp it had, or none."""
+    created: list[fx.Node] = []
+    modules = [gm]
+    kept = list(gm.graph.nodes)
+    gm._register_create_node_hook(created.append)
+    gm._register_deepcopy_hook(modules.append)
+    for node in kept:
+        node.meta[_KEPT] = True
     try:
-        yield
+        out = fn(gm, *args, **kwargs)
+        if isinstance(out, fx.GraphModule):
+            modules.append(out)
+            made, survivors = set(created), set(kept)
+            for node in out.graph.nodes:
+                if node in made or (node not in survivors and _KEPT not in node.meta):
+                    node.meta[MADE_BY] = name
+        return out
     finally:
-        _RUNNING_PASS.reset(token)
-
-
-def stamp(node: fx.Node) -> None:
-    """Record the running pass (if any) as the maker of ``node``."""
-    name = _RUNNING_PASS.get()
-    if name is not None:
-        node.meta[MADE_BY] = name
+        for module in modules:
+            if created.append in getattr(module, "_create_node_hooks", ()):
+                module._unregister_create_node_hook(created.append)
+                module._unregister_deepcopy_hook(modules.append)
+        for node in [*kept, *(n for module in modules for n in module.graph.nodes)]:
+            node.meta.pop(_KEPT, None)
 
 
 def insert(
@@ -329,15 +346,13 @@ def insert(
     phase: str | None = None,
     mode: FakeTensorMode | None = None,
 ) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value, a phase and the name of
-    the running pass."""
+    """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value and a phase."""
     graph = gm.graph
     context = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
     with context:
         node = graph.call_function(target, args, kwargs or {})
     anchor = before if before is not None else after
     node.meta[PHASE] = phase or anchor.meta.get(PHASE, FORWARD)
-    stamp(node)
     compute_val(node, mode or fake_mode(gm))
     return node
 
@@ -370,7 +385,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied).
 
     The copy is a ``_LazyGraphModule`` (inductor's own): its Python code is generated when it is first called or
-    printed, not on every ``recompile()`` — a pipeline keeps one graph per pass and most are only inspected."""
+    printed, not on every ``recompile()`` — a pipeline keeps one graph per pass and most are only inspected. Like
+    ``copy.deepcopy``, it carries ``gm``'s create-node and deepcopy hooks (a pass that edits a copy of its graph
+    has its nodes stamped by ``run_pass``) and calls the deepcopy hooks with the copy."""
     graph = fx.Graph()
     graph._codegen = copy.copy(gm.graph._codegen)
     value_map: dict[fx.Node, fx.Node] = {}
@@ -380,4 +397,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     new_output.meta = copy.copy(old_output.meta)
     new = _LazyGraphModule(gm, graph)
     new.meta = copy.copy(getattr(gm, "meta", {}))
+    new._create_node_hooks = list(getattr(gm, "_create_node_hooks", ()))
+    new._deepcopy_hooks = list(getattr(gm, "_deepcopy_hooks", ()))
+    for hook in new._deepcopy_hooks:
+        hook(new)
     return new
