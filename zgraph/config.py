@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zgraph.deepspeed.config import config_fields_from_deepspeed
 from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
 
 _BACKENDS = ("inductor", "eager")
@@ -214,9 +215,11 @@ class Config:
         """A Config from a DeepSpeed JSON config (a dict, or the path of a JSON file); keywords override fields.
         Every key is mapped, accepted or rejected with a ``ValueError`` that says why (see
         ``zgraph.deepspeed.config`` for the table)."""
-        from zgraph.deepspeed.config import config_fields_from_deepspeed
-
-        return cls(**{**config_fields_from_deepspeed(source), **overrides})
+        fields = config_fields_from_deepspeed(source)
+        scale = fields.get("loss_scale")
+        if isinstance(scale, Mapping):  # dynamic scaling, as DynamicLossScale's keyword arguments
+            fields["loss_scale"] = DynamicLossScale(**scale)
+        return cls(**{**fields, **overrides})
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated like a new Config)."""
