@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zgraph
+import zgraph.config_checks
 import zgraph.deepspeed
 from zgraph.deepspeed.config import config_fields_from_deepspeed
 
@@ -145,11 +146,12 @@ def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_deepspeed_package_never_imports_zgraph_config():
-    """zgraph/deepspeed/ returns plain values (Config.from_deepspeed builds the Config): it never imports
-    zgraph.config, not even inside a function, so there is no import circle."""
+def test_deepspeed_package_and_config_checks_never_import_zgraph_config():
+    """zgraph/deepspeed/ returns plain values (Config.from_deepspeed builds the Config), and zgraph.config_checks
+    takes plain values: neither imports zgraph.config, not even inside a function, so there is no import circle."""
     paths = sorted(pathlib.Path(zgraph.deepspeed.__file__).parent.glob("*.py"))
-    assert len(paths) >= 5
+    paths.append(pathlib.Path(zgraph.config_checks.__file__))
+    assert len(paths) >= 6
     for path in paths:
         for line, name in _imported_modules(path):
             assert name != "zgraph.config" and not name.startswith("zgraph.config."), f"{path.name}:{line}: {name}"
