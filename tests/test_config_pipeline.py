@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import os
+import textwrap
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from parity import train_step
 from torch import nn
 
 import zgraph
-from zgraph.passes import Pass, default_pipeline
+from zgraph.passes import Pass, build_pipeline, default_pipeline
 
 
 @pytest.mark.parametrize(
@@ -46,6 +50,49 @@ def test_config_is_frozen_and_documented():
         config.stage = 3  # type: ignore[misc]
     for name in zgraph.Config.__dataclass_fields__:
         assert f"{name}:" in zgraph.Config.__doc__, f"Config.{name} is not documented"
+
+
+def test_every_config_field_has_a_docstring_under_it():
+    body = ast.parse(textwrap.dedent(inspect.getsource(zgraph.Config))).body[0].body
+    documented = {
+        stmt.target.id
+        for stmt, after in zip(body, body[1:])
+        if isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+        and after.value.value.strip()
+    }
+    assert documented == {f.name for f in dataclasses.fields(zgraph.Config)}
+
+
+def test_pipeline_options_are_declared_on_the_fields():
+    options = zgraph.Config().pipeline_options()
+    assert set(options) == set(inspect.signature(default_pipeline).parameters), "every option, and only those"
+    declared = {f.metadata["pass_option"] for f in dataclasses.fields(zgraph.Config) if "pass_option" in f.metadata}
+    assert declared == set(options)
+    config = zgraph.Config(stage=3, max_reuse_distance=7, offload_optimizer="cpu", offload_fraction=0.5)
+    assert {k: config.pipeline_options()[k] for k in ("stage", "max_reuse_distance", "offload_fraction")} == {
+        "stage": 3,
+        "max_reuse_distance": 7,
+        "offload_fraction": 0.5,
+    }
+    bf16 = zgraph.Config(param_dtype=torch.bfloat16)
+    assert bf16.pipeline_options()["reduce_dtype"] == torch.bfloat16, "reduce_dtype None: param_dtype"
+    assert bf16.replace(reduce_dtype=torch.float32).pipeline_options()["reduce_dtype"] == torch.float32
+
+
+def test_config_pipeline_is_the_default_pipeline_built_with_its_options():
+    noop = Pass("noop", lambda gm, ctx: gm, after="cse")
+    config = zgraph.Config(stage=3, max_reuse_distance=7, disable_passes=["bucket"], extra_passes=[noop])
+    names = [p.name for p in config.pipeline()]
+    assert names[:2] == ["cse", "noop"] and "bucket" not in names
+    assert names == [p.name for p in build_pipeline(default_pipeline(**config.pipeline_options()), ["bucket"], [noop])]
+    bound = {p.name: p.fn for p in config.pipeline()}
+    assert bound["shard_params"].keywords == {"stage": 3, "max_reuse_distance": 7}
+    with pytest.raises(zgraph.PipelineError, match="no_such_pass"):
+        zgraph.Config(disable_passes=["no_such_pass"]).pipeline()
 
 
 def test_distribute_overrides_and_keeps_the_function_callable():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import pathlib
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zgraph
+import zgraph.config_checks
+import zgraph.deepspeed
+from zgraph.deepspeed.config import config_fields_from_deepspeed
 
 # the seeds' low-precision recipe: bf16 master weights, grads and optimizer states with torch.autocast
 SEEDS_RECIPE = {
@@ -126,3 +131,36 @@ def test_autocast_dtype_must_be_a_lower_precision_dtype():
         zgraph.Config(autocast_dtype=torch.float32)
     with pytest.raises(ValueError, match="loss_scale"):
         zgraph.Config(autocast_dtype=torch.float16)
+
+
+def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, name)`` of every module (and ``from``-imported name) ``path`` imports, function-level ones too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}:{node.lineno}: relative import"
+            found += [(node.lineno, node.module or "")]
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_deepspeed_package_and_config_checks_never_import_zgraph_config():
+    """zgraph/deepspeed/ returns plain values (Config.from_deepspeed builds the Config), and zgraph.config_checks
+    takes plain values: neither imports zgraph.config, not even inside a function, so there is no import circle."""
+    paths = sorted(pathlib.Path(zgraph.deepspeed.__file__).parent.glob("*.py"))
+    paths.append(pathlib.Path(zgraph.config_checks.__file__))
+    assert len(paths) >= 6
+    for path in paths:
+        for line, name in _imported_modules(path):
+            assert name != "zgraph.config" and not name.startswith("zgraph.config."), f"{path.name}:{line}: {name}"
+
+
+def test_deepspeed_dynamic_loss_scale_is_plain_keyword_arguments():
+    fields = config_fields_from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 12}})
+    assert fields["loss_scale"] == {"init_scale": 4096.0, "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0}
+    assert type(fields["loss_scale"]) is dict
+    assert config_fields_from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}})["loss_scale"] == 128.0
+    config = zgraph.Config.from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 12}})
+    assert config.loss_scale == zgraph.DynamicLossScale(init_scale=4096.0)

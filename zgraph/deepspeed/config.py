@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -62,7 +62,18 @@ DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _load(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+class DynamicLossScaleArgs(TypedDict):
+    """The keyword arguments of ``zgraph.DynamicLossScale`` an fp16 section with dynamic scaling stands for: the
+    ``loss_scale`` field is returned as these, plain values, and ``Config.from_deepspeed`` builds the object."""
+
+    init_scale: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float
+
+
+def load_json(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A DeepSpeed config as a dict: a mapping copied, or a JSON file's top-level object."""
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, (str, os.PathLike)):
@@ -86,8 +97,10 @@ def _int(where: str, data: Mapping[str, Any], key: str, default: int, minimum: i
 
 
 def config_fields_from_deepspeed(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """The ``zgraph.Config`` fields a DeepSpeed config (a dict or a JSON file) stands for (module docstring)."""
-    data = _load(source)
+    """The ``zgraph.Config`` fields a DeepSpeed config (a dict or a JSON file) stands for (module docstring), as
+    plain values: a dynamic ``loss_scale`` is a ``DynamicLossScaleArgs`` dict, which ``Config.from_deepspeed``
+    turns into a ``zgraph.DynamicLossScale``."""
+    data = load_json(source)
     keys.check_top_level(data)
     fields: dict[str, Any] = {}
     _read_autocast(data, fields)
@@ -160,10 +173,9 @@ def _read_precision(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
         fields["loss_scale"] = scale
 
 
-def _read_loss_scale(fp16: Mapping[str, Any]) -> Any:
-    """fp16's loss scale: 0 (the default) is dynamic, with DeepSpeed's defaults for the other keys."""
-    from zgraph.config import DynamicLossScale
-
+def _read_loss_scale(fp16: Mapping[str, Any]) -> float | DynamicLossScaleArgs:
+    """fp16's loss scale: a static scale (a float), or 0 (the default): dynamic, with DeepSpeed's defaults for the
+    other keys (returned as ``DynamicLossScale``'s keyword arguments)."""
     scale = fp16.get("loss_scale", 0)
     scale = 0.0 if is_auto(scale) else number("fp16.loss_scale", scale, minimum=0)
     power = _int("fp16", fp16, "initial_scale_power", 16)
@@ -177,7 +189,7 @@ def _read_loss_scale(fp16: Mapping[str, Any]) -> Any:
         raise ValueError(
             f"DeepSpeed config fp16.min_loss_scale={floor:g} is above the initial scale 2**{power}; lower it"
         )
-    return DynamicLossScale(init_scale=2.0**power, growth_interval=window, hysteresis=hysteresis, min_scale=floor)
+    return DynamicLossScaleArgs(init_scale=2.0**power, growth_interval=window, hysteresis=hysteresis, min_scale=floor)
 
 
 def _read_zero(data: Mapping[str, Any], fields: dict[str, Any]) -> None:

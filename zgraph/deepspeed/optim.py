@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from zgraph.deepspeed.values import _fail, boolean, choice, integer, is_auto, number, section, unknown
+from zgraph.deepspeed.config import load_json
+from zgraph.deepspeed.values import boolean, choice, fail, integer, is_auto, number, section, unknown
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad",
               "foreach", "fp32_optimizer_states"}  # fmt: skip
@@ -58,9 +59,7 @@ def optimizer_from_deepspeed(
     """The optimizer and LR scheduler a DeepSpeed config's ``optimizer`` / ``scheduler`` sections build, for
     ``params`` (tensors or param-group dicts); the scheduler is None without a ``scheduler`` section. See
     ``zgraph.deepspeed.optim`` for what each type builds."""
-    from zgraph.deepspeed.config import _load
-
-    data = _load(config)
+    data = load_json(config)
     spec = section("optimizer", data.get("optimizer"))
     if not spec:
         raise ValueError("DeepSpeed config has no 'optimizer' section; optimizer_from_deepspeed needs one")
@@ -99,10 +98,10 @@ def _checked(args: Mapping[str, Any], name: str) -> dict[str, Any]:
             out[key] = None if value is None else boolean(where, value)
         elif key == "betas":
             if not isinstance(value, (list, tuple)) or len(value) != 2:
-                raise _fail(where, "a list of two numbers", value)
+                raise fail(where, "a list of two numbers", value)
             out[key] = tuple(number(where, b, minimum=0) for b in value)
             if not all(b < 1 for b in out[key]):
-                raise _fail(where, "two numbers below 1", value)
+                raise fail(where, "two numbers below 1", value)
         else:
             out[key] = number(where, value, minimum=0)
     return out

@@ -30,7 +30,8 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def _fail(key: str, expected: str, value: Any) -> ValueError:
+def fail(key: str, expected: str, value: Any) -> ValueError:
+    """The error for ``key``'s ``value``, which is not ``expected`` (raise it: ``raise fail(...)``)."""
     return ValueError(f"DeepSpeed config {key}: expected {expected}, got {value!r} ({type(value).__name__})")
 
 
@@ -39,27 +40,27 @@ def section(key: str, value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise _fail(key, "a JSON object", value)
+        raise fail(key, "a JSON object", value)
     return dict(value)
 
 
 def boolean(key: str, value: Any) -> bool:
     """``true`` or ``false`` only: no strings, no numbers."""
     if not isinstance(value, bool):
-        raise _fail(key, "true or false", value)
+        raise fail(key, "true or false", value)
     return value
 
 
 def number(key: str, value: Any, *, minimum: float | None = None, positive: bool = False) -> float:
     """A finite JSON number (not a bool, not a string, not inf/NaN) at least ``minimum`` (above 0 if ``positive``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(key, "a number", value)
+        raise fail(key, "a number", value)
     if not math.isfinite(value):
-        raise _fail(key, "a finite number", value)
+        raise fail(key, "a finite number", value)
     if positive and not value > 0:
-        raise _fail(key, "a number above 0", value)
+        raise fail(key, "a number above 0", value)
     if minimum is not None and value < minimum:
-        raise _fail(key, f"a number of at least {minimum:g}", value)
+        raise fail(key, f"a number of at least {minimum:g}", value)
     return float(value)
 
 
@@ -67,26 +68,26 @@ def integer(key: str, value: Any, *, minimum: int | None = 0) -> int:
     """A whole JSON number (``5e8`` is fine: it is whole; ``2.9``, ``true`` and ``"3"`` are not), at least
     ``minimum`` (default 0: sizes and counts are never negative)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(key, "an integer", value)
+        raise fail(key, "an integer", value)
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise _fail(key, "an integer", value)
+        raise fail(key, "an integer", value)
     value = int(value)
     if minimum is not None and value < minimum:
-        raise _fail(key, f"an integer of at least {minimum}", value)
+        raise fail(key, f"an integer of at least {minimum}", value)
     return value
 
 
 def choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     """One of the given strings."""
     if not isinstance(value, str) or value not in choices:
-        raise _fail(key, "one of " + ", ".join(repr(c) for c in choices), value)
+        raise fail(key, "one of " + ", ".join(repr(c) for c in choices), value)
     return value
 
 
 def dtype(key: str, value: Any) -> torch.dtype:
     """A dtype name as DeepSpeed spells them (``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``, ``"fp32"``...)."""
     if not isinstance(value, str):
-        raise _fail(key, f"a dtype name, one of {sorted(_DTYPES)}", value)
+        raise fail(key, f"a dtype name, one of {sorted(_DTYPES)}", value)
     found = _DTYPES.get(value.lower().removeprefix("torch."))
     if found is None:
         raise ValueError(f"DeepSpeed config {key}: unknown dtype {value!r}; expected one of {sorted(_DTYPES)}")

@@ -1,0 +1,192 @@
+"""The checks ``zgraph.Config`` runs on its fields, each raising ``ValueError`` naming the field and saying why.
+
+They take plain values (never a ``Config``: this module does not import ``zgraph.config``), so each check says
+which fields it reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from zgraph.passes import Pass, PassContext
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+_OFFLOAD_TIERS = (None, "cpu", "nvme")
+
+PassFunction = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+"""A user pass given as a plain function: ``fn(gm, ctx) -> gm``."""
+
+
+def type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def check_choice(name: str, value: object, allowed: tuple[object, ...], typ: type) -> None:
+    """``value`` is a ``typ`` (not a bool) among ``allowed``."""
+    if not isinstance(value, typ) or isinstance(value, bool):
+        raise ValueError(
+            f"Config.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r} ({type_name(value)})"
+        )
+    if value not in allowed:
+        raise ValueError(f"Config.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def check_size(name: str, value: object, allow_auto: bool) -> None:
+    """``value`` is a non-negative int (or ``"auto"`` where ``allow_auto``)."""
+    allowed = "a non-negative int" + (' or "auto"' if allow_auto else "")
+    if allow_auto and value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"Config.{name} must be {allowed}; got {value!r} ({type_name(value)})")
+    if value < 0:
+        raise ValueError(f"Config.{name} must be {allowed}; got {value}")
+
+
+def check_float_dtype(name: str, value: object) -> None:
+    """``value`` is None or a floating dtype zgraph computes in."""
+    if value is not None and value not in FLOAT_DTYPES:
+        raise ValueError(
+            f"Config.{name} must be None or one of torch.float32, torch.bfloat16, torch.float16; got {value!r}"
+        )
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"Config.{name} must be True or False; got {value!r} ({type_name(value)})")
+
+
+def check_max_grad_norm(value: object) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+        raise ValueError(f"Config.max_grad_norm must be None or a positive number; got {value!r}")
+
+
+def check_timeout(timeout: object) -> None:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
+        raise ValueError(f"Config.collective_timeout must be a positive number of seconds; got {timeout!r}")
+
+
+def check_precision(
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    master_dtype: torch.dtype | None,
+    optimizer_state_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+    loss_scale: object,
+) -> None:
+    """Reject the precision combinations DeepSpeed rejects, saying why (the fields' values, already checked one
+    by one)."""
+    dtypes = {param_dtype, reduce_dtype, master_dtype, optimizer_state_dtype, autocast_dtype}
+    if autocast_dtype == torch.float32:
+        raise ValueError(
+            "Config.autocast_dtype must be None, torch.bfloat16 or torch.float16 (torch.autocast's lower-precision "
+            "dtypes); got torch.float32"
+        )
+    if optimizer_state_dtype == torch.float16:
+        raise ValueError(
+            "Config.optimizer_state_dtype=torch.float16 is rejected (as DeepSpeed rejects fp16 optimizer states): "
+            "Adam's second moment squares gradients and leaves fp16's range; use torch.bfloat16 or torch.float32"
+        )
+    if torch.float16 in dtypes and torch.bfloat16 in dtypes:
+        raise ValueError(
+            "Config mixes torch.float16 and torch.bfloat16 (param/reduce/master/optimizer-state dtypes); DeepSpeed "
+            "enables fp16 or bf16, not both: pick one 16-bit format"
+        )
+    fp16 = torch.float16 in dtypes
+    if fp16 and loss_scale is None:
+        raise ValueError(
+            "Config uses torch.float16 without loss_scale: fp16's 5-bit exponent flushes small gradients to zero; "
+            'set loss_scale="dynamic" (as DeepSpeed does for fp16) or a float'
+        )
+    if loss_scale is not None and torch.bfloat16 in dtypes:
+        raise ValueError(
+            "Config.loss_scale is set with a torch.bfloat16 dtype: loss scaling is fp16's (DeepSpeed enables fp16 or "
+            "bf16, not both), and bf16 has float32's exponent range, so it needs none"
+        )
+    master, compute = master_dtype, param_dtype
+    if master is not None and compute is not None and _BITS[master] < _BITS[compute]:
+        raise ValueError(
+            f"Config.master_dtype={master} is less precise than param_dtype={compute}: the master weights would lose "
+            "what the updates add; use a master dtype at least as wide as the compute dtype"
+        )
+
+
+def check_offload(
+    *,
+    stage: int,
+    offload_optimizer: object,
+    offload_params: object,
+    offload_dir: object,
+    offload_fraction: object,
+) -> None:
+    """Offload options: known tiers, a fraction in [0, 1], a directory for "nvme", the ZeRO stage they need."""
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        if value not in _OFFLOAD_TIERS or isinstance(value, bool):
+            raise ValueError(f'Config.{name} must be None, "cpu" or "nvme"; got {value!r}')
+    fraction = offload_fraction
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"Config.offload_fraction must be a number in [0, 1] (a share of the bytes); got {fraction!r}")
+    directory = offload_dir
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"Config.offload_dir must be None or a directory path; got {directory!r}")
+    tiers = {offload_optimizer, offload_params}
+    if "nvme" in tiers and directory is None:
+        raise ValueError('Config offload to "nvme" needs offload_dir: the directory its files are written in')
+    if tiers != {None} and stage == 0:
+        raise ValueError(
+            "Config offload_optimizer / offload_params at stage 0: offload needs ZeRO stage >= 1 (DeepSpeed "
+            "requires ZeRO >= 1 for offload too); set stage=1, 2 or 3"
+        )
+    if offload_params is not None and stage < 3:
+        raise ValueError(
+            f"Config.offload_params={offload_params!r} at stage {stage}: parameters are offloaded "
+            "only when they are sharded, at stage 3 (as DeepSpeed's offload_param); set stage=3 or use "
+            "offload_optimizer"
+        )
+
+
+def module_classes(name: str, value: object) -> tuple[type[nn.Module], ...]:
+    """``value`` as a tuple of ``nn.Module`` subclasses (a list or a single class accepted), else a ValueError."""
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, (tuple, list)) and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        return tuple(classes)
+    raise ValueError(
+        f"Config.{name} must be a tuple of nn.Module subclasses (e.g. (nn.BatchNorm2d, nn.LayerNorm)); got {value!r}"
+    )
+
+
+def as_str_tuple(name: str, value: object) -> tuple[str, ...]:
+    """``value`` (a list, tuple or set of pass names) as a tuple of str, else a ValueError."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise ValueError(f"Config.{name} must be a list of pass names; got {value!r} ({type_name(value)})")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"Config.{name} must contain pass names (str); got {item!r} ({type_name(item)})")
+    return items
+
+
+def as_pass_tuple(value: object) -> tuple[Pass, ...]:
+    """``extra_passes`` as ``Pass`` objects: a plain ``fn(gm, ctx) -> gm`` becomes a pass named after it."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"Config.extra_passes must be a list of zgraph.passes.Pass or fn(gm, ctx) -> gm; got {value!r}"
+        )
+    passes: list[Pass] = []
+    for item in value:
+        if isinstance(item, Pass):
+            passes.append(item)
+        elif isinstance(item, Callable):
+            passes.append(Pass(name=getattr(item, "__name__", repr(item)), fn=item))
+        else:
+            raise ValueError(
+                "Config.extra_passes must contain zgraph.passes.Pass objects or callables fn(gm, ctx) -> gm; "
+                f"got {item!r} ({type_name(item)})"
+            )
+    return tuple(passes)
