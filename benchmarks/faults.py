@@ -68,7 +68,7 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
 
 def ray_actor(limit: float = 400) -> str:
     """Kill one SideActor a few seconds into training; how the demo ends and how long after the kill."""
-    command = [sys.executable, "-m", "zgraph.cli.main", "demo", "--multimodal", "--launcher", "ray", "--steps", "400"]
+    command = [sys.executable, "-m", "zgraph.cli", "demo", "--multimodal", "--launcher", "ray", "--steps", "400"]
     demo = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

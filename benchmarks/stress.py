@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 CASES: dict[str, list[str]] = {
-    "demo": [PY, "-m", "zgraph.cli.main", "demo", "--steps", "40"],
+    "demo": [PY, "-m", "zgraph.cli", "demo", "--steps", "40"],
     "parity-2": [PY, "-m", "benchmarks.stress_cases", "parity", "2"],
     "parity-4": [PY, "-m", "benchmarks.stress_cases", "parity", "4"],
     "split-2": [PY, "-m", "benchmarks.stress_cases", "split", "2"],

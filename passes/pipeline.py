@@ -21,8 +21,9 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PipelineError
-from zgraph.graph import PHASE, PHASES, CostModel, ParamInfo, copy_graph_module, run_pass
+from zgraph.graph import PHASE, PHASES, CostModel, ParamInfo, copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
+from zgraph.passes.provenance import run_pass
 
 # Properties the captured graph has before any pass runs (see zgraph.capture.trace); checked before the first pass.
 CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
@@ -164,8 +165,8 @@ def run_pipeline(
     """Run ``passes`` in order; returns one record per pass (its output graph and time).
 
     ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every node a pass
-    creates carries ``meta[MADE_BY]``, the pass's name (``zgraph.graph.run_pass`` runs it: a create-node hook on
-    the module the pass edits, the copy below when ``keep``).
+    creates carries ``meta[MADE_BY]``, the pass's name (``zgraph.passes.provenance.run_pass`` runs it: a
+    create-node hook on the module the pass edits, the copy below when ``keep``).
     ``keep``: each pass edits a copy, leaving ``gm`` and every record's graph as it was; False: each pass edits
     the graph it receives, ``gm`` included (only the last record's graph is then the pass's output as made).
     """

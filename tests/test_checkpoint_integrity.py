@@ -163,7 +163,7 @@ def test_consolidate_cli_one_line_exit_1(copy, damage):
     else:
         flip(copy / shard, 0.37)
     done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli.main", "consolidate", str(target), str(copy.parent / "out.pt")],
+        [sys.executable, "-m", "zgraph.cli", "consolidate", str(target), str(copy.parent / "out.pt")],
         capture_output=True,
         text=True,
         timeout=120,

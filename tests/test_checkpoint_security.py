@@ -176,7 +176,7 @@ def test_consolidate_cli_runs_no_code(tmp_path, attack):
     forge(tmp_path / "ck", attack, str(marker))
     out = tmp_path / "out.pt"
     done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli.main", "consolidate", str(tmp_path / "ck"), str(out)],
+        [sys.executable, "-m", "zgraph.cli", "consolidate", str(tmp_path / "ck"), str(out)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -12,7 +12,7 @@ import pytest
 def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
     dump = tmp_path / "graphs"
     result = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli.main", "demo", "--steps", "4", "--dump", str(dump)],
+        [sys.executable, "-m", "zgraph.cli", "demo", "--steps", "4", "--dump", str(dump)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -32,7 +32,7 @@ def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
 
 def _multimodal(tmp_path, launcher: str, python: str = sys.executable) -> str:
     result = subprocess.run(
-        [python, "-m", "zgraph.cli.main", "demo", "--multimodal", "--launcher", launcher, "--steps", "3"],
+        [python, "-m", "zgraph.cli", "demo", "--multimodal", "--launcher", launcher, "--steps", "3"],
         capture_output=True,
         text=True,
         timeout=900,

@@ -152,7 +152,7 @@ def test_an_all_gather_holds_its_input_until_its_wait(collective, args, out_nume
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "zgraph.cli.main", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
+        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
     )
 
 

@@ -259,7 +259,7 @@ def test_cli_device_cuda():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = ["--model", "gpt-bench", "--world", "4", "--stage", "3", "--device", "cuda"]
     done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli.main", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
+        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

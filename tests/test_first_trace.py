@@ -1,6 +1,7 @@
 """A first call creates the optimizer state torch.optim's first step creates, guessed before the trace so that the
 step is traced once; where the guess is wrong (a parameter gets no gradient) its state is removed again and the
-step traced once more; where the trace fails, all the guessed state is removed: the optimizer ends as eager PyTorch leaves it."""
+step traced once more; where the trace fails, all the guessed state is removed: the optimizer ends as eager
+PyTorch leaves it."""
 
 from __future__ import annotations
 

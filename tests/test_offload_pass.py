@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 from pass_graphs import Builder, aten, context, count, param
 
-from zgraph.graph import BACKWARD, FORWARD, MADE_BY, OPTIMIZER, OUTPUTS, PHASE, GraphOutput, running_pass
+from zgraph.graph import BACKWARD, FORWARD, MADE_BY, OPTIMIZER, OUTPUTS, PHASE, GraphOutput
 from zgraph.ops import RELOAD, UNSHARD, WRITE_BACK
 from zgraph.passes import PassContext
 from zgraph.passes.bucket import bucket
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.offload import offload
+from zgraph.passes.provenance import run_pass
 from zgraph.passes.schedule import schedule
 from zgraph.passes.shard_params import shard_params
 
@@ -41,8 +42,7 @@ def _stage3_step() -> tuple[torch.fx.GraphModule, PassContext]:
 
 def test_offload_params_reloads_the_shard_per_phase_and_writes_back_its_update():
     gm, ctx = _stage3_step()
-    with running_pass("offload"):
-        gm = offload(gm, ctx, params="nvme")
+    gm = run_pass("offload", gm, offload, ctx, params="nvme")
     gm.graph.lint()
     nodes = list(gm.graph.nodes)
     reloads = [n for n in nodes if n.target is RELOAD]

@@ -1,4 +1,4 @@
-"""Provenance: every node a pass creates carries ``meta[MADE_BY]``, its name (``zgraph.graph.run_pass``, a
+"""Provenance: every node a pass creates carries ``meta[MADE_BY]``, its name (``zgraph.passes.provenance.run_pass``, a
 create-node hook on the module the pass edits), however it made the node; nodes that survive keep their stamp."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from zgraph.graph import (
     fake_mode,
     insert,
     output_node,
-    run_pass,
 )
 from zgraph.passes import Pass, run_pipeline
+from zgraph.passes.provenance import run_pass
 
 
 def _step() -> fx.GraphModule:

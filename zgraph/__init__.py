@@ -8,6 +8,20 @@ def train_step(model, opt, batch):
     loss.backward()
     opt.step(); opt.zero_grad()
     return loss
+
+The house, bottom to top (each floor imports only the floors below it; ``tests/test_imports.py`` checks it)::
+
+    graph.py ops.py errors.py tree.py version.py   the contract: what a step graph means, zgraph's ops, errors
+    runtime/ (zgraph.runtime), passes/ (zgraph.passes)   process groups and state; the graph passes
+    deepspeed/     DeepSpeed JSON configs read as plain values
+    checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict
+    config.py config_checks.py   zgraph.Config
+    capture/       the step traced into one functional aten graph (the capture protocol)
+    binding/       the state a call reaches, bound once and laid out; the guard key
+    compile/       a captured graph through the passes, lowered, and run against the live state
+    inspect/       explain, dump, estimate, liveness
+    dispatch.py step.py   one call along the data's way; @zgraph.distribute, the object that replaces the step
+    demos/ cli/    the demos and their models; the zgraph command (users of the library)
 """
 
 from zgraph.checkpoint.gather import full_state_dict, gather

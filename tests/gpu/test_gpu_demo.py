@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 def demo(tmp_path, *args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli.main", "demo", *args],
+        [sys.executable, "-m", "zgraph.cli", "demo", *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -3,9 +3,9 @@ of state and laid out for the step's ranks; the guard key a compiled variant is 
 
 Files::
 
-    call.py     one call of a step: its function and arguments, bound to the signature once
-    guards.py   discovery of modules and optimizers; the guard key
-    locate.py   where the tensors a step reads outside its arguments live
-    setup.py    the one binding set-up (check, then lay out), for a call and for an estimate
-    session.py  what a step remembers between calls: its bindings, observed state and located tensors
+    arguments.py  one call of a step (``StepCall``): its function and arguments, bound to the signature once
+    guards.py     discovery of modules and optimizers; the guard key
+    locate.py     where the tensors a step reads outside its arguments live
+    setup.py      the one binding set-up (check, then lay out), for a call and for an estimate
+    session.py    what a step remembers between calls (bindings, observed state, located tensors); a call bound
 """

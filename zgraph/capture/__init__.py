@@ -3,9 +3,10 @@ the optimizer), with the state it reads and writes as graph inputs and outputs.
 
 Files::
 
-    protocol.py         the one capture protocol (guess the first optimizer state, trace, bind more, trace again, split)
-    trace.py            one trace of the step: its graph inputs, the traced call, its outputs and their roles
-    captured.py         what a capture returns: ``CapturedGraph``, ``Traced``, ``SplitInfo``
+    protocol.py         the one capture protocol: guess first-step state, trace, bind more, trace again, split
+    trace.py            one trace of the step: the traced call, its outputs and their roles
+    inputs.py           the graph inputs of a call, in graph order, and their fake stand-ins
+    captured.py         what a capture is asked and returns: ``CaptureRequest``, ``Traced``, ``CapturedGraph``
     environment.py      what zgraph swaps, patches and watches while the step runs under ``make_fx``
     diagnosis.py        how a failed trace is explained: the user's line, the data-dependent operation
     optimizers.py       optimizers and LR schedulers while a step is traced; a first step's optimizer state

@@ -43,10 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from zgraph.capture import update_rules as zopt
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Returned, Traced
 from zgraph.capture.collectives import functional_c10d
 from zgraph.capture.environment import (
@@ -64,6 +62,7 @@ from zgraph.capture.environment import (
     watch_unbound_state,
 )
 from zgraph.capture.generator_state import generator_state_ops
+from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
 from zgraph.errors import CaptureError
@@ -71,76 +70,6 @@ from zgraph.graph import GraphInput, GraphOutput
 from zgraph.ops import grad_contribution
 from zgraph.runtime.state import Binding
 from zgraph.tree import map_leaves
-
-
-@dataclass
-class _Inputs:
-    specs: list[GraphInput]
-    values: list[Tensor]  # real tensors (or fakes made from metadata) in spec order
-
-
-def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> _Inputs:
-    """The graph inputs of a step call, in graph order, with the tensors they are read from."""
-    specs: list[GraphInput] = []
-    values: list[Tensor] = []
-
-    def add(spec: GraphInput, value: Tensor) -> None:
-        specs.append(spec)
-        values.append(value)
-
-    for r in binding.params:
-        add(GraphInput("param", r.name, r.index), r.tensor)
-    for r in binding.params:
-        if r.tensor.grad is not None:
-            add(GraphInput("grad", r.name, r.index), r.tensor.grad)
-    for r in binding.buffers:
-        value = r.get()
-        if value is not None:
-            add(GraphInput("buffer", r.name, r.index), value)
-    for o in binding.optimizers:
-        for i in sorted({i for indices in o.group_params for i in indices}):
-            for key, value in binding.optimizer_state(o.index, i).items():
-                if isinstance(value, Tensor):
-                    name = f"{binding.params[i].name}:{key}"
-                    add(GraphInput("opt_state", name, i, field=key, optimizer=o.index), value)
-    for o in binding.optimizers:
-        kernel = zopt.kernel_for(o.optimizer)
-        if kernel is None:
-            continue
-        for g_index, group in enumerate(o.optimizer.param_groups):
-            for hp_name, hp_value in kernel.hyperparameters(group).items():
-                name = f"{o.name}.group{g_index}:{hp_name}"
-                add(GraphInput("hparam", name, g_index, field=hp_name, optimizer=o.index, group=g_index), hp_value)
-    for leaf_index, (path, t) in enumerate(user_tensors):
-        add(GraphInput("input", path, leaf_index), t)
-    for leaf_index, (path, t) in enumerate(user_tensors):
-        if t.grad is not None:
-            add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
-    for name, value in binding.loss_scale_state.items():
-        add(GraphInput("loss_scale", f"loss_scale:{name}", 0, field=name), value)
-    return _Inputs(specs, values)
-
-
-def _fake_inputs(mode: FakeTensorMode, inputs: _Inputs, meta_as: torch.device | None = None) -> list[Tensor]:
-    """Fake stand-ins of the inputs; a meta tensor stands for one on ``meta_as`` when that is given (estimates
-    trace models that hold no memory)."""
-    fakes = []
-    for spec, value in zip(inputs.specs, inputs.values):
-        if spec.kind == "hparam":
-            with mode:
-                fakes.append(torch.empty((), dtype=torch.float64))
-            continue
-        if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
-            with mode:
-                fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
-        elif value.is_meta and meta_as is not None:
-            fake = mode.fake_tensor_converter.from_meta_and_device(mode, value.detach(), meta_as)
-        else:
-            fake = mode.from_tensor(value.detach(), static_shapes=True)
-        if spec.kind in ("param", "input") and value.requires_grad:
-            fake.requires_grad_(True)
-        fakes.append(fake)
-    return fakes
 
 
 def trace_step(request: CaptureRequest) -> Traced:
@@ -153,9 +82,9 @@ def trace_step(request: CaptureRequest) -> Traced:
     """
     binding, user_tensors = request.binding, request.user_tensors
     inputs = collect_inputs(binding, user_tensors)
-    _check_dense(inputs)
+    check_dense(inputs)
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
-    fakes = _fake_inputs(mode, inputs, request.meta_as)
+    fakes = fake_inputs(mode, inputs, request.meta_as)
     found: list[tuple[CapturedGraph, list[GraphOutput]]] = []
     grad_enabled = torch.is_grad_enabled()
 
@@ -189,14 +118,6 @@ def trace_step(request: CaptureRequest) -> Traced:
             t.grad = None
     captured, roles = found[-1]
     return Traced(None, gm, captured, constants, inputs.specs, roles, fakes, mode)
-
-
-def _check_dense(inputs: _Inputs) -> None:
-    for spec, value in zip(inputs.specs, inputs.values):
-        if spec.kind == "hparam":
-            continue
-        if not isinstance(value, Tensor) or value.is_sparse:
-            raise CaptureError(f"{spec.name}: only dense tensors can be graph inputs, got {type(value).__name__}")
 
 
 def _step_trace(request: CaptureRequest, state: _TracedState) -> Trace:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from zgraph.binding.arguments import StepCall
 from zgraph.config import Config
 from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
 from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
-from zgraph.binding.arguments import StepCall
 from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model
 

@@ -78,7 +78,3 @@ def _consolidate(checkpoint: str, out: str) -> int:
     size = sum(t.nbytes for t in tensors)
     print(f"wrote {out}: {len(state)} entries, {len(tensors)} tensors, {size / 2**20:.2f} MiB")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The graph inputs of a step call: every parameter, ``.grad`` present on entry, buffer, optimizer state tensor,
+numeric optimizer hyper-parameter, tensor argument (and its ``.grad``) and loss-scale state, in graph order, with
+the tensors they are read from; and their fake stand-ins for a trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+from zgraph.capture import update_rules as zopt
+from zgraph.errors import CaptureError
+from zgraph.graph import GraphInput
+from zgraph.runtime.state import Binding
+
+
+@dataclass
+class Inputs:
+    """The graph inputs of a step call, in graph order, with the tensors they are read from."""
+
+    specs: list[GraphInput]
+    values: list[Tensor]  # real tensors (or fakes made from metadata) in spec order
+
+
+def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> Inputs:
+    """The graph inputs of a step call, in graph order, with the tensors they are read from."""
+    specs: list[GraphInput] = []
+    values: list[Tensor] = []
+
+    def add(spec: GraphInput, value: Tensor) -> None:
+        specs.append(spec)
+        values.append(value)
+
+    for r in binding.params:
+        add(GraphInput("param", r.name, r.index), r.tensor)
+    for r in binding.params:
+        if r.tensor.grad is not None:
+            add(GraphInput("grad", r.name, r.index), r.tensor.grad)
+    for r in binding.buffers:
+        value = r.get()
+        if value is not None:
+            add(GraphInput("buffer", r.name, r.index), value)
+    for o in binding.optimizers:
+        for i in sorted({i for indices in o.group_params for i in indices}):
+            for key, value in binding.optimizer_state(o.index, i).items():
+                if isinstance(value, Tensor):
+                    name = f"{binding.params[i].name}:{key}"
+                    add(GraphInput("opt_state", name, i, field=key, optimizer=o.index), value)
+    for o in binding.optimizers:
+        kernel = zopt.kernel_for(o.optimizer)
+        if kernel is None:
+            continue
+        for g_index, group in enumerate(o.optimizer.param_groups):
+            for hp_name, hp_value in kernel.hyperparameters(group).items():
+                name = f"{o.name}.group{g_index}:{hp_name}"
+                add(GraphInput("hparam", name, g_index, field=hp_name, optimizer=o.index, group=g_index), hp_value)
+    for leaf_index, (path, t) in enumerate(user_tensors):
+        add(GraphInput("input", path, leaf_index), t)
+    for leaf_index, (path, t) in enumerate(user_tensors):
+        if t.grad is not None:
+            add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
+    for name, value in binding.loss_scale_state.items():
+        add(GraphInput("loss_scale", f"loss_scale:{name}", 0, field=name), value)
+    return Inputs(specs, values)
+
+
+def fake_inputs(mode: FakeTensorMode, inputs: Inputs, meta_as: torch.device | None = None) -> list[Tensor]:
+    """Fake stand-ins of the inputs; a meta tensor stands for one on ``meta_as`` when that is given (estimates
+    trace models that hold no memory)."""
+    fakes = []
+    for spec, value in zip(inputs.specs, inputs.values):
+        if spec.kind == "hparam":
+            with mode:
+                fakes.append(torch.empty((), dtype=torch.float64))
+            continue
+        if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
+            with mode:
+                fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
+        elif value.is_meta and meta_as is not None:
+            fake = mode.fake_tensor_converter.from_meta_and_device(mode, value.detach(), meta_as)
+        else:
+            fake = mode.from_tensor(value.detach(), static_shapes=True)
+        if spec.kind in ("param", "input") and value.requires_grad:
+            fake.requires_grad_(True)
+        fakes.append(fake)
+    return fakes
+
+
+def check_dense(inputs: Inputs) -> None:
+    """Only dense tensors can be graph inputs."""
+    for spec, value in zip(inputs.specs, inputs.values):
+        if spec.kind == "hparam":
+            continue
+        if not isinstance(value, Tensor) or value.is_sparse:
+            raise CaptureError(f"{spec.name}: only dense tensors can be graph inputs, got {type(value).__name__}")

@@ -1,0 +1,7 @@
+"""``python -m zgraph.cli``: the ``zgraph`` command."""
+
+import sys
+
+from zgraph.cli.main import main
+
+sys.exit(main())
