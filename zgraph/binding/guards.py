@@ -8,7 +8,6 @@ import contextlib
 import functools
 import types
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +20,7 @@ from zgraph.tree import children, iter_leaves, structure_key
 _STATE_TYPES = (nn.Module, torch.optim.Optimizer)
 
 
-def _find_state(obj: Any, path: str, out: list[tuple[str, Any]], seen: set[int], depth: int = 0) -> None:
+def _find_state(obj: object, path: str, out: list[tuple[str, object]], seen: set[int], depth: int = 0) -> None:
     if isinstance(obj, _STATE_TYPES):
         if id(obj) not in seen:
             seen.add(id(obj))
@@ -43,7 +42,7 @@ def discover(
     """Modules and optimizers a step call uses: in its arguments (any nesting), the arguments a
     ``functools.partial`` binds, its closure, the globals it names, and ``observed`` (found while tracing an
     earlier call)."""
-    found: list[tuple[str, Any]] = []
+    found: list[tuple[str, object]] = []
     seen: set[int] = set()
     for name, value in call.arguments:
         _find_state(value, name, found, seen)
@@ -107,7 +106,7 @@ def _tensor_key(t: Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
 
 
-def _value_key(value: Any) -> Any:
+def _value_key(value: object) -> object:
     if isinstance(value, Tensor):
         return _tensor_key(value)
     if isinstance(value, _STATE_TYPES):
@@ -133,7 +132,7 @@ KEY_PARTS = (
 )
 
 
-def guard_key(binding: Binding, arguments: Sequence[tuple[str, Any]], located: Sequence[Tensor] = ()) -> tuple:
+def guard_key(binding: Binding, arguments: Sequence[tuple[str, object]], located: Sequence[Tensor] = ()) -> tuple:
     """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
     arguments, ``located`` the tensors read from places ``zgraph.binding.locate`` found. A different key retraces. Its
     parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
@@ -193,7 +192,7 @@ def _maybe_tensor_key(t: Tensor | None) -> tuple | None:
 # ---------------------------------------------------------------------------------------------- compiled step
 
 
-def describe_leaf(leaf_key: Any) -> str:
+def describe_leaf(leaf_key: tuple) -> str:
     """A guard-key leaf (``_value_key``) as the user would recognise it."""
     if len(leaf_key) == 6 and isinstance(leaf_key[1], torch.dtype):
         return f"a tensor of shape {leaf_key[0]} ({leaf_key[1]})"

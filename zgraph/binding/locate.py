@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor, nn
 
@@ -35,10 +34,10 @@ class Locator:
     ``("item", key)``. ``path`` is the readable name graph inputs get."""
 
     root: tuple
-    steps: tuple[tuple[str, Any], ...]
+    steps: tuple[tuple[str, object], ...]
     path: str
 
-    def resolve(self, fn: Callable, arguments: dict[str, Any]) -> Slot | None:
+    def resolve(self, fn: Callable, arguments: dict[str, object]) -> Slot | None:
         """The slot this path reaches in this call, or None if it no longer exists."""
         kind, key = self.root
         code_fn = _code_function(fn)
@@ -78,7 +77,7 @@ def _code_function(fn: Callable) -> Callable:
             return fn
 
 
-def _walk(obj: Any, steps: tuple, path: str, depth: int, seen: set[int]) -> Iterator[tuple[Tensor, tuple, str]]:
+def _walk(obj: object, steps: tuple, path: str, depth: int, seen: set[int]) -> Iterator[tuple[Tensor, tuple, str]]:
     """``(tensor, steps, path)`` of every tensor reachable from ``obj`` through settable places: items of
     dicts and lists, attributes of plain objects and plain (non-parameter, non-buffer) attributes of modules."""
     if id(obj) in seen or depth > _MAX_DEPTH or isinstance(obj, _OPAQUE) or _is_library_object(obj):
@@ -101,19 +100,19 @@ def _walk(obj: Any, steps: tuple, path: str, depth: int, seen: set[int]) -> Iter
             yield from _walk(value, (*steps, step), child_path, depth + 1, seen)
 
 
-def _is_library_object(obj: Any) -> bool:
+def _is_library_object(obj: object) -> bool:
     """Objects of torch itself other than modules (optimizers, schedulers, data loaders...): their tensors are
     not the step's."""
     return not isinstance(obj, nn.Module) and type(obj).__module__.split(".")[0] == "torch"
 
 
 def locate(
-    wanted: Callable[[Tensor], bool], fn: Callable, arguments: dict[str, Any], modules: list[tuple[str, nn.Module]]
+    wanted: Callable[[Tensor], bool], fn: Callable, arguments: dict[str, object], modules: list[tuple[str, nn.Module]]
 ) -> dict[int, Locator]:
     """``{id(tensor): Locator}`` for the tensors ``wanted`` accepts, searched among the step's arguments (inside
     objects that are leaves of its containers), the globals its code names, its closure, and the plain
     attributes of its modules and their submodules. The first place found wins."""
-    roots: list[tuple[tuple, Any, str]] = [(("arg", name), value, name) for name, value in arguments.items()]
+    roots: list[tuple[tuple, object, str]] = [(("arg", name), value, name) for name, value in arguments.items()]
     code_fn = _code_function(fn)
     code = getattr(code_fn, "__code__", None)
     if code is not None:
@@ -131,8 +130,9 @@ def locate(
     found: dict[int, Locator] = {}
     seen: set[int] = set()
     for root, value, path in roots:
+        hits: Iterable[tuple[Tensor, tuple, str]]
         if isinstance(value, Tensor):
-            hits: Any = [(value, (), path)] if root[0] != "arg" else []  # argument tensors are inputs already
+            hits = [(value, (), path)] if root[0] != "arg" else []  # argument tensors are inputs already
         elif isinstance(value, nn.Module) and root[0] != "object":
             hits = []  # a module is searched from its own root
         else:

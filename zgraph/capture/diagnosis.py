@@ -9,10 +9,13 @@ import traceback
 
 import torch
 
+from zgraph.passes import pipeline
+from zgraph.runtime import state
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_ZGRAPH_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__))
-    for m in (__import__("zgraph"), __import__("zgraph.passes"), __import__("zgraph.runtime"))
+_ZGRAPH_DIRS = (  # zgraph/, and passes/ and runtime/ (installed as zgraph.passes and zgraph.runtime)
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    *(os.path.dirname(os.path.abspath(m.__file__)) for m in (pipeline, state)),
 )
 
 

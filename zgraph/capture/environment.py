@@ -25,7 +25,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import zgraph.capture.fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
+from zgraph.capture import fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
 from zgraph.capture.diagnosis import data_dependent, raised_in_grad_scaler, where
 from zgraph.capture.model_hints import hint
 from zgraph.errors import CaptureError
