@@ -99,12 +99,12 @@ class Session:
         it reads outside its arguments."""
         modules, optimizers = discover(call, self.observed)
         adopt_sharded_parameters([opt for _, opt in optimizers])
-        key = binding_key(modules, optimizers)
-        binding = self.bindings.get(key)
+        binding = self.bindings.get(binding_key(modules, optimizers))
         if binding is None:
             binding = bind_state(self.config, group, channel, modules, optimizers)
             self.device = binding.device
-            self.bindings[key] = binding
+            # keyed after binding: stage 3 replaced the parameters the optimizers hold by their sharded versions
+            self.bindings[binding_key(modules, optimizers)] = binding
         if id(binding) not in self.searched:
             self.searched.add(id(binding))
             # tensors that require grad, read outside the arguments: located before the first trace, so
