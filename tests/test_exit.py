@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_program.py")
 
 
+@pytest.mark.stress
 def test_twenty_two_rank_runs_that_end_without_destroying_the_group_all_exit_zero():
     # zgraph starts the group from torchrun's variables; at exit it destroys its own groups and that group
     # (gloo torn down during interpreter finalization aborted 3 runs in 40 before)

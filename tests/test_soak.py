@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from dist_harness import run_ranks
 
 STEPS = 40
@@ -13,6 +14,7 @@ WARMUP = 5  # capture, the first step's state and files
 RSS_GROWTH = 8 * 2**20  # bytes from the warm-up to the end: malloc's noise, well below a leak of 200 KiB a step
 
 
+@pytest.mark.stress
 def test_nothing_grows_over_steps_with_optimizer_states_on_nvme(tmp_path):
     directory = tmp_path / "offload"
     directory.mkdir()
