@@ -10,7 +10,7 @@ Floors, bottom to top (a module imports its own layer and layers on lower floors
 3. ``zgraph.config`` (with ``zgraph.config_checks``);
 4. ``zgraph.capture``;
 5. ``zgraph.binding`` and ``zgraph.compile`` (never each other);
-6. ``zgraph.inspect``;
+6. ``zgraph.inspect`` and ``zgraph.weights`` (never each other);
 7. the step: ``zgraph.step`` and ``zgraph.dispatch``;
 8. the public face, ``zgraph/__init__.py``;
 9. ``zgraph.demos``; 10. ``zgraph.cli``.
@@ -36,6 +36,7 @@ FLOORS = {
     "binding": 5,
     "compile": 5,
     "inspect": 6,
+    "weights": 6,
     "step": 7,
     "face": 8,
     "demos": 9,

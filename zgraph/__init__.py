@@ -20,6 +20,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     binding/       the state a call reaches, bound once and laid out; the guard key
     compile/       a captured graph through the passes, lowered, and run against the live state
     inspect/       explain, dump, estimate, liveness
+    weights/       big models: meta-device materialisation, load_pretrained, save_pretrained (streamed)
     dispatch.py step.py   one call along the data's way; @zgraph.distribute, the object that replaces the step
     demos/ cli/    the demos and their models; the zgraph command (users of the library)
 """

@@ -1,0 +1,11 @@
+"""Models bigger than one rank: built on the meta device, initialised and loaded straight into shards, exported
+without a whole copy. Imports the config, the binding's layout, the checkpoint floor and the runtime.
+
+Files::
+
+    materialize.py      ``zgraph.materialize``: a meta model's state allocated as the step lays it out, and filled
+                        by the model's own initialisation
+    load.py             ``zgraph.load_pretrained``: Hugging Face safetensors (one file or an index) and DCP
+                        directories read into the shards, each rank reading only its rows
+    save.py             ``zgraph.save_pretrained``: sharded safetensors and their index, one tensor gathered at a time
+"""
