@@ -100,10 +100,13 @@ def _empty_param(p: Tensor, device: torch.device) -> Tensor:
 
 
 def release(p: Tensor) -> None:
-    """Give back the whole storage of a parameter replaced by its shard (the object becomes meta again, so a
-    reference the user kept holds no memory)."""
-    if not is_meta(p) and not hasattr(p, "_local_tensor"):
-        torch.utils.swap_tensors(p, _empty_param(p, torch.device("meta")))
+    """Give back the whole storage of a parameter replaced by its shard (the object becomes meta, so a reference
+    the user kept holds no memory); a tensor that cannot be swapped (a view, one with weak references) is left."""
+    if not is_meta(p) and not hasattr(p, "_local_tensor") and p._base is None:
+        try:
+            torch.utils.swap_tensors(p, _empty_param(p, torch.device("meta")))
+        except RuntimeError:
+            pass
 
 
 # ----------------------------------------------------------------------------------------------- the routes
@@ -140,7 +143,7 @@ def _owners_in(root: nn.Module, label: str) -> list[tuple[str, nn.Module]]:
     out = []
     for name, module in root.named_modules():
         if any(is_meta(t) for t in (*module._parameters.values(), *module._buffers.values())):
-            out.append((".".join(x for x in (label, name) if x) or type(root).__name__, module))
+            out.append((".".join(x for x in (label, name) if x) or "<root>", module))
     return out
 
 
@@ -230,29 +233,18 @@ def set_generator_state(device: torch.device, state: bytes) -> None:
         torch.get_device_module(device.type).set_rng_state(value, device)
 
 
-class MetaReceiver:
-    """Storage for this rank's meta tensors, one at a time, as rank 0's values arrive (``"rank0"``)."""
+def allocator(binding: Binding, device: torch.device) -> Callable[[Tensor], Tensor]:
+    """Whole storage on ``device`` standing for a meta tensor of ``binding``, to receive rank 0's values into
+    (a parameter keeps its object; a buffer is replaced on its modules)."""
 
-    def __init__(self, binding: Binding, device: torch.device, finish: Finish):
-        self.binding = binding
-        self.device = device
-        self.finish = finish
-        self._allocated: set[int] = set()
-
-    def allocate(self, t: Tensor) -> Tensor:
-        """Whole storage on the device standing for the meta tensor ``t`` (a parameter keeps its object)."""
-        if self.binding.param_index(t) is not None:
-            torch.utils.swap_tensors(t, _empty_param(t, self.device))
-            self._allocated.add(id(t))
+    def allocate(t: Tensor) -> Tensor:
+        if binding.param_index(t) is not None:
+            torch.utils.swap_tensors(t, _empty_param(t, device))
             return t
-        index = self.binding.buffer_index(t)
-        value = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        index = binding.buffer_index(t)
+        value = torch.empty(t.shape, dtype=t.dtype, device=device)
         if index is not None:
-            self.binding.buffers[index].set(value)
+            binding.buffers[index].set(value)
         return value
 
-    def received(self, t: Tensor) -> None:
-        """``t`` holds rank 0's values: a parameter allocated here is finished (cut to its shard, or kept)."""
-        index = self.binding.param_index(t)
-        if index is not None and id(t) in self._allocated:
-            self.finish(self.binding.params[index])
+    return allocate

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
-from zgraph.runtime.meta_init import MetaReceiver
+from zgraph.runtime.meta_init import release
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
 from zgraph.runtime.storage_guard import refuse_storage_access
@@ -230,12 +231,18 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
             _guard_outside_use(root)
 
 
-def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo, receiver: MetaReceiver | None = None) -> None:
+def broadcast_initial_state(
+    binding: Binding, group: ProcessGroupInfo, allocate: Callable[[Tensor], Tensor] | None = None
+) -> None:
     """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model, so ranks built with
     different initial weights train one model. Tensors a step already sharded (``DTensor``), and those of modules
     another step already bound (agreed then; a split output's backward may still need them as they are), are
-    left alone. A ``receiver`` gives this rank's meta tensors storage to receive into, one at a time (rank 0
-    holds the real model: FSDP1's ``sync_module_states`` idiom)."""
+    left alone.
+
+    One tensor at a time: a parameter the plan shards is cut from the tensor received and its whole storage
+    released, so a rank holds its shards plus one whole tensor; a whole tensor is written only where its values
+    differ from rank 0's (a model mapped from a file on every rank stays clean). ``allocate`` gives this rank's
+    meta tensors storage to receive into (rank 0 alone holds the real model: ``sync_module_states``)."""
     if not group.distributed:
         return
     c10d = torch.ops._c10d_functional
@@ -244,11 +251,15 @@ def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo, receiver:
         tensors = [r.tensor for r in binding.params] + [r.get() for r in binding.buffers]
         for t in tensors:
             if isinstance(t, Tensor) and not isinstance(t, DTensor) and t.numel() and id(t) not in agreed:
-                if receiver is not None and t.is_meta:
-                    t = receiver.allocate(t)
-                t.copy_(c10d.wait_tensor(c10d.broadcast(t.detach().contiguous(), 0, group.group_name)))
-                if receiver is not None:
-                    receiver.received(t)
+                if allocate is not None and t.is_meta:
+                    t = allocate(t)
+                value = c10d.wait_tensor(c10d.broadcast(t.detach().contiguous(), 0, group.group_name))
+                index = binding.param_index(t)
+                if index is not None and binding.plan is not None and binding.plan.params_sharded(index):
+                    shard_parameter(binding.plan, binding, index, whole=value)
+                    release(t)
+                elif group.rank != 0 and not torch.equal(t, value):
+                    t.copy_(value)
 
 
 _REPLACED_BY = "_zgraph_replaced_by"
@@ -302,11 +313,13 @@ def _watch_eager_optimizer_steps() -> None:
     register_optimizer_step_pre_hook(_before_eager_optimizer_step)
 
 
-def shard_parameter(plan: ShardingPlan, binding: Binding, index: int) -> None:
+def shard_parameter(plan: ShardingPlan, binding: Binding, index: int, whole: Tensor | None = None) -> None:
+    """Replace parameter ``index`` by its sharded ``DTensor`` (cut from ``whole``, else from the parameter), on
+    its modules and in the optimizers, and record the replacement on the old parameter."""
     record = binding.params[index]
     old = record.tensor
     spec = plan.specs[index]
-    new = plan.wrap(pad_shard(old, spec, plan.rank), spec, requires_grad=old.requires_grad)
+    new = plan.wrap(pad_shard(old if whole is None else whole, spec, plan.rank), spec, requires_grad=old.requires_grad)
     if not old.requires_grad:
         new.requires_grad_(False)
     if old.grad is not None:

@@ -28,8 +28,8 @@ from zgraph.runtime.devices import allocation_device, check_served, served_backe
 from zgraph.runtime.host_memory import keep_freed_host_memory
 from zgraph.runtime.meta_init import (
     MetaInitError,
-    MetaReceiver,
     Routes,
+    allocator,
     fill,
     fill_routes,
     generator_state,
@@ -123,7 +123,7 @@ def make_real(binding: Binding, channel: Channel | None, source: str | None, rou
     group = binding.plan.group
     finish = finisher(binding)
     if source == "rank0":
-        broadcast_initial_state(binding, group, MetaReceiver(binding, binding.device, finish))
+        broadcast_initial_state(binding, group, allocator(binding, binding.device))
         return
     if source == "init" and values == "init":
         state = generator_state(binding.device) if group.rank == 0 else None
