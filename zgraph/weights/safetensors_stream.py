@@ -122,12 +122,17 @@ class StreamWriter:
         self._next += 1
 
     def close(self) -> None:
-        if self._next != len(self.order):
-            raise ValueError(f"{self.path}: {len(self.order) - self._next} tensors were never written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._temp, self.path)
+        """Put the complete file in place; if it is not complete (or cannot be written), remove it and raise."""
+        try:
+            if self._next != len(self.order):
+                raise ValueError(f"{self.path}: {len(self.order) - self._next} tensors were never written")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._temp, self.path)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         self._file.close()

@@ -191,12 +191,13 @@ def _write_file(path: str, entries: list[Entry], state: dict[str, Any], writing:
             except Exception as caught:
                 error = caught
         del whole
-    if writer is not None:
+    if writer is not None and error is None:
         try:
-            writer.close() if error is None else writer.abort()
+            writer.close()  # removes the file if it fails
         except Exception as caught:
-            writer.abort()
             error = caught
+    elif writer is not None:
+        writer.abort()
     return error
 
 
