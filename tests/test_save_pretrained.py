@@ -160,6 +160,17 @@ def test_a_single_file_replaces_an_earlier_sharded_save(tmp_path):
     _equal(_read(tmp_path), model.state_dict())
 
 
+def test_a_failed_write_leaves_no_index_and_no_partial_file(tmp_path):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    zgraph.save_pretrained(model, tmp_path, max_shard_size=1200)  # an earlier, complete save
+    (tmp_path / "model-00002-of-00003.safetensors").unlink()
+    (tmp_path / "model-00002-of-00003.safetensors").mkdir()  # the second file cannot be put in place
+    with pytest.raises(OSError):
+        zgraph.save_pretrained(model, tmp_path, max_shard_size=1200)
+    left = sorted(os.listdir(tmp_path))
+    assert "model.safetensors.index.json" not in left and not any(".tmp-" in name for name in left), left
+
+
 # ------------------------------------------------------------------------------------------ 2 ranks
 @pytest.mark.parametrize(("stage", "tied"), [(3, True), (2, False)])
 def test_trained_on_two_ranks_loads_with_plain_transformers_and_no_rank_held_the_model(tmp_path, stage, tied):
