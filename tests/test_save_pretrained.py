@@ -5,6 +5,7 @@
   ``max_shard_size`` gives the files, index and config transformers' ``save_pretrained`` writes, byte for byte, and
   ``from_pretrained`` of ours equals the model bitwise.
 - On 2 gloo ranks after zgraph steps at stage 3 and 2, plain ``from_pretrained`` equals ``zgraph.full_state_dict``.
+- A write failing on rank 0 raises on every rank and leaves no index.
 - Memory: the writing rank never holds the whole model (live host bytes allocated during the call, on a model of
   many equal layers, stay under two of its tensors; ``full_state_dict``'s, measured alike, reach the model's).
 """
@@ -196,5 +197,8 @@ def _check_memory(tmp_path, stage: int) -> None:
     assert rank0["save_peak"] <= 2 * largest + 4096, rank0
     assert rank0["save_peak"] < model_bytes / 2
     assert rank1["save_peak"] <= largest + 4096, rank1
+    # a write that failed on rank 0 raised on every rank (its own error there, CheckpointError elsewhere)
+    assert (rank0["failed"], rank1["failed"]) == ("IsADirectoryError", "CheckpointError")
+    assert rank0["left"] == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"], rank0["left"]
     if stage == 3:  # the measure sees gathered tensors: full_state_dict keeps them all
         assert rank0["full_peak"] >= model_bytes and rank1["full_peak"] <= largest + 4096, (rank0, rank1)
