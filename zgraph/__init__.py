@@ -14,7 +14,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     graph.py ops.py errors.py tree.py version.py   the contract: what a step graph means, zgraph's ops, errors
     runtime/ (zgraph.runtime), passes/ (zgraph.passes)   process groups and state; the graph passes
     deepspeed/     DeepSpeed JSON configs read as plain values
-    checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict
+    checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict, stream_state_dict
     config.py config_checks.py   zgraph.Config
     capture/       the step traced into one functional aten graph (the capture protocol)
     binding/       the state a call reaches, bound once and laid out; the guard key
@@ -25,7 +25,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     demos/ cli/    the demos and their models; the zgraph command (users of the library)
 """
 
-from zgraph.checkpoint.gather import full_state_dict, gather
+from zgraph.checkpoint.gather import full_state_dict, gather, stream_state_dict
 from zgraph.checkpoint.save_load import consolidate, load, save
 from zgraph.config import Config, DynamicLossScale
 from zgraph.deepspeed.optim import optimizer_from_deepspeed
@@ -42,6 +42,7 @@ from zgraph.inspect.estimate import Estimate, EstimateError
 from zgraph.step import DistributedStep, distribute
 from zgraph.version import __version__ as __version__
 from zgraph.weights.materialize import materialize
+from zgraph.weights.save import save_pretrained
 
 __all__ = [
     "CaptureError",
@@ -64,4 +65,6 @@ __all__ = [
     "materialize",
     "optimizer_from_deepspeed",
     "save",
+    "save_pretrained",
+    "stream_state_dict",
 ]

@@ -9,5 +9,5 @@ Files::
     data.py             non-tensor state stored as JSON data beside DCP tensors
     io.py               the on-disk side: manifest, hashes, atomic writes
     read.py             reading checkpoints safely (allow-list unpickler, checked files)
-    gather.py           ``zgraph.gather`` and ``zgraph.full_state_dict``
+    gather.py           ``zgraph.gather``, ``zgraph.full_state_dict`` and ``zgraph.stream_state_dict``
 """

@@ -1,7 +1,8 @@
 """Whole tensors of sharded state, outside the compiled step: ``zgraph.gather`` (whole parameters on their device,
-for use inside the block) and ``zgraph.full_state_dict`` (whole tensors in host memory, for export).
+for use inside the block), ``zgraph.full_state_dict`` (whole tensors in host memory, for export) and
+``zgraph.stream_state_dict`` (the same, one tensor at a time).
 
-Both run collectives (all-gathers): call them on every rank, in the same order.
+All run collectives (gathers): call them on every rank, in the same order.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.ops import host_read
 from zgraph.runtime.offload import materialize
@@ -90,6 +91,22 @@ def _reshard_grad(plan: Any, spec: Any, whole: Tensor | None, current: Tensor | 
     return plan.store(current, pad_shard(whole.detach(), spec, plan.rank), spec)
 
 
+def stream_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Iterator[tuple[str, Any]]:
+    """``model.state_dict()`` one entry at a time, each tensor whole, plain and in host memory: yields
+    ``(key, value)`` in ``state_dict()`` order, gathering a sharded tensor only when its turn comes, so that a
+    caller that drops each value before taking the next holds one whole tensor at a time (``full_state_dict``
+    keeps them all).
+
+    Every rank must iterate it to the end, in step (each sharded tensor is a collective). ``rank0_only=True``:
+    each sharded tensor is gathered to rank 0 alone (the other ranks send their shard and hold nothing more), and
+    the other ranks get ``(key, None)`` for every entry. Host tensors that are whole already are yielded as they
+    are (sharing memory, like ``state_dict()``).
+    """
+    materialize(model)  # offloaded parameter shards (model.state_dict() would too, by its hook)
+    for key, value in model.state_dict().items():
+        yield key, whole_on_host(value, rank0_only=rank0_only)
+
+
 def full_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, rank0_only: bool = False
 ) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
@@ -97,22 +114,18 @@ def full_state_dict(
     comparison; with an ``optimizer``, also ``optimizer.state_dict()`` likewise: ``(model_state, optimizer_state)``.
 
     The result has the keys and layout of the eager model's and optimizer's own ``state_dict()``. Tensors are
-    streamed: each sharded one is gathered whole on its device, copied to the host and freed before the next,
-    so the device holds one whole tensor beyond the state at a time. Host tensors that are whole already are
-    returned as they are (sharing memory, like ``state_dict()``); everything else is a new host tensor.
+    streamed (``stream_state_dict``): each sharded one is gathered whole on its device, copied to the host and
+    freed before the next, so the device holds one whole tensor beyond the state at a time. Host tensors that are
+    whole already are returned as they are (sharing memory, like ``state_dict()``); everything else is a new host
+    tensor.
 
     ``rank0_only=True`` (as ``torch.distributed.checkpoint.state_dict``'s ``StateDictOptions(full_state_dict=True,
     cpu_offload=True)``): only rank 0 keeps the host copies; every other rank returns empty dicts — ``{}``, or
-    ``({}, {})`` with an ``optimizer`` — and holds no more than the one tensor being gathered. Every rank must
-    still call it (the gathers are collectives).
+    ``({}, {})`` with an ``optimizer`` — and holds no more than its own shard of the tensor being gathered. Every
+    rank must still call it (the gathers are collectives).
     """
-    materialize(model)  # offloaded parameter shards (model.state_dict() would too, by its hook)
     keep = not rank0_only or _rank() == 0
-    model_state = {}
-    for key, value in model.state_dict().items():
-        whole = _on_host(value, keep)
-        if keep:
-            model_state[key] = whole
+    model_state = {key: value for key, value in stream_state_dict(model, rank0_only=rank0_only) if keep}
     if optimizer is None:
         return model_state
     optim_state = optimizer.state_dict()
@@ -120,7 +133,7 @@ def full_state_dict(
     for index, fields in optim_state["state"].items():
         state[index] = {}
         for key, v in fields.items():
-            whole = _on_host(v, keep)
+            whole = whole_on_host(v, rank0_only=rank0_only)
             if keep:
                 state[index][key] = whole
     if not keep:
@@ -129,18 +142,55 @@ def full_state_dict(
     return model_state, optim_state
 
 
-def _on_host(value: Any, keep: bool) -> Any:
-    """``value`` whole on the host (a tensor gathered if sharded, then copied if on a device); None where
-    ``keep`` is false (a sharded tensor is still gathered: every rank takes part)."""
+def whole_on_host(value: Any, *, rank0_only: bool = False) -> Any:
+    """``value`` whole on the host: a sharded tensor gathered (a collective: every rank calls it), then copied to
+    the host if on a device; a whole host tensor as it is. ``rank0_only``: a ``Shard(0)`` tensor is gathered to
+    rank 0 alone, and every other rank gets None."""
+    keep = not rank0_only or _rank() == 0
     if not isinstance(value, Tensor):
         return value if keep else None
-    whole = value.full_tensor() if isinstance(value, DTensor) else value.detach()
-    if not keep:
+    if isinstance(value, DTensor):
+        whole = _gathered_to_rank0(value) if rank0_only else _NOT_SHARD0
+        if whole is _NOT_SHARD0:
+            whole = value.full_tensor()
+    else:
+        whole = value.detach()
+    if not keep or whole is None:
         return None
     if whole.device.type == "cpu":
         return whole
     with host_read("full_state_dict: a whole tensor copied to the host"):
         return whole.to("cpu")
+
+
+_NOT_SHARD0: Any = object()
+
+
+def _gathered_to_rank0(t: DTensor) -> Tensor | None:
+    """``t`` whole on global rank 0 (None elsewhere), by a gather of the ranks' row blocks padded to equal size;
+    ``_NOT_SHARD0`` when ``t`` is not cut that way (not ``Shard(0)`` on a 1-D mesh holding rank 0)."""
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return _NOT_SHARD0
+    group = mesh.get_group()
+    ranks = dist.get_process_group_ranks(group)
+    if 0 not in ranks:
+        return _NOT_SHARD0
+    world, shape = len(ranks), tuple(t.shape)
+    rows = -(-shape[0] // world)  # torch.chunk's cut, and zgraph's ShardSpec
+    local = t._local_tensor.detach()
+    if rows == 0:
+        return local.new_empty(shape) if _rank() == 0 else None
+    block = local.contiguous()
+    if local.shape[0] != rows:
+        block = local.new_zeros((rows, *shape[1:]))
+        block[: local.shape[0]].copy_(local)
+    if _rank() != 0:
+        dist.gather(block, None, group=group, group_dst=ranks.index(0))
+        return None
+    out = local.new_empty((world * rows, *shape[1:]))
+    dist.gather(block, list(out.chunk(world)), group=group, group_dst=ranks.index(0))
+    return out[: shape[0]]
 
 
 def _rank() -> int:

@@ -8,4 +8,5 @@ Files::
     load.py             ``zgraph.load_pretrained``: Hugging Face safetensors (one file or an index) and DCP
                         directories read into the shards, each rank reading only its rows
     save.py             ``zgraph.save_pretrained``: sharded safetensors and their index, one tensor gathered at a time
+    safetensors_stream.py  the safetensors format written one tensor at a time (header first, from the shapes)
 """
