@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -236,3 +236,6 @@ class _RowsPlanner(DefaultLoadPlanner):
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=target.shape)
             items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
         return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn]  # the rows' tensor (the read items' destination offsets are within it)
