@@ -7,6 +7,7 @@ import os
 
 import torch
 from safetensors import safe_open as _safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 import zgraph
@@ -58,7 +59,7 @@ def hf_stage3(rank: int, world: int, root: str, tied: bool) -> None:
     """After a stage-3 step: the sharded index, the DCP directory and a zgraph.save checkpoint load into the shards
     (the DTensor parameters stay the same objects); a missing key and a wrong shape are refused on every rank with
     the report naming them, and the model is unchanged."""
-    source = tiny_llama(tied, seed=0).state_dict()
+    source = load_file(os.path.join(root, "source.safetensors"))  # every name, tied ones too
     model = tiny_llama(tied, seed=1)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(rank))
     _stage3(model, llama_step, ids)

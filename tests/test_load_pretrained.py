@@ -20,7 +20,7 @@ from torch import nn
 import zgraph
 from zgraph.weights.report import PretrainedMismatchError
 
-DEADLINE = 60  # seconds for a 2-rank run (each takes well under 30 on an idle machine)
+DEADLINE = 120  # seconds: a hang guard for a 2-rank run (each takes under 30 s on an idle 2-core machine)
 
 
 def _model(seed: int) -> nn.Module:
@@ -125,6 +125,7 @@ def _hf_checkpoints(root: str, tied: bool) -> None:
     _dcp_save(state, os.path.join(root, "dcp"))
     os.makedirs(os.path.join(root, "missing"))
     os.makedirs(os.path.join(root, "misshaped"))
+    save_file({k: v.clone() for k, v in state.items()}, os.path.join(root, "source.safetensors"))
     whole = {k: v.clone().contiguous() for k, v in state.items() if k != "lm_head.weight" or not tied}
     save_file(
         {k: v for k, v in whole.items() if k != "model.norm.weight"}, os.path.join(root, "missing", "model.safetensors")
