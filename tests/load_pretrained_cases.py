@@ -4,6 +4,7 @@ spawned gloo ranks. The Hugging Face cases import transformers; the memory case 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open as _safe_open
@@ -42,7 +43,7 @@ def llama_step(model, opt, ids):
     return loss
 
 
-def _stage3(model: nn.Module, step_fn, *args: object) -> None:
+def _stage3(model: nn.Module, step_fn: Callable[..., object], *args: object) -> None:
     """One zgraph ZeRO-3 step (every parameter sharded), so the model holds DTensor shards."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = zgraph.distribute(stage=3, param_persistence_threshold=0, backend="eager")(step_fn)
@@ -157,3 +158,29 @@ def memory(rank: int, world: int, root: str) -> None:
     assert read <= own, f"rank {rank} read {read} bytes; its shards hold {own} (the model {whole})"
     assert max(_Recording.reads) <= one and own <= whole // world, (_Recording.reads, own, whole)
     _equal(zgraph.full_state_dict(model), linears(seed=0).state_dict())
+
+
+def whole_and_failing(rank: int, world: int, root: str) -> None:
+    """At stage 1 (parameters whole on every rank) each rank reads whole tensors; a checkpoint one rank cannot
+    read fails the call on every rank (rank 0 names rank 1) and changes nothing."""
+    model = linears(seed=1)
+    _step_at(model, stage=1)
+    zgraph.load_pretrained(model, root)
+    _equal(model.state_dict(), linears(seed=0).state_dict())
+    model = linears(seed=1)
+    _step_at(model, stage=3)
+    before = zgraph.full_state_dict(model)
+    where = root if rank == 0 else os.path.join(root, "nowhere")
+    try:
+        zgraph.load_pretrained(model, where)
+    except zgraph.CheckpointError as error:
+        assert ("rank 1 failed" in str(error)) if rank == 0 else ("no checkpoint at" in str(error)), error
+    else:
+        raise AssertionError("load_pretrained succeeded where rank 1 could not read")
+    _equal(zgraph.full_state_dict(model), before)
+
+
+def _step_at(model: nn.Module, stage: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zgraph.distribute(stage=stage, param_persistence_threshold=0, backend="eager")(linear_step)
+    step(model, opt, torch.randn(2, WIDTH))

@@ -164,3 +164,8 @@ def test_each_rank_reads_only_its_rows(tmp_path):
     single read at most one tensor (reading whole tensors it does not own reads the whole model: refused)."""
     save_file(linears(seed=0).state_dict(), str(tmp_path / "model.safetensors"))
     run_ranks(2, "load_pretrained_cases.memory", str(tmp_path), timeout=DEADLINE)
+
+
+def test_whole_tensors_at_stage1_and_a_rank_that_fails(tmp_path):
+    save_file(linears(seed=0).state_dict(), str(tmp_path / "model.safetensors"))
+    run_ranks(2, "load_pretrained_cases.whole_and_failing", str(tmp_path), timeout=DEADLINE)

@@ -82,7 +82,7 @@ def load_pretrained(
             is unchanged.
     """
     path = os.path.abspath(os.fspath(path_or_dir))
-    label = f"zgraph.load_pretrained({path!r})"
+    label = "zgraph.load_pretrained"  # not the path: ranks may read copies of the checkpoint at different paths
     channel = world_channel()
     source: Source | None = None
     staged: dict[str, Tensor] = {}

@@ -210,15 +210,13 @@ class DcpSource(Source):
     def read(self, wanted: dict[str, Rows]) -> dict[str, Tensor]:
         import torch.distributed.checkpoint as dcp
 
-        targets, starts = {}, {}
-        for key, rows in wanted.items():
-            entry = self.entries[key]
-            targets[self._prefix + key] = torch.empty(rows.shape(entry), dtype=rows.dtype)
-            starts[self._prefix + key] = rows.start or 0
+        out = {key: torch.empty(rows.shape(self.entries[key]), dtype=rows.dtype) for key, rows in wanted.items()}
+        targets = {self._prefix + key: value for key, value in out.items() if value.numel()}  # no empty reads
+        starts = {self._prefix + key: rows.start or 0 for key, rows in wanted.items()}
         if targets:
             with dcp_errors(f"reading {self.path}"):
                 dcp.load(targets, storage_reader=cio.SafeReader(self.path), planner=_RowsPlanner(starts), no_dist=True)
-        return {key[len(self._prefix) :]: value for key, value in targets.items()}
+        return out
 
 
 class _RowsPlanner(DefaultLoadPlanner):
