@@ -76,6 +76,9 @@ def load_pretrained(
 
     ``config``: the step's ``Config``, for a model still on the meta device (not read otherwise).
 
+    Returns:
+        ``Loaded``: the names filled, and the ``Match`` (missing / unexpected names, empty when all matched).
+
     Raises:
         CheckpointError: nothing readable at ``path_or_dir``, a damaged file, another rank failed, or (its
             subclass ``PretrainedMismatchError``, with the report) names or shapes that do not match. The model
