@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -31,12 +32,16 @@ class DeviceError(ZGraphError, ValueError):
 
 
 def state_device(tensors: Iterable[Tensor]) -> torch.device:
-    """The device of ``tensors`` (DTensors by their local tensor's); CPU when there are none. Raises
-    ``DeviceError`` naming two devices when they are on several."""
+    """The device of ``tensors`` (DTensors by their local tensor's); CPU when there are none; ``meta`` when all
+    are meta (a meta tensor beside real ones is about to be made real there). Raises ``DeviceError`` naming two
+    devices when they are on several."""
     found: torch.device | None = None
+    meta = False
     for t in tensors:
         device = getattr(t, "_local_tensor", t).device
-        if found is None:
+        if device.type == "meta":
+            meta = True
+        elif found is None:
             found = device
         elif device != found:
             raise DeviceError(
@@ -44,7 +49,16 @@ def state_device(tensors: Iterable[Tensor]) -> torch.device:
                 f"{device}); zgraph shards a model that lives on one device per rank. Move it there first "
                 "(model.to(device) before the optimizer is built, or before its first step)."
             )
-    return found or torch.device("cpu")
+    return found or torch.device("meta" if meta else "cpu")
+
+
+def allocation_device(backend: str | None) -> torch.device:
+    """Where a meta-device model's state is made real: the rank's CUDA device (``LOCAL_RANK``, else the current
+    one) for a group NCCL serves, or with no group where CUDA is available; else the host."""
+    served = backend_devices(backend)
+    if served.get("cuda") == "nccl" or (not served and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
 
 
 def backend_devices(backend: str | None) -> dict[str, str]:

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
+from zgraph.runtime.meta_init import MetaReceiver
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
 from zgraph.runtime.storage_guard import refuse_storage_access
@@ -117,8 +118,7 @@ def make_plan(
     (an estimate's), with no device mesh, so it cannot shard tensors (``apply_plan``) and needs no process group."""
     plan = ShardingPlan(stage, group)
     if group.distributed and mesh:
-        device = binding.params[0].tensor.device.type if binding.params else "cpu"
-        plan.mesh = device_mesh(device, group.world_size, group.group_name if group.ranks else None)
+        plan.mesh = device_mesh(binding.device.type, group.world_size, group.group_name if group.ranks else None)
         refuse_storage_access()
     for record in binding.params:
         t = record.tensor
@@ -220,7 +220,7 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
             _watch_eager_optimizer_steps()
         for record in binding.params:
             if plan.params_sharded(record.index) and not isinstance(record.tensor, DTensor):
-                _shard_parameter(plan, binding, record.index)
+                shard_parameter(plan, binding, record.index)
         normalize_state(plan, binding)
     owner = _Owner(plan, binding)
     for _, root in binding.modules:
@@ -230,11 +230,12 @@ def apply_plan(plan: ShardingPlan, binding: Binding) -> None:
             _guard_outside_use(root)
 
 
-def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo) -> None:
+def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo, receiver: MetaReceiver | None = None) -> None:
     """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model, so ranks built with
     different initial weights train one model. Tensors a step already sharded (``DTensor``), and those of modules
     another step already bound (agreed then; a split output's backward may still need them as they are), are
-    left alone."""
+    left alone. A ``receiver`` gives this rank's meta tensors storage to receive into, one at a time (rank 0
+    holds the real model: FSDP1's ``sync_module_states`` idiom)."""
     if not group.distributed:
         return
     c10d = torch.ops._c10d_functional
@@ -243,7 +244,11 @@ def broadcast_initial_state(binding: Binding, group: ProcessGroupInfo) -> None:
         tensors = [r.tensor for r in binding.params] + [r.get() for r in binding.buffers]
         for t in tensors:
             if isinstance(t, Tensor) and not isinstance(t, DTensor) and t.numel() and id(t) not in agreed:
+                if receiver is not None and t.is_meta:
+                    t = receiver.allocate(t)
                 t.copy_(c10d.wait_tensor(c10d.broadcast(t.detach().contiguous(), 0, group.group_name)))
+                if receiver is not None:
+                    receiver.received(t)
 
 
 _REPLACED_BY = "_zgraph_replaced_by"
@@ -297,7 +302,7 @@ def _watch_eager_optimizer_steps() -> None:
     register_optimizer_step_pre_hook(_before_eager_optimizer_step)
 
 
-def _shard_parameter(plan: ShardingPlan, binding: Binding, index: int) -> None:
+def shard_parameter(plan: ShardingPlan, binding: Binding, index: int) -> None:
     record = binding.params[index]
     old = record.tensor
     spec = plan.specs[index]

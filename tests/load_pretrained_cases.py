@@ -87,6 +87,14 @@ def hf_stage3(rank: int, world: int, root: str, tied: bool) -> None:
         else:
             raise AssertionError(f"load_pretrained accepted the {broken} checkpoint")
         _equal(zgraph.full_state_dict(model), before)
+    with torch.device("meta"):
+        model = linears(seed=1)
+    config = zgraph.Config(stage=3, param_persistence_threshold=0, backend="eager")
+    zgraph.load_pretrained(model, root, config=config)  # laid out as the step will: this rank's shards only
+    assert all(p._local_tensor.shape[0] == WIDTH // world for p in model.parameters())
+    _equal(zgraph.full_state_dict(model), linears(seed=0).state_dict())
+    step = zgraph.distribute(config)(linear_step)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, WIDTH))  # the step keeps the layout
     assert "(256, 64) vs model: (128, 64)" in text, text
 
 
@@ -162,7 +170,8 @@ def memory(rank: int, world: int, root: str) -> None:
 
 def whole_and_failing(rank: int, world: int, root: str) -> None:
     """At stage 1 (parameters whole on every rank) each rank reads whole tensors; a checkpoint one rank cannot
-    read fails the call on every rank (rank 0 names rank 1) and changes nothing."""
+    read fails the call on every rank (rank 0 names rank 1) and changes nothing; a meta model is materialised
+    into stage-3 shards (``config``) and filled, and a step then runs on it."""
     model = linears(seed=1)
     _step_at(model, stage=1)
     zgraph.load_pretrained(model, root)
@@ -178,6 +187,14 @@ def whole_and_failing(rank: int, world: int, root: str) -> None:
     else:
         raise AssertionError("load_pretrained succeeded where rank 1 could not read")
     _equal(zgraph.full_state_dict(model), before)
+    with torch.device("meta"):
+        model = linears(seed=1)
+    config = zgraph.Config(stage=3, param_persistence_threshold=0, backend="eager")
+    zgraph.load_pretrained(model, root, config=config)  # laid out as the step will: this rank's shards only
+    assert all(p._local_tensor.shape[0] == WIDTH // world for p in model.parameters())
+    _equal(zgraph.full_state_dict(model), linears(seed=0).state_dict())
+    step = zgraph.distribute(config)(linear_step)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, WIDTH))  # the step keeps the layout
 
 
 def _step_at(model: nn.Module, stage: int) -> None:

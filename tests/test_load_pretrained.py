@@ -108,12 +108,22 @@ def test_nothing_readable_named(tmp_path):
         zgraph.load_pretrained(_model(0), tmp_path / "bad.safetensors")
 
 
-def test_meta_model_needs_materialising(tmp_path):
-    save_file(_model(0).state_dict(), str(tmp_path / "model.safetensors"))
+def test_meta_model_materialised_then_filled(tmp_path):
+    source = _model(0).state_dict()
+    save_file(source, str(tmp_path / "model.safetensors"))
     with torch.device("meta"):
-        model = _model(0)
-    with pytest.raises(zgraph.CheckpointError, match="meta device"):
+        model = _model(1)
+    with pytest.raises(zgraph.CheckpointError, match="meta device.*config="):
         zgraph.load_pretrained(model, tmp_path)
+    assert model[0].weight.is_meta
+    zgraph.load_pretrained(model, tmp_path, config=zgraph.Config(stage=3))
+    _equal(model, source)
+    with torch.device("meta"):
+        model = _model(1)
+    save_file({k: v for k, v in source.items() if k != "2.bias"}, str(tmp_path / "missing.safetensors"))
+    with pytest.warns(RuntimeWarning, match="newly initialized"):
+        zgraph.load_pretrained(model, tmp_path / "missing.safetensors", config=zgraph.Config(), strict=False)
+    assert not model[2].bias.is_meta and torch.equal(model[2].weight, source["2.weight"])
 
 
 def _hf_checkpoints(root: str, tied: bool) -> None:
@@ -150,6 +160,11 @@ def test_hf_llama_sharded_index_single_process(tmp_path, tied):
         _equal(model, source)
         if tied:
             assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.device("meta"):
+        model = tiny_llama(tied, seed=1)
+    zgraph.load_pretrained(model, tmp_path / "hf", config=zgraph.Config(stage=3))
+    _equal(model, source)
+    assert not any(b.is_meta for b in model.buffers())
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -166,6 +181,6 @@ def test_each_rank_reads_only_its_rows(tmp_path):
     run_ranks(2, "load_pretrained_cases.memory", str(tmp_path), timeout=DEADLINE)
 
 
-def test_whole_tensors_at_stage1_and_a_rank_that_fails(tmp_path):
+def test_whole_tensors_at_stage1_a_rank_that_fails_and_a_meta_model(tmp_path):
     save_file(linears(seed=0).state_dict(), str(tmp_path / "model.safetensors"))
     run_ranks(2, "load_pretrained_cases.whole_and_failing", str(tmp_path), timeout=DEADLINE)

@@ -42,6 +42,7 @@ from zgraph.inspect.estimate import Estimate, EstimateError
 from zgraph.step import DistributedStep, distribute
 from zgraph.version import __version__ as __version__
 from zgraph.weights.load import load_pretrained
+from zgraph.weights.materialize import materialize
 
 __all__ = [
     "CaptureError",
@@ -62,6 +63,7 @@ __all__ = [
     "gather",
     "load",
     "load_pretrained",
+    "materialize",
     "optimizer_from_deepspeed",
     "save",
 ]

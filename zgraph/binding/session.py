@@ -24,7 +24,7 @@ from zgraph.capture.optimizers import settle_first_state
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.runtime.agreement import Channel
-from zgraph.runtime.devices import state_device
+from zgraph.runtime.devices import allocation_device, state_device
 from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.sharded_state import adopt_sharded_parameters, current_parameter
 from zgraph.runtime.state import Binding, state_tensors
@@ -92,7 +92,8 @@ class Session:
 
     def device_of(self, call: StepCall) -> torch.device:
         """The device of the state the call would bind (for starting a process group)."""
-        return state_device(state_tensors(Binding(*discover(call, self.observed))))
+        device = state_device(state_tensors(Binding(*discover(call, self.observed))))
+        return allocation_device(None) if device.type == "meta" else device
 
     def bind(self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None) -> Bound:
         """Bind the call's state (collective where ``channel`` is given, on its first binding) and locate what

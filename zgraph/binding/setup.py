@@ -14,6 +14,8 @@ sharding plan) for a group that need not exist: nothing is broadcast, applied, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,8 +24,19 @@ from zgraph.config import Config
 from zgraph.graph import CostModel
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
-from zgraph.runtime.devices import check_served, served_backend, state_device
+from zgraph.runtime.devices import allocation_device, check_served, served_backend, state_device
 from zgraph.runtime.host_memory import keep_freed_host_memory
+from zgraph.runtime.meta_init import (
+    MetaInitError,
+    MetaReceiver,
+    Routes,
+    fill,
+    fill_routes,
+    generator_state,
+    has_meta_state,
+    release,
+    set_generator_state,
+)
 from zgraph.runtime.offload import check_offload_device, open_store
 from zgraph.runtime.process_group import ProcessGroupInfo, check_one_device_per_rank
 from zgraph.runtime.sharded_state import (
@@ -32,8 +45,9 @@ from zgraph.runtime.sharded_state import (
     check_owners,
     convert_master_dtype,
     make_plan,
+    shard_parameter,
 )
-from zgraph.runtime.state import Binding, state_tensors
+from zgraph.runtime.state import Binding, ParamRecord, state_tensors
 
 Modules = list[tuple[str, nn.Module]]
 Optimizers = list[tuple[str, torch.optim.Optimizer]]
@@ -44,18 +58,8 @@ def bind_state(
 ) -> Binding:
     """The binding of ``modules`` and ``optimizers`` for a step of ``config`` on ``group`` (module docstring).
     Collective (every rank of ``group`` calls it at the same point) where ``channel`` is given."""
-    binding = Binding(modules, optimizers)
-    device = state_device(state_tensors(binding))
-    check_served(group.backend, device)
-    check_offload_device(config, device)
-    check_owners(config.stage, group, binding)
-    if channel is not None:
-        check_one_device_per_rank(channel, group.backend, device)
-    _lay_out(binding, config, device, _loss_scale_state(config, optimizers, device))
-    binding.backend = served_backend(group.backend, device.type)
-    broadcast_initial_state(binding, group)
-    binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold)
-    apply_plan(binding.plan, binding)  # may replace parameters (stage 3)
+    binding = lay_out(config, group, channel, Binding(modules, optimizers))
+    device = binding.device
     binding.offload = open_store(config, device)
     if binding.offload is not None:
         binding.offload.watch([o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
@@ -63,6 +67,87 @@ def bind_state(
         keep_freed_host_memory()
     binding.cost_model = fit_cost_model(group, device, config.measure_collectives, channel)
     return binding
+
+
+def lay_out(
+    config: Config, group: ProcessGroupInfo, channel: Channel | None, binding: Binding, values: str = "init"
+) -> Binding:
+    """Check, then lay out ``binding``'s state for ``config`` on ``group``: device, master dtype, loss-scale state,
+    meta tensors made real (``values``: the model's initialisation, or ``"empty"`` storage for weights about to
+    be loaded), rank 0's values everywhere, the sharding plan applied. Collective where ``channel`` is given."""
+    device = state_device(state_tensors(binding))
+    if device.type == "meta":
+        device = allocation_device(group.backend)
+    check_served(group.backend, device)
+    check_offload_device(config, device)
+    check_owners(config.stage, group, binding)
+    source = meta_source(binding, group, channel)
+    routes = fill_routes(binding, values) if source == "init" else []
+    if channel is not None:
+        check_one_device_per_rank(channel, group.backend, device)
+    optimizers = [(o.name, o.optimizer) for o in binding.optimizers]
+    _lay_out(binding, config, device, _loss_scale_state(config, optimizers, device))
+    binding.backend = served_backend(group.backend, device.type)
+    binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold)
+    make_real(binding, channel, source, routes, values)
+    apply_plan(binding.plan, binding)  # may replace parameters (stage 3)
+    return binding
+
+
+def meta_source(binding: Binding, group: ProcessGroupInfo, channel: Channel | None) -> str | None:
+    """Where the binding's meta-device tensors get their values, agreed by every rank (collective where
+    ``channel`` is given): None (no rank has any), ``"init"`` (every rank built on meta: the model's own
+    initialisation), ``"rank0"`` (only rank 0 holds real values: FSDP1's ``sync_module_states`` idiom); any
+    other mix is refused on every rank, naming the ranks."""
+    meta = has_meta_state(binding)
+    if channel is None:
+        return "init" if meta else None
+    flags = [f == b"1" for f in channel.exchange("zgraph: meta-device state", b"1" if meta else b"0")]
+    if not any(flags):
+        return None
+    if all(flags):
+        return "init"
+    if not flags[0] and all(flags[1:]):
+        return "rank0"
+    on_meta = [r for r, f in enumerate(flags) if f]
+    raise MetaInitError(
+        f"zgraph: ranks {on_meta} hold the model on the meta device and ranks "
+        f"{[r for r, f in enumerate(flags) if not f]} do not. Build it on meta on every rank (zgraph initialises "
+        "it, or zgraph.load_pretrained fills it), or real on rank 0 only (its values are sent to the others)."
+    )
+
+
+def make_real(binding: Binding, channel: Channel | None, source: str | None, routes: Routes, values: str) -> None:
+    """Give the binding's meta tensors storage and values as ``source`` says (``meta_source``), each parameter the
+    plan shards cut to this rank's rows as soon as it holds its values; then rank 0's values on every rank."""
+    group = binding.plan.group
+    finish = finisher(binding)
+    if source == "rank0":
+        broadcast_initial_state(binding, group, MetaReceiver(binding, binding.device, finish))
+        return
+    if source == "init" and values == "init":
+        state = generator_state(binding.device) if group.rank == 0 else None
+        if channel is not None:
+            state = channel.broadcast("zgraph: rank 0's random state", state)
+        if state is not None:
+            set_generator_state(binding.device, state)
+    if source == "init":
+        fill(binding, routes, binding.device, finish, values)
+    broadcast_initial_state(binding, group)
+
+
+def finisher(binding: Binding) -> Callable[[ParamRecord], None]:
+    """What becomes of a materialised parameter: cut to this rank's shard where the plan shards it (its whole
+    storage released), else kept whole."""
+    plan = binding.plan
+
+    def finish(record: ParamRecord) -> None:
+        if plan.params_sharded(record.index):
+            whole = record.tensor
+            shard_parameter(plan, binding, record.index)
+            release(whole)
+
+    return finish
 
 
 def plan_state(

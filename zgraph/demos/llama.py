@@ -35,6 +35,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -94,11 +97,18 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList([Layer(config) for _ in range(config.layers)])
         self.norm = RMSNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab, bias=False)
-        head_dim = config.d_model // config.heads
-        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(config.max_seq, dtype=torch.float32), inv).repeat(1, 2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", torch.empty(config.max_seq, config.d_model // config.heads), persistent=False)
+        self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The rotary tables (computed, not learned: also what a model built on the meta device gets)."""
+        head_dim = self.config.d_model // self.config.heads
+        device = self.cos.device if self.cos.device.type != "meta" else None
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        angles = torch.outer(torch.arange(self.config.max_seq, dtype=torch.float32, device=device), inv)
+        angles = angles.repeat(1, 2)
+        self.cos, self.sin = angles.cos(), angles.sin()
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]

@@ -62,6 +62,10 @@ class GPT(nn.Module):
             self.head.weight = self.tok.weight
         self.register_buffer("pos_ids", torch.arange(config.seq), persistent=False)
 
+    def init_buffers(self) -> None:
+        """The position ids (computed, not learned: also what a model built on the meta device gets)."""
+        self.pos_ids = torch.arange(self.config.seq, device=self.pos_ids.device)
+
     def forward(self, idx: Tensor) -> Tensor:
         x = self.tok(idx) + self.pos(self.pos_ids[: idx.shape[1]])
         for block in self.blocks:

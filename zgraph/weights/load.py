@@ -17,6 +17,7 @@ from zgraph.config import Config
 from zgraph.errors import CheckpointError
 from zgraph.runtime.agreement import world_channel
 from zgraph.runtime.offload import materialize as resident
+from zgraph.weights.materialize import materialize
 from zgraph.weights.report import Match, refuse, report
 from zgraph.weights.sources import Entry, Rows, Source, open_source
 
@@ -74,7 +75,11 @@ def load_pretrained(
     host staging tensors, every rank's outcome is exchanged (with a process group: call it on every rank, at
     the same point), and only if all succeeded are they copied into the model. Nothing is unpickled.
 
-    ``config``: the step's ``Config``, for a model still on the meta device (not read otherwise).
+    A model still on the meta device (built under ``torch.device("meta")``) needs ``config``, the step's
+    ``Config``: names and shapes are checked on the meta model, then ``zgraph.materialize(model, config,
+    init=not strict)`` lays it out as the step will (each rank allocating only its shards; with ``strict=False``
+    the model's own initialisation fills what the checkpoint lacks), then the checkpoint is read into it. A
+    failure after that leaves the model materialised (its values undefined where not yet loaded).
 
     Returns:
         ``Loaded``: the names filled, and the ``Match`` (missing / unexpected names, empty when all matched).
@@ -92,13 +97,16 @@ def load_pretrained(
     targets: list[Target] = []
     match = Match()
     error = None
+    meta = False
     try:
         resident(model)  # offloaded parameter shards read back before they are written
-        _refuse_meta(model, config)
+        meta = _on_meta(model, config)
         source = open_source(path)
-        targets = targets_of(model)
-        match = compare(source.entries, targets)
+        match = compare(source.entries, targets_of(model))
         refuse(type(model).__name__, path, match, strict)
+        if meta:  # names and shapes checked on the meta model; then laid out as the step will, unfilled if strict
+            materialize(model, config, init=not strict)
+        targets = targets_of(model)
         wanted = {name: t.wanted() for t in targets if (name := _chosen(t, source.entries)) is not None}
         staged = source.read(wanted)
     except Exception as caught:
@@ -108,7 +116,8 @@ def load_pretrained(
             source.close()
     gather_results(channel, label, {}, error)  # every rank raises if one failed: nothing changed
     if match and rank_and_world()[0] == 0:
-        warnings.warn(report(type(model).__name__, path, match, "left as they are"), RuntimeWarning, stacklevel=2)
+        missing = "newly initialized by materialize" if meta else "left as they are"
+        warnings.warn(report(type(model).__name__, path, match, missing), RuntimeWarning, stacklevel=2)
     return Loaded(_commit(targets, staged, source.entries if source is not None else {}), match)
 
 
@@ -176,13 +185,14 @@ def _commit(targets: list[Target], staged: dict[str, Tensor], entries: dict[str,
     return loaded
 
 
-def _refuse_meta(model: nn.Module, config: Config | None) -> None:
-    """Meta-device models: the hook point of ``zgraph.weights.materialize`` (not in this tree yet). When it is,
-    the meta path is: compare names and shapes on the meta model, ``materialize(model, config, init=not
-    strict)`` (``config`` required), then read as for a laid-out model."""
+def _on_meta(model: nn.Module, config: Config | None) -> bool:
+    """Whether the model has tensors on the meta device (then ``config`` is required, to lay it out as the step
+    will: ``zgraph.materialize``)."""
     meta = [name for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, Tensor) and t.is_meta]
-    if meta:
+    if meta and config is None:
         raise CheckpointError(
-            f"load_pretrained: {len(meta)} tensors of the model are on the meta device ({meta[0]}, ...); "
-            "materialise the model first (on a device, or by a zgraph step's first call)"
+            f"load_pretrained: {len(meta)} tensors of the model are on the meta device ({meta[0]}, ...); pass "
+            "config=<the step's zgraph.Config> so that they are laid out as the step will lay them out "
+            "(zgraph.materialize) before they are filled"
         )
+    return bool(meta)
