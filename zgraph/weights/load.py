@@ -19,7 +19,7 @@ from zgraph.runtime.agreement import world_channel
 from zgraph.runtime.offload import materialize as resident
 from zgraph.weights.materialize import materialize
 from zgraph.weights.report import Match, refuse, report
-from zgraph.weights.sources import Entry, Rows, Source, open_source
+from zgraph.weights.sources import Entry, Rows, open_source
 
 
 @dataclass
@@ -90,35 +90,48 @@ def load_pretrained(
             is unchanged.
     """
     path = os.path.abspath(os.fspath(path_or_dir))
-    label = "zgraph.load_pretrained"  # not the path: ranks may read copies of the checkpoint at different paths
-    channel = world_channel()
-    source: Source | None = None
-    staged: dict[str, Tensor] = {}
-    targets: list[Target] = []
-    match = Match()
+    staged: Staged | None = None
     error = None
-    meta = False
     try:
-        resident(model)  # offloaded parameter shards read back before they are written
-        meta = _on_meta(model, config)
-        source = open_source(path)
+        staged = _stage(model, path, config, strict)
+    except Exception as caught:
+        error = caught
+    # every rank raises if one failed (not naming the path: ranks may read copies at different paths)
+    gather_results(world_channel(), "zgraph.load_pretrained", {}, error)
+    assert staged is not None
+    if staged.match and rank_and_world()[0] == 0:
+        missing = "newly initialized by materialize" if staged.meta else "left as they are"
+        warnings.warn(report(type(model).__name__, path, staged.match, missing), RuntimeWarning, stacklevel=2)
+    return Loaded(_commit(staged), staged.match)
+
+
+@dataclass
+class Staged:
+    """This rank's values read into host tensors (``values``, by checkpoint name), not yet in the model."""
+
+    targets: list[Target]
+    chosen: list[str | None]
+    values: dict[str, Tensor]
+    match: Match
+    meta: bool
+
+
+def _stage(model: nn.Module, path: str, config: Config | None, strict: bool) -> Staged:
+    """Compare, (lay out a meta model,) and read this rank's values; nothing in the model's values changes."""
+    resident(model)  # offloaded parameter shards read back before they are written
+    meta = _on_meta(model, config)
+    source = open_source(path)
+    try:
         match = compare(source.entries, targets_of(model))
         refuse(type(model).__name__, path, match, strict)
         if meta:  # names and shapes checked on the meta model; then laid out as the step will, unfilled if strict
             materialize(model, config, init=not strict)
         targets = targets_of(model)
-        wanted = {name: t.wanted() for t in targets if (name := _chosen(t, source.entries)) is not None}
-        staged = source.read(wanted)
-    except Exception as caught:
-        error = caught
+        chosen = [_chosen(t, source.entries) for t in targets]
+        values = source.read({name: t.wanted() for t, name in zip(targets, chosen) if name is not None})
     finally:
-        if source is not None:
-            source.close()
-    gather_results(channel, label, {}, error)  # every rank raises if one failed: nothing changed
-    if match and rank_and_world()[0] == 0:
-        missing = "newly initialized by materialize" if meta else "left as they are"
-        warnings.warn(report(type(model).__name__, path, match, missing), RuntimeWarning, stacklevel=2)
-    return Loaded(_commit(targets, staged, source.entries if source is not None else {}), match)
+        source.close()
+    return Staged(targets, chosen, values, match, meta)
 
 
 def targets_of(model: nn.Module) -> list[Target]:
@@ -172,16 +185,14 @@ def compare(entries: dict[str, Entry], targets: list[Target]) -> Match:
     return match
 
 
-def _commit(targets: list[Target], staged: dict[str, Tensor], entries: dict[str, Entry]) -> list[str]:
+def _commit(staged: Staged) -> list[str]:
     """Copy the staged values into the model (each staged tensor freed once copied); the names filled."""
     loaded = []
     with torch.no_grad():
-        for target in targets:
-            name = _chosen(target, entries)
-            if name is None:
-                continue
-            target.dest.copy_(staged.pop(name))
-            loaded += target.names
+        for target, name in zip(staged.targets, staged.chosen):
+            if name is not None:
+                target.dest.copy_(staged.values.pop(name))
+                loaded += target.names
     return loaded
 
 
