@@ -41,6 +41,7 @@ from zgraph.errors import (
 from zgraph.inspect.estimate import Estimate, EstimateError
 from zgraph.step import DistributedStep, distribute
 from zgraph.version import __version__ as __version__
+from zgraph.weights.load import load_pretrained
 from zgraph.weights.materialize import materialize
 from zgraph.weights.save import save_pretrained
 
@@ -62,6 +63,7 @@ __all__ = [
     "full_state_dict",
     "gather",
     "load",
+    "load_pretrained",
     "materialize",
     "optimizer_from_deepspeed",
     "save",
