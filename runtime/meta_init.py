@@ -71,7 +71,7 @@ class Materializer:
         for attr, p in list(module._parameters.items()):
             index = self.binding.param_index(p) if p is not None else None
             if index is not None and is_meta(p):
-                torch.utils.swap_tensors(p, _empty_param(p, self.device))
+                swap_storage(p, _empty_param(p, self.device))
                 touched.append(index)
                 self._made.add(index)
             elif index in self._made:
@@ -94,6 +94,14 @@ class Materializer:
             self.finish(self.binding.params[index])
 
 
+def swap_storage(p: Tensor, new: Tensor) -> None:
+    """Make the object ``p`` hold ``new``'s storage (``torch.utils.swap_tensors``), keeping ``p``'s own
+    attributes (swap_tensors swaps ``__dict__`` too; zgraph's replacement record and the user's flags stay)."""
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, new)
+    p.__dict__.update(attrs)
+
+
 def _empty_param(p: Tensor, device: torch.device) -> Tensor:
     value = torch.empty(p.shape, dtype=p.dtype, device=device)
     return nn.Parameter(value, p.requires_grad) if isinstance(p, nn.Parameter) else value
@@ -104,7 +112,7 @@ def release(p: Tensor) -> None:
     the user kept holds no memory); a tensor that cannot be swapped (a view, one with weak references) is left."""
     if not is_meta(p) and not hasattr(p, "_local_tensor") and p._base is None:
         try:
-            torch.utils.swap_tensors(p, _empty_param(p, torch.device("meta")))
+            swap_storage(p, _empty_param(p, torch.device("meta")))
         except RuntimeError:
             pass
 
@@ -239,7 +247,7 @@ def allocator(binding: Binding, device: torch.device) -> Callable[[Tensor], Tens
 
     def allocate(t: Tensor) -> Tensor:
         if binding.param_index(t) is not None:
-            torch.utils.swap_tensors(t, _empty_param(t, device))
+            swap_storage(t, _empty_param(t, device))
             return t
         index = binding.buffer_index(t)
         value = torch.empty(t.shape, dtype=t.dtype, device=device)
