@@ -128,7 +128,10 @@ def _stage(model: nn.Module, path: str, config: Config | None, strict: bool) -> 
             materialize(model, config, init=not strict)
         targets = targets_of(model)
         chosen = [_chosen(t, source.entries) for t in targets]
-        values = source.read({name: t.wanted() for t, name in zip(targets, chosen) if name is not None})
+        wanted = {name: t.wanted() for t, name in zip(targets, chosen) if name is not None}
+        # a meta model has no values to keep: read straight into its new shards, one tensor at a time
+        into = {name: t.dest for t, name in zip(targets, chosen) if name is not None} if meta else None
+        values = source.read(wanted, into)
     finally:
         source.close()
     return Staged(targets, chosen, values, match, meta)
@@ -191,7 +194,9 @@ def _commit(staged: Staged) -> list[str]:
     with torch.no_grad():
         for target, name in zip(staged.targets, staged.chosen):
             if name is not None:
-                target.dest.copy_(staged.values.pop(name))
+                value = staged.values.pop(name, None)  # None: read in place (a meta model's new shards)
+                if value is not None:
+                    target.dest.copy_(value)
                 loaded += target.names
     return loaded
 

@@ -73,8 +73,9 @@ class Source:
     path: str
     entries: dict[str, Entry]
 
-    def read(self, wanted: dict[str, Rows]) -> dict[str, Tensor]:
-        """New host tensors: for each name, the rows asked for, in the dtype asked for."""
+    def read(self, wanted: dict[str, Rows], into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """New host tensors: for each name, the rows asked for, in the dtype asked for; with ``into``, the values
+        are copied into those tensors instead, one at a time (nothing staged), and ``{}`` is returned."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -167,7 +168,7 @@ class SafetensorsSource(Source):
             self.entries[key] = Entry(tuple(piece.get_shape()), dtype)
             self._where[key] = name
 
-    def read(self, wanted: dict[str, Rows]) -> dict[str, Tensor]:
+    def read(self, wanted: dict[str, Rows], into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         out = {}
         for key, rows in wanted.items():
             file = self._where[key]
@@ -179,7 +180,11 @@ class SafetensorsSource(Source):
                     value = handle.get_slice(key)[rows.start : rows.stop]
             except Exception as error:
                 raise CheckpointError(f"{file}: reading {key} failed ({type(error).__name__}: {error})") from error
-            out[key] = value.to(rows.dtype)
+            if into is not None:
+                with torch.no_grad():
+                    into[key].copy_(value)
+            else:
+                out[key] = value.to(rows.dtype)
         return out
 
     def close(self) -> None:
@@ -207,16 +212,19 @@ class DcpSource(Source):
             if key.startswith(self._prefix)
         }
 
-    def read(self, wanted: dict[str, Rows]) -> dict[str, Tensor]:
+    def read(self, wanted: dict[str, Rows], into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         import torch.distributed.checkpoint as dcp
 
-        out = {key: torch.empty(rows.shape(self.entries[key]), dtype=rows.dtype) for key, rows in wanted.items()}
+        out = into if into is not None else {}
+        for key, rows in wanted.items():
+            if key not in out:
+                out[key] = torch.empty(rows.shape(self.entries[key]), dtype=rows.dtype)
         targets = {self._prefix + key: value for key, value in out.items() if value.numel()}  # no empty reads
         starts = {self._prefix + key: rows.start or 0 for key, rows in wanted.items()}
         if targets:
             with dcp_errors(f"reading {self.path}"):
                 dcp.load(targets, storage_reader=cio.SafeReader(self.path), planner=_RowsPlanner(starts), no_dist=True)
-        return out
+        return {} if into is not None else out
 
 
 class _RowsPlanner(DefaultLoadPlanner):
