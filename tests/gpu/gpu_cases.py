@@ -26,7 +26,9 @@ Every check (``CHECKS``) runs on every rank of the transport's group, one after 
 - ``offload``: ``offload_optimizer="cpu"`` (stage 1), ``offload_params="cpu"`` and both (stage 3) against the same
   run without offload: losses and every parameter and optimizer state, bitwise;
 - ``estimate``: ``step.estimate(..., device="cuda")`` against the peak of a real call,
-  ``torch.cuda.max_memory_allocated``.
+  ``torch.cuda.max_memory_allocated``;
+- ``meta`` (``gpu_meta_cases``): a GPT built on the meta device, made real by ``zgraph.materialize`` at stage 3:
+  its shards on the rank's GPU under NCCL, equal bitwise to the GPT built there from the same seed.
 
 ``ZGRAPH_GPU_QUICK=1`` (``python -m benchmarks.gpu``) checks stages 0 and 3 only. On the GPU every rank runs
 deterministic kernels (``torch.use_deterministic_algorithms``, cuBLAS workspace config,
@@ -368,15 +370,18 @@ def split(rank: int, world: int, device: torch.device) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-CHECKS = ("group", "parity", "split", "fp16", "offload", "estimate")  # group first: on nccl-* it starts the group
+CHECKS = ("group", "parity", "split", "fp16", "offload", "estimate", "meta")  # group first: it starts nccl-*
 
 
 def check_functions() -> dict[str, Callable[[int, int, torch.device], dict]]:
     """``CHECKS``' functions: ``group``, ``parity`` and ``split`` here, ``fp16``, ``offload`` and ``estimate`` in
-    ``gpu_memory_cases`` (imported here, not at the top: it imports this module's helpers)."""
+    ``gpu_memory_cases``, ``meta`` in ``gpu_meta_cases`` (imported here, not at the top: they import this module's
+    helpers)."""
     from gpu_memory_cases import estimate, fp16, offload
+    from gpu_meta_cases import meta
 
-    return {"group": group, "parity": parity, "split": split, "fp16": fp16, "offload": offload, "estimate": estimate}
+    checks = {"group": group, "parity": parity, "split": split, "fp16": fp16, "offload": offload}
+    return {**checks, "estimate": estimate, "meta": meta}
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

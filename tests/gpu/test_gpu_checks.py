@@ -247,3 +247,15 @@ def test_estimate_peak_matches_max_memory_allocated(results, transport):
         if abs(ratio - 1) > ESTIMATE_TOLERANCE:
             failures.append(f"stage {stage} {recipe}: estimate / measured = {ratio:.3f}")
     assert not failures, "; ".join(failures)
+
+
+# ------------------------------------------------------------------------------------------------ meta
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_meta_model_is_made_real_where_the_group_computes(results, transport):
+    """Issue 27: a model built on meta gets its shards on the rank's GPU under NCCL (the host under gloo), with
+    the values the same model built there from the same seed has, bitwise."""
+    found = check(results, transport, "meta")
+    want = "cuda" if gpu_cases.device_type() == "cuda" and transport != "gloo-2" else "cpu"
+    assert torch.device(found["device"]).type == want, found
+    assert found["max_abs_diff"] == 0.0, found
+    report(f"meta[{transport}]", **found)
