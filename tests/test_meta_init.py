@@ -19,12 +19,12 @@ PLAIN = [name for name in BUILDERS if not name.startswith("hf")]
 
 
 def test_one_process_equals_eager():
-    init_and_train(0, 1, PLAIN, [3])
+    init_and_train(0, 1, PLAIN, [0, 3])  # one process: stages 1 and 2 shard nothing, as stage 0
 
 
 def test_one_process_hugging_face_equals_eager():
     pytest.importorskip("transformers")
-    init_and_train(0, 1, HF, [3])
+    init_and_train(0, 1, HF, [0, 3])
 
 
 def test_two_ranks_every_stage():
@@ -34,7 +34,8 @@ def test_two_ranks_every_stage():
 
 def test_four_ranks():
     pytest.importorskip("transformers")
-    run_ranks(4, "meta_cases.init_and_train", ["gpt-untied", "hf-llama"], [1, 3], timeout=600)
+    run_ranks(4, "meta_cases.init_and_train", ["gpt-untied"], [0, 1, 2, 3], timeout=600)
+    run_ranks(4, "meta_cases.init_and_train", ["hf-llama"], [3], timeout=600)
 
 
 def test_rank0_holds_the_model():
