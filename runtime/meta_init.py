@@ -71,13 +71,12 @@ class Materializer:
         for attr, p in list(module._parameters.items()):
             index = self.binding.param_index(p) if p is not None else None
             if index is not None and is_meta(p):
-                swap_storage(p, _empty_param(p, self.device))
+                swap_storage(p, blank(p, self.device))
                 touched.append(index)
                 self._made.add(index)
             elif index in self._made:
                 scratch[attr] = p
-                blank = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                module._parameters[attr] = nn.Parameter(blank, p.requires_grad)
+                module._parameters[attr] = nn.Parameter(blank(p, self.device), p.requires_grad)
         for attr, b in list(module._buffers.items()):
             if is_meta(b):
                 index = self.binding.buffer_index(b)
@@ -102,7 +101,8 @@ def swap_storage(p: Tensor, new: Tensor) -> None:
     p.__dict__.update(attrs)
 
 
-def _empty_param(p: Tensor, device: torch.device) -> Tensor:
+def blank(p: Tensor, device: torch.device) -> Tensor:
+    """Uninitialised storage of ``p``'s shape and dtype on ``device`` (an ``nn.Parameter`` for a parameter)."""
     value = torch.empty(p.shape, dtype=p.dtype, device=device)
     return nn.Parameter(value, p.requires_grad) if isinstance(p, nn.Parameter) else value
 
@@ -112,7 +112,7 @@ def release(p: Tensor) -> None:
     the user kept holds no memory); a tensor that cannot be swapped (a view, one with weak references) is left."""
     if not is_meta(p) and not hasattr(p, "_local_tensor") and p._base is None:
         try:
-            swap_storage(p, _empty_param(p, torch.device("meta")))
+            swap_storage(p, blank(p, torch.device("meta")))
         except RuntimeError:
             pass
 
@@ -135,13 +135,22 @@ def fill_routes(binding: Binding, values: str) -> Routes:
     return routes
 
 
-def fill(binding: Binding, routes: Routes, device: torch.device, finish: Finish, values: str) -> None:
+def fill(
+    binding: Binding, routes: Routes, device: torch.device, finish: Finish, values: str, empty: Finish | None = None
+) -> None:
     """Give every meta parameter and buffer of ``binding`` storage on ``device`` and, for ``values="init"``,
-    the model's own initial values (``"empty"``: storage only, buffers computed), by the ``routes`` planned
-    with ``fill_routes``. ``finish`` is called on each parameter once it holds its values."""
+    the model's own initial values, by the ``routes`` planned with ``fill_routes``; ``finish`` is called on each
+    parameter once it holds its values. ``values="empty"``: the modules that compute buffers run as for
+    ``"init"``, every other parameter gets storage only, from ``empty`` (allocated as it will be kept: a shard
+    is never whole)."""
     for root, owners, route in routes:
+        if values == "empty" and (route != "model" or callable(getattr(root, "init_buffers", None))):
+            owners = [m for m in owners if _owns_meta(m, "buffers")]
         mat = Materializer(binding, device, finish)
         {"hf": _run_hf, "model": _run_model, "modules": _run_modules}[route](root, owners, mat, values)
+    for record in binding.params:
+        if empty is not None and is_meta(record.tensor):
+            empty(record)
     left = [r.name for r in binding.params if is_meta(r.tensor)] + [b.name for b in binding.buffers if is_meta(b.get())]
     if left:
         raise MetaInitError(f"zgraph: these tensors are still on the meta device after initialisation: {left[:8]}")
@@ -247,7 +256,7 @@ def allocator(binding: Binding, device: torch.device) -> Callable[[Tensor], Tens
 
     def allocate(t: Tensor) -> Tensor:
         if binding.param_index(t) is not None:
-            swap_storage(t, _empty_param(t, device))
+            swap_storage(t, blank(t, device))
             return t
         index = binding.buffer_index(t)
         value = torch.empty(t.shape, dtype=t.dtype, device=device)

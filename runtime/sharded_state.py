@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
+from zgraph.ops import host_read
 from zgraph.runtime.meta_init import release
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
 from zgraph.runtime.state import Binding
@@ -258,8 +259,16 @@ def broadcast_initial_state(
                 if index is not None and binding.plan is not None and binding.plan.params_sharded(index):
                     shard_parameter(binding.plan, binding, index, whole=value)
                     release(t)
-                elif group.rank != 0 and not torch.equal(t, value):
+                elif group.rank != 0 and not _holds(t, value):
                     t.copy_(value)
+
+
+def _holds(t: Tensor, value: Tensor) -> bool:
+    """Whether ``t`` already holds ``value`` (then it is not written: a mapped file's pages stay clean)."""
+    if t.is_meta:  # a stand-in device's tensors have no values to compare
+        return False
+    with host_read("initial broadcast: does this rank already hold rank 0's values?"):
+        return torch.equal(t, value)
 
 
 _REPLACED_BY = "_zgraph_replaced_by"
@@ -313,13 +322,17 @@ def _watch_eager_optimizer_steps() -> None:
     register_optimizer_step_pre_hook(_before_eager_optimizer_step)
 
 
-def shard_parameter(plan: ShardingPlan, binding: Binding, index: int, whole: Tensor | None = None) -> None:
-    """Replace parameter ``index`` by its sharded ``DTensor`` (cut from ``whole``, else from the parameter), on
-    its modules and in the optimizers, and record the replacement on the old parameter."""
+def shard_parameter(
+    plan: ShardingPlan, binding: Binding, index: int, whole: Tensor | None = None, padded: Tensor | None = None
+) -> None:
+    """Replace parameter ``index`` by its sharded ``DTensor`` over ``padded`` (else cut from ``whole``, else from
+    the parameter), on its modules and in the optimizers, and record the replacement on the old parameter."""
     record = binding.params[index]
     old = record.tensor
     spec = plan.specs[index]
-    new = plan.wrap(pad_shard(old if whole is None else whole, spec, plan.rank), spec, requires_grad=old.requires_grad)
+    if padded is None:
+        padded = pad_shard(old if whole is None else whole, spec, plan.rank)
+    new = plan.wrap(padded, spec, requires_grad=old.requires_grad)
     if not old.requires_grad:
         new.requires_grad_(False)
     if old.grad is not None:

@@ -30,12 +30,14 @@ from zgraph.runtime.meta_init import (
     MetaInitError,
     Routes,
     allocator,
+    blank,
     fill,
     fill_routes,
     generator_state,
     has_meta_state,
     release,
     set_generator_state,
+    swap_storage,
 )
 from zgraph.runtime.offload import check_offload_device, open_store
 from zgraph.runtime.process_group import ProcessGroupInfo, check_one_device_per_rank
@@ -75,13 +77,14 @@ def lay_out(
     """Check, then lay out ``binding``'s state for ``config`` on ``group``: device, master dtype, loss-scale state,
     meta tensors made real (``values``: the model's initialisation, or ``"empty"`` storage for weights about to
     be loaded), rank 0's values everywhere, the sharding plan applied. Collective where ``channel`` is given."""
-    device = state_device(state_tensors(binding))
-    if device.type == "meta":
+    standin = served_backend(group.backend, "meta") is not None  # a test's stand-in accelerator: meta is a device
+    device = state_device(state_tensors(binding), meta_is_device=standin)
+    if device.type == "meta" and not standin:
         device = allocation_device(group.backend)
     check_served(group.backend, device)
     check_offload_device(config, device)
     check_owners(config.stage, group, binding)
-    source = meta_source(binding, group, channel)
+    source = None if standin else meta_source(binding, group, channel)
     routes = fill_routes(binding, values) if source == "init" else []
     if channel is not None:
         check_one_device_per_rank(channel, group.backend, device)
@@ -132,7 +135,7 @@ def make_real(binding: Binding, channel: Channel | None, source: str | None, rou
         if state is not None:
             set_generator_state(binding.device, state)
     if source == "init":
-        fill(binding, routes, binding.device, finish, values)
+        fill(binding, routes, binding.device, finish, values, storage_only(binding))
     broadcast_initial_state(binding, group)
 
 
@@ -148,6 +151,24 @@ def finisher(binding: Binding) -> Callable[[ParamRecord], None]:
             release(whole)
 
     return finish
+
+
+def storage_only(binding: Binding) -> Callable[[ParamRecord], None]:
+    """Storage for a meta parameter whose values are loaded next, as it will be kept: this rank's padded shard
+    (only its padding rows zeroed) where the plan shards it, else the whole tensor; uninitialised."""
+    plan = binding.plan
+
+    def allocate(record: ParamRecord) -> None:
+        p = record.tensor
+        if plan.params_sharded(record.index):
+            spec = plan.specs[record.index]
+            padded = torch.empty(spec.shard_shape, dtype=p.dtype, device=binding.device)
+            padded[spec.local_rows(plan.rank) :].zero_()
+            shard_parameter(plan, binding, record.index, padded=padded)
+        else:
+            swap_storage(p, blank(p, binding.device))
+
+    return allocate
 
 
 def plan_state(

@@ -15,6 +15,7 @@ from zgraph.binding.setup import lay_out
 from zgraph.config import Config
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.devices import allocation_device
+from zgraph.runtime.meta_init import has_meta_state
 from zgraph.runtime.process_group import ensure_process_group, timed_group
 from zgraph.runtime.state import Binding
 
@@ -30,7 +31,8 @@ def materialize(
     initialisation gives the unsharded model from rank 0's random state (sent to every rank), and a rank holds
     its shards plus one module's parameters at a time (a model-level ``init_weights()`` that is not Hugging
     Face's holds them all while it runs). ``init=False`` allocates without initialising parameters (for
-    weights loaded next: ``zgraph.load_pretrained``). Parameters and buffers already real are left as they are.
+    weights loaded next: ``zgraph.load_pretrained``). Parameters and buffers already real are left as they are
+    (a model with nothing on the meta device on any rank is returned untouched).
 
     Collective: every rank of the group calls it at the same point. Returns ``model``. Raises
     ``MetaInitError`` (a ``ZGraphError``), changing nothing, for a meta module with no way to initialise it.
@@ -38,15 +40,20 @@ def materialize(
     config = config or Config()
     group = ensure_process_group(process_group, lambda: allocation_device(None))
     values = "init" if init else "empty"
+    binding = Binding([("model", model)], [])
     if not group.distributed:
-        lay_out(config, group, None, Binding([("model", model)], []), values)
+        if has_meta_state(binding):
+            lay_out(config, group, None, binding, values)
         return model
     label = "zgraph.materialize"
     channel = Channel(group, config.collective_timeout)
     channel.enter(label)
     try:
+        flags = channel.exchange(f"{label}: any meta-device state?", b"1" if has_meta_state(binding) else b"0")
+        if b"1" not in flags:
+            return model  # nothing to make real on any rank: the model is left as it is
         group = timed_group(group, config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
-        lay_out(config, group, channel, Binding([("model", model)], []), values)
+        lay_out(config, group, channel, binding, values)
     except Exception as error:
         channel.record_failure(label, error)  # the other ranks raise naming it instead of waiting
         raise
