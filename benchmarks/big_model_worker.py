@@ -61,10 +61,10 @@ class Sampler(threading.Thread):
             self.stop.wait(SAMPLE_S)
 
 
-def probe(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
-    """Run ``fn`` between two barriers: its result and ``{seconds: wall from the first barrier to the second (the
-    slowest rank), own_s: this rank's own time, rss_before, hwm: VmHWM after resetting it right before, anon_before,
-    anon_peak / file_peak: sampled, anon_after, file_after}`` (bytes)."""
+def probe(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, dict[str, float]]:
+    """Run ``fn(*args, **kwargs)`` between two barriers: its result and ``{seconds: wall from the first barrier to
+    the second (the slowest rank), own_s: this rank's own time, rss_before, hwm: VmHWM after resetting it right
+    before, anon_before, anon_peak / file_peak: sampled, anon_after, file_after}`` (bytes)."""
     gc.collect()
     dist.barrier()
     before = status_bytes("VmRSS", "RssAnon")
@@ -73,7 +73,7 @@ def probe(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
     sampler = Sampler()
     sampler.start()
     start = time.perf_counter()
-    result = fn()
+    result = fn(*args, **kwargs)
     own = time.perf_counter() - start
     dist.barrier()
     wall = time.perf_counter() - start
@@ -137,15 +137,15 @@ def zgraph_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
     model = None
     for _ in range(spec["repeats"]):
         model = None  # the previous repeat's model freed before the next is laid out
-        _, m = probe(lambda: read_bytes(files))
+        _, m = probe(read_bytes, files)
         out["read_all"].append(m)
-        _, m = probe(lambda: read_bytes(files, rank, world))
+        _, m = probe(read_bytes, files, rank, world)
         out["read_part"].append(m)
         model = meta_model(spec)
-        _, m = probe(lambda: zgraph.load_pretrained(model, spec["dir"], config=zgraph.Config(stage=3)))
+        _, m = probe(zgraph.load_pretrained, model, spec["dir"], config=zgraph.Config(stage=3))
         out["load"].append(m)
     for _ in range(spec["repeats"]):
-        _, m = probe(lambda: zgraph.save_pretrained(model, spec["save_dir"], max_shard_size=spec["shard_bytes"]))
+        _, m = probe(zgraph.save_pretrained, model, spec["save_dir"], max_shard_size=spec["shard_bytes"])
         out["save"].append(m)
     return out
 
@@ -206,10 +206,10 @@ def fsdp2_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
     for _ in range(spec["repeats"]):
         model = None
         model = fsdp2_shard(spec, world)
-        _, m = probe(lambda: fsdp2_load(model, files, rank))
+        _, m = probe(fsdp2_load, model, files, rank)
         out["load"].append(m)
     for _ in range(spec["repeats"]):
-        _, m = probe(lambda: fsdp2_save(model, spec, files, rank))
+        _, m = probe(fsdp2_save, model, spec, files, rank)
         out["save"].append(m)
     return out
 
@@ -219,7 +219,7 @@ def hf_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
     from transformers import LlamaForCausalLM
 
     dtype = getattr(torch, spec["dtype"])
-    model, m = probe(lambda: LlamaForCausalLM.from_pretrained(spec["dir"], dtype=dtype))
+    model, m = probe(LlamaForCausalLM.from_pretrained, spec["dir"], dtype=dtype)
     del model
     return {"load": [m]}
 
