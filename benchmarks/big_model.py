@@ -4,7 +4,7 @@ CPU — peak resident set per rank and time of ``zgraph.load_pretrained`` into a
 and ``from_pretrained`` on every rank.
 
     python -m benchmarks.big_model                      # ~1.1B Llama, bf16, worlds 1,2,4
-    python -m benchmarks.big_model --quick              # a ~40M Llama, worlds 1,2: about a minute
+    python -m benchmarks.big_model --quick              # a ~45M Llama, worlds 1,2, one repeat: a few minutes
     python -m benchmarks.big_model --worlds 2 --hidden 1024 --intermediate 2816 --layers 8 --routes zgraph
 
 The checkpoint (sharded safetensors with an index and ``config.json``, random normal weights, norms at one) is
@@ -34,9 +34,9 @@ from benchmarks.big_model_report import markdown, summarize
 from benchmarks.big_model_worker import checkpoint_files, rank_main
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = {"hidden": 2048, "intermediate": 5632, "layers": 16, "heads": 16, "kv_heads": 8, "vocab": 32000}
+# TinyLlama-1.1B's shape: 1.100 B parameters
+SHAPE = {"hidden": 2048, "intermediate": 5632, "layers": 22, "heads": 32, "kv_heads": 4, "vocab": 32000}
 QUICK = {"hidden": 512, "intermediate": 1408, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 32000}
-TINY = {"hidden": 64, "intermediate": 160, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 256}  # the smoke test
 
 
 def llama_kwargs(shape: dict[str, int]) -> dict:
@@ -169,6 +169,7 @@ def run_route(args: argparse.Namespace, world: int, route: str, directory: str, 
         "config": llama_kwargs(args.shape),
         "dtype": args.dtype,
         "repeats": args.repeats,
+        "save_repeats": args.save_repeats,
         "shard_bytes": args.shard_bytes,
     }
     record: dict = {"world": world, "route": route, "loadavg_before": loadavg(), "mem_available": mem_available()}
@@ -202,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="on disk and in memory")
     parser.add_argument("--shard-size", default="1GB", help="max bytes per safetensors file (decimal units)")
     parser.add_argument("--repeats", type=int, default=None, help="loads and saves per route (default 3; --quick 1)")
+    parser.add_argument("--save-repeats", type=int, default=None, help="saves per route (default 2; --quick 1)")
     parser.add_argument("--routes", default="zgraph,fsdp2,hf", help="comma list of zgraph, fsdp2, hf")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one route at one world may take")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoint and saves go")
@@ -213,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shape = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SHAPE}
     args.worlds = [int(w) for w in (args.worlds or ("1,2" if args.quick else "1,2,4")).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.save_repeats = args.save_repeats or (1 if args.quick else 2)
     args.routes = args.routes.split(",")
     args.shard_bytes = shard_size(args.shard_size)
     unknown = set(args.routes) - {"zgraph", "fsdp2", "hf"}
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         "files": files,
         "checkpoint_write_s": write_s,
         "repeats": args.repeats,
+        "save_repeats": args.save_repeats,
     }
     summary = summarize(runs, model_bytes)
     text = markdown(about, summary)

@@ -50,15 +50,19 @@ def summarize(runs: list[dict], model_bytes: int) -> list[dict]:
         for phase in run["ranks"][0]:
             row = {"world": world, "route": route, "phase": phase, "loadavg": load}
             row.update(phase_summary(run["ranks"], phase, model_bytes, world))
-            if phase.startswith("read"):
+            if phase.startswith(("read", "write")):
                 baselines.setdefault(world, {})[phase] = row["seconds"][1]
             if phase == "save":
                 row["saved_equal"] = run.get("saved_equal")
             rows.append(row)
     for row in rows:
-        if row["phase"] in ("load", "save") and row["world"] in baselines:
-            for name, seconds in baselines[row["world"]].items():
-                row[f"over_{name}"] = row["seconds"][1] / seconds
+        mine = baselines.get(row["world"], {})
+        if row["phase"] == "load":
+            for name in ("read_all", "read_part"):
+                if name in mine:
+                    row[f"over_{name}"] = row["seconds"][1] / mine[name]
+        if row["phase"] == "save" and "write_all" in mine:
+            row["over_write_all"] = row["seconds"][1] / mine["write_all"]
     return rows
 
 
@@ -81,7 +85,7 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 HEAD = (
-    "| route | phase | s min / median / max | x read all | x read 1/world | peak ΔVmHWM / rank MiB | ÷ model/world "
+    "| route | phase | s min / median / max | x baseline | x read 1/world | peak ΔVmHWM / rank MiB | ÷ model/world "
     "| peak ΔRssAnon MiB | ÷ model/world | peak RssFile MiB | VmHWM MiB | RssAnon after MiB | load avg |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
@@ -92,7 +96,8 @@ def _row(row: dict) -> str:
     if "error" in row:
         return f"| {row['route']} | fails: {row['error']} |" + " |" * 10 + f" {load} |"
     s = " / ".join(f"{t:.2f}" for t in row["seconds"])
-    ratio = [f"{row[k]:.2f}" if k in row else "" for k in ("over_read_all", "over_read_part")]
+    first = "over_write_all" if row["phase"] == "save" else "over_read_all"
+    ratio = [f"{row[k]:.2f}" if k in row else "" for k in (first, "over_read_part")]
     phase = row["phase"] + ({True: " (files equal)", False: " (FILES DIFFER)"}.get(row.get("saved_equal"), ""))
     return (
         f"| {row['route']} | {phase} | {s} | {ratio[0]} | {ratio[1]} | {row['hwm_delta'] / MIB:.0f} | "
@@ -108,7 +113,8 @@ def markdown(about: dict, rows: list[dict]) -> str:
         f"`{about['command'].strip()}`: Llama ({shape}), {about['parameters'] / 1e9:.3f} B parameters, "
         f"{about['dtype']} on disk and in memory: model {about['model_bytes'] / MIB:.0f} MiB in {about['files']} "
         f"safetensors files; torch {about['torch']}, {about['cpus']} CPUs, gloo, one thread per rank; "
-        f"{about['repeats']} repeats (peaks: the largest of any rank and repeat). Page cache warm for every read.\n",
+        f"{about['repeats']} loads and {about['save_repeats']} saves per route (peaks: the largest of any rank and "
+        "repeat). Page cache warm for every read.\n",
     ]
     for world in dict.fromkeys(row["world"] for row in rows):
         share = about["model_bytes"] / world / MIB

@@ -1,10 +1,11 @@
 """The ranks of ``benchmarks.big_model``: one spawned process per rank (gloo, one thread), running one route's
-phases on a Llama built on the meta device, each phase measured by a ``Probe`` (time, resident-set peaks).
+phases on a Llama built on the meta device, each phase measured by ``probe`` (time, resident-set peaks).
 
 Routes (``spec["route"]``):
 
-- ``zgraph``: per repeat, the read baselines then ``zgraph.load_pretrained(meta model, dir, config=stage 3)``;
-  then ``zgraph.save_pretrained`` of the last loaded model, ``repeats`` times.
+- ``zgraph``: per repeat, the read baselines (``read_bytes``) then ``zgraph.load_pretrained(meta model, dir,
+  config=Config(stage=3))``; then, ``save_repeats`` times, the write baseline (``write_bytes``) and
+  ``zgraph.save_pretrained`` of the last loaded model.
 - ``fsdp2``: ``fully_shard`` on each decoder layer and the root of a meta model, ``to_empty(device="cpu")``, rank 0
   reads the safetensors files into a full state dict, ``set_model_state_dict(full_state_dict=True,
   broadcast_from_rank0=True)``; save: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` and rank 0
@@ -120,6 +121,24 @@ def read_bytes(files: list[str], part: int = 0, parts: int = 1) -> int:
     return total
 
 
+def write_bytes(directory: str, sizes: list[int], writing: bool) -> int:
+    """The write baseline: rank 0 (``writing``) writes files of ``sizes`` bytes from one reused buffer
+    (``READ_CHUNK`` at a time), each fsynced and renamed into place, as ``save_pretrained`` writes its files."""
+    if not writing:
+        return 0
+    os.makedirs(directory, exist_ok=True)
+    buffer = memoryview(bytearray(b"\x01" * READ_CHUNK))
+    for i, size in enumerate(sizes):
+        path = os.path.join(directory, f"baseline-{i}.bin")
+        with open(f"{path}.tmp", "wb", buffering=0) as f:
+            for start in range(0, size, READ_CHUNK):
+                f.write(buffer[: min(READ_CHUNK, size - start)])
+            os.fsync(f.fileno())
+        os.replace(f"{path}.tmp", path)
+    shutil.rmtree(directory)
+    return sum(sizes)
+
+
 def meta_model(spec: dict) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -133,7 +152,9 @@ def zgraph_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
     import zgraph
 
     files = checkpoint_files(spec["dir"])
-    out: dict[str, list[dict]] = {"read_all": [], "read_part": [], "load": [], "save": []}
+    out: dict[str, list[dict]] = {"read_all": [], "read_part": [], "load": [], "write_all": [], "save": []}
+    sizes = [os.path.getsize(path) for path in files]
+    read_bytes(files)  # untimed: the page cache warm (and the writer's dirty pages settled) before the first timing
     model = None
     for _ in range(spec["repeats"]):
         model = None  # the previous repeat's model freed before the next is laid out
@@ -144,7 +165,9 @@ def zgraph_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
         model = meta_model(spec)
         _, m = probe(zgraph.load_pretrained, model, spec["dir"], config=zgraph.Config(stage=3))
         out["load"].append(m)
-    for _ in range(spec["repeats"]):
+    for _ in range(spec["save_repeats"]):
+        _, m = probe(write_bytes, spec["save_dir"] + "-baseline", sizes, rank == 0)
+        out["write_all"].append(m)
         _, m = probe(zgraph.save_pretrained, model, spec["save_dir"], max_shard_size=spec["shard_bytes"])
         out["save"].append(m)
     return out
@@ -208,7 +231,7 @@ def fsdp2_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
         model = fsdp2_shard(spec, world)
         _, m = probe(fsdp2_load, model, files, rank)
         out["load"].append(m)
-    for _ in range(spec["repeats"]):
+    for _ in range(spec["save_repeats"]):
         _, m = probe(fsdp2_save, model, spec, files, rank)
         out["save"].append(m)
     return out
