@@ -209,6 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoint and saves go")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint for the next run")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--tag", default="", help="results file big_model-<date>[-quick][-<tag>]")
     parser.add_argument("--no-write", action="store_true", help="print the table, write no results file")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else SHAPE
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     if not args.no_write:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem = args.out_dir / f"big_model-{about['date']}{'-quick' if args.quick else ''}"
+        stem = args.out_dir / f"big_model-{about['date']}{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
         stem.with_suffix(".md").write_text(text)
         stem.with_suffix(".json").write_text(json.dumps({"about": about, "summary": summary, "runs": runs}, indent=1))
         print(f"written to {stem}.md and .json")

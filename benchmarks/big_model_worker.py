@@ -10,7 +10,8 @@ Routes (``spec["route"]``):
   reads the safetensors files into a full state dict, ``set_model_state_dict(full_state_dict=True,
   broadcast_from_rank0=True)``; save: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` and rank 0
   writes the same files with ``safetensors.torch.save_file``.
-- ``hf``: ``LlamaForCausalLM.from_pretrained(dir)`` on every rank (the whole model in each), once.
+- ``hf``: ``LlamaForCausalLM.from_pretrained(dir)`` on every rank (the whole model in each), once; then every
+  parameter read once (``touch``).
 
 Each rank writes its measurements to ``<out>.<rank>`` (JSON).
 """
@@ -237,14 +238,22 @@ def fsdp2_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
     return out
 
 
+def touch(model: torch.nn.Module) -> float:
+    """Read every parameter once (a sum each), as a first step would: mapped file pages become resident."""
+    with torch.no_grad():
+        return float(sum(p.sum().float() for p in model.parameters()))
+
+
 def hf_route(rank: int, world: int, spec: dict) -> dict[str, list[dict]]:
-    """The issue's complaint: ``from_pretrained`` on every rank, each holding the whole model."""
+    """The issue's complaint: ``from_pretrained`` on every rank, each holding the whole model; then every
+    parameter read once (transformers maps the safetensors files: its load reads nothing until then)."""
     from transformers import LlamaForCausalLM
 
     dtype = getattr(torch, spec["dtype"])
-    model, m = probe(LlamaForCausalLM.from_pretrained, spec["dir"], dtype=dtype)
+    model, load = probe(LlamaForCausalLM.from_pretrained, spec["dir"], dtype=dtype)
+    _, touched = probe(touch, model)
     del model
-    return {"load": [m]}
+    return {"load": [load], "touch": [touched]}
 
 
 ROUTES = {"zgraph": zgraph_route, "fsdp2": fsdp2_route, "hf": hf_route}
