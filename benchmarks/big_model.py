@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     if not args.no_write:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem = args.out_dir / f"big_model-{about['date']}{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
+        tag = ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
+        stem = args.out_dir / f"big_model-{about['date']}{tag}"
         stem.with_suffix(".md").write_text(text)
         stem.with_suffix(".json").write_text(json.dumps({"about": about, "summary": summary, "runs": runs}, indent=1))
         print(f"written to {stem}.md and .json")
