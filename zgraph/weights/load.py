@@ -67,7 +67,8 @@ def load_pretrained(
     Works on a model no zgraph step has touched (a plain module, whole copies), and after a step's first call:
     at stage 3 each rank reads the rows of its shards only and writes them into the padded shards in place (the
     ``DTensor`` parameters stay the same objects); at stages 0-2 each rank reads whole tensors. Host memory
-    while loading: this rank's part of the model (staged) plus one tensor being read.
+    while loading: this rank's part of the model staged (views of the mapped files where the dtype already
+    matches, a converted copy where it does not) plus one tensor being read.
 
     All or nothing: names and shapes are compared before anything is read (``strict=True``: a missing or
     unexpected name is refused; ``strict=False``: they are reported as a warning, missing tensors left as they
