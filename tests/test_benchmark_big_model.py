@@ -6,6 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.hf
+pytest.importorskip("transformers")  # the benchmark builds its Llama with transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import big_model  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.hf
 pytest.importorskip("transformers")
 
 from dist_harness import run_ranks  # noqa: E402

@@ -144,6 +144,7 @@ def _hf_checkpoints(root: str, tied: bool) -> None:
     save_file(whole, os.path.join(root, "misshaped", "model.safetensors"))
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_llama_sharded_index_single_process(tmp_path, tied):
     pytest.importorskip("transformers")
@@ -167,6 +168,7 @@ def test_hf_llama_sharded_index_single_process(tmp_path, tied):
     assert not any(b.is_meta for b in model.buffers())
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_llama_into_stage3_shards(tmp_path, tied):
     pytest.importorskip("transformers")

@@ -22,20 +22,30 @@ def test_one_process_equals_eager():
     init_and_train(0, 1, PLAIN, [0, 3])  # one process: stages 1 and 2 shard nothing, as stage 0
 
 
+@pytest.mark.hf
 def test_one_process_hugging_face_equals_eager():
     pytest.importorskip("transformers")
     init_and_train(0, 1, HF, [0, 3])
 
 
 def test_two_ranks_every_stage():
+    run_ranks(2, "meta_cases.init_and_train", ["gpt", "llama"], [0, 1, 2, 3], timeout=600)
+
+
+@pytest.mark.hf
+def test_two_ranks_every_stage_hugging_face():
     pytest.importorskip("transformers")
-    run_ranks(2, "meta_cases.init_and_train", ["gpt", "hf-llama-tied"], [0, 1, 2, 3], timeout=600)
+    run_ranks(2, "meta_cases.init_and_train", ["hf-llama-tied"], [0, 1, 2, 3], timeout=600)
 
 
 def test_four_ranks():
-    pytest.importorskip("transformers")
     run_ranks(4, "meta_cases.init_and_train", ["gpt-untied"], [0, 1, 2, 3], timeout=600)
-    run_ranks(4, "meta_cases.init_and_train", ["hf-llama"], [3], timeout=600)
+
+
+@pytest.mark.hf
+def test_four_ranks_hugging_face():
+    pytest.importorskip("transformers")
+    run_ranks(4, "meta_cases.init_and_train", ["hf-llama"], [1, 3], timeout=600)
 
 
 def test_rank0_holds_the_model():

@@ -128,6 +128,7 @@ def test_stream_state_dict_yields_the_state_dict_one_entry_at_a_time():
     assert all(full[k] is v or torch.equal(full[k], v) for k, v in zgraph.stream_state_dict(model))
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("tied", [True, False])
 def test_llama_several_files_byte_for_byte_as_transformers_writes_them(tmp_path, tied):
     pytest.importorskip("transformers")
@@ -173,6 +174,7 @@ def test_a_failed_write_leaves_no_index_and_no_partial_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks
+@pytest.mark.hf
 @pytest.mark.parametrize(("stage", "tied"), [(3, True), (2, False)])
 def test_trained_on_two_ranks_loads_with_plain_transformers_and_no_rank_held_the_model(tmp_path, stage, tied):
     """One 2-rank run: the tiny Llama after two steps at ``stage``, saved; then ``layers()`` likewise, measured."""
