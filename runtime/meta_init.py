@@ -1,7 +1,7 @@
 """A meta-device model's state made real where the step keeps it, filled by the model's own initialisation.
 
-A model built under ``torch.device("meta")`` holds shapes, not values. ``materialize_state`` gives each meta
-parameter and buffer of a binding storage on the step's device, one module at a time: the module's own meta
+A model built under ``torch.device("meta")`` holds shapes, not values. ``fill`` gives each meta parameter and
+buffer of a binding storage on the step's device, one module at a time: the module's own meta
 parameters become whole tensors (the same ``nn.Parameter`` objects, ``torch.utils.swap_tensors``), its
 initialisation runs on them, and a parameter the plan shards is then cut to this rank's rows and its whole
 storage released — so a rank holds its shards plus one module's parameters, never the model.
@@ -21,7 +21,8 @@ Where the values come from (``source``):
   ``to_empty``, which unties, then Hugging Face's ``init_weights``, which ties again, do).
 - ``"empty"``: storage only (the values are about to be loaded); buffers are still computed by their modules.
 - ``"rank0"``: rank 0 holds the real model (FSDP1's ``sync_module_states`` idiom): each tensor is received
-  whole from rank 0, one at a time (``receive_from_rank0``) and cut like the others.
+  whole from rank 0, one at a time (``allocator``'s storage, filled by the initial broadcast), and cut like the
+  others.
 """
 
 from __future__ import annotations
@@ -124,6 +125,12 @@ Routes = list[tuple[nn.Module, list[nn.Module], str]]
 def fill_routes(binding: Binding, values: str) -> Routes:
     """How each root module of ``binding`` with meta tensors is filled (``values``: ``"init"`` or ``"empty"``);
     refuses, changing nothing, a module with no way to fill its tensors."""
+    orphans = [r.name for r in binding.params if is_meta(r.tensor) and not r.slots]
+    if orphans:
+        raise MetaInitError(
+            f"zgraph: {orphans[:4]} are on the meta device but held by an optimizer only, not by a module of the "
+            "step, so nothing can initialise them: build them on a real device"
+        )
     routes = []
     for label, root in binding.modules:
         owners = _owners_in(root, label if len(binding.modules) > 1 else "")

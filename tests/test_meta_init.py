@@ -91,3 +91,13 @@ def test_materialize_keeps_real_state():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     zgraph.materialize(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_meta_tensor_only_an_optimizer_holds_is_refused_before_anything_changes():
+    model = meta_model("gpt")
+    extra = nn.Parameter(torch.empty(3, device="meta"))
+    opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    step = zgraph.distribute(stage=0, backend="eager")(lambda model, opt, x: model(x).sum())
+    with pytest.raises(MetaInitError, match="held by an optimizer only"):
+        step(model, opt, torch.zeros(1, 4, dtype=torch.long))
+    assert all(p.is_meta for p in model.parameters())
