@@ -14,7 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
 from load_pretrained_cases import linears, tiny_llama
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors_files import save_file
 from torch import nn
 
 import zgraph

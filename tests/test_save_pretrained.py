@@ -52,7 +52,9 @@ def _equal(got: dict, want: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the writer
+@pytest.mark.hf  # safetensors' save_file, the reference, needs numpy (which the models extra brings)
 def test_stream_writer_writes_safetensors_own_bytes(tmp_path):
+    pytest.importorskip("numpy")
     tensors = {
         "z": torch.randn(3, 4),
         "a": torch.randn(2, 3).bfloat16(),
@@ -89,7 +91,9 @@ def test_stream_writer_leaves_nothing_when_a_tensor_is_missing_or_wrong(tmp_path
 
 
 # ------------------------------------------------------------------------------------------ one process
+@pytest.mark.hf  # huggingface_hub writes with safetensors' save_file, which needs numpy
 def test_plain_module_several_files_as_huggingface_hub_writes_them(tmp_path):
+    pytest.importorskip("numpy")
     hub = pytest.importorskip("huggingface_hub")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)], nn.BatchNorm1d(16))
