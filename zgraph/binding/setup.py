@@ -124,7 +124,6 @@ def make_real(binding: Binding, channel: Channel | None, source: str | None, rou
     """Give the binding's meta tensors storage and values as ``source`` says (``meta_source``), each parameter the
     plan shards cut to this rank's rows as soon as it holds its values; then rank 0's values on every rank."""
     group = binding.plan.group
-    finish = finisher(binding)
     if source == "rank0":
         broadcast_initial_state(binding, group, allocator(binding, binding.device))
         return
@@ -134,8 +133,9 @@ def make_real(binding: Binding, channel: Channel | None, source: str | None, rou
             state = channel.broadcast("zgraph: rank 0's random state", state)
         if state is not None:
             set_generator_state(binding.device, state)
-    if source == "init":
-        fill(binding, routes, binding.device, finish, values, storage_only(binding))
+    if source == "init":  # storage only for "empty": an initialisation that misses a parameter is an error
+        empty = storage_only(binding) if values == "empty" else None
+        fill(binding, routes, binding.device, finisher(binding), values, empty)
     broadcast_initial_state(binding, group)
 
 
