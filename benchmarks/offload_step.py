@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, names: lis
     rss[1] = status_kib("VmHWM") * 1024
     mine = torch.tensor([*held.values(), *peaks.values(), *params.values(), *rss], dtype=torch.int64)
     gathered = torch.empty(world * len(mine), dtype=torch.int64)
-    dist.all_gather_single(gathered, mine)
+    dist.all_gather_into_tensor(gathered, mine)
     n = len(models)
     everyone = [
         {

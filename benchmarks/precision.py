@@ -46,11 +46,11 @@ def _all_gather_json(value: dict) -> list:
     mine = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
     world = dist.get_world_size()
     sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([mine.numel()]))
+    dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()]))
     padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
     padded[: mine.numel()] = mine
     rows = torch.empty(world * padded.numel(), dtype=torch.uint8)
-    dist.all_gather_single(rows, padded)
+    dist.all_gather_into_tensor(rows, padded)
     rows = rows.view(world, -1)
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(world)]
 

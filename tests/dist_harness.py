@@ -125,11 +125,11 @@ def all_gather_values(value: Any) -> list[Any]:
     mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     world = dist.get_world_size()
     sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+    dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
     padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
     padded[: mine.numel()] = mine
     everyone = torch.empty(world * padded.numel(), dtype=torch.uint8)
-    dist.all_gather_single(everyone, padded)
+    dist.all_gather_into_tensor(everyone, padded)
     rows = everyone.view(world, -1)
     return [
         torch.load(io.BytesIO(bytes(rows[r, : int(sizes[r])].clone().untyped_storage())), weights_only=True)

@@ -13,8 +13,10 @@ import hashlib
 import os
 import signal
 import threading
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from failure_cases import TIMEOUT, _attempt, _start_together
 from offload_cases import batches, make, make_step, stage3, with_offload
 from torch import nn
@@ -26,6 +28,17 @@ from zgraph.runtime.process_group import end_finished_rank
 
 def _save(out: str, rank: int, record: dict) -> None:
     torch.save(record, f"{out}.{rank}")
+
+
+def _leave_together(rank: int, world: int) -> None:
+    """Rank 0 leaves only once every rank has saved its record: it hosts the store (under torchrun the agent
+    does), and its exit would cut a rank still reading an exchange with a connection reset instead of the
+    error under test. Only for cases where every rank lives."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"left/{rank}", b"1")
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(world)], timedelta(seconds=TIMEOUT * 4))
+    end_finished_rank()
 
 
 def _die() -> None:
@@ -83,7 +96,7 @@ def split_outputs_dropped(rank: int, world: int, out: str) -> None:
     else:
         record["mismatch"] = _attempt(output.backward, torch.ones(4, 3))
     _save(out, rank, record)
-    end_finished_rank()
+    _leave_together(rank, world)
 
 
 # ----------------------------------------------------------------------------------------------- NVMe tier
