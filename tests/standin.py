@@ -10,7 +10,9 @@ staging —:
 - ``DeviceAudit`` (a dispatch mode) fails an op that mixes host tensors (other than 0-d scalars, which CUDA
   kernels accept too) with device tensors, and any device-to-host read (``.item()``, ``.tolist()``, ``.cpu()``,
   ``copy_`` into a host tensor) outside a region zgraph marks as a deliberate host read
-  (``zgraph.runtime.devices.host_read``); inside one, the host receives zeros (meta tensors have no values).
+  (``zgraph.runtime.devices.host_read``); inside one, the host receives zeros (meta tensors have no values);
+- and a layer or group norm given a 16-bit input with fp32 weights, which CUDA's kernels refuse (the CPU's
+  take it).
 
 The collectives themselves do nothing (``FakeProcessGroup``); the c10d store between the ranks is real, so the
 ranks' agreement protocol runs. Numbers are not checked here (the CPU tests compare them with eager PyTorch); the
@@ -35,6 +37,7 @@ DEVICE = torch.device("meta")
 BACKEND = "standin"
 aten = torch.ops.aten
 _COPIES = (aten._to_copy, aten.to, aten.copy_, aten.copy, aten._copy_from)  # overload packets
+_ONE_DTYPE = (aten.native_layer_norm.default, aten.native_group_norm.default)  # one dtype on CUDA (CPU: mixed too)
 
 
 class DeviceAuditError(AssertionError):
@@ -97,6 +100,11 @@ class DeviceAudit(TorchDispatchMode):
         if func.overloadpacket in _COPIES:
             return self._copy(func, args, kwargs)
         on_device = any(t.device == DEVICE for t in tensors)
+        if on_device and func in _ONE_DTYPE and len({t.dtype for t in tensors}) > 1:
+            raise DeviceAuditError(
+                f"{func} mixes dtypes {sorted(str(t.dtype) for t in tensors)}: CUDA's kernel takes its input and "
+                "weights in one dtype (`expected scalar type BFloat16 but found Float`)"
+            )
         host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
         if on_device and host:
             raise DeviceAuditError(

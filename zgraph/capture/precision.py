@@ -197,6 +197,27 @@ def keep_if_overflow(flag: Tensor | None, tensors: list[Tensor], before: list[Te
         tensor.copy_(torch.where(here, old, tensor))
 
 
+_ONE_DTYPE_NORMS = (torch.nn.functional.layer_norm, torch.nn.functional.group_norm)
+"""Norms whose CUDA kernels take the input and the weight (third argument, or ``weight=``) in one dtype only."""
+
+
+def _wide_weight_off_cpu(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The weight's dtype where a norm gets a 16-bit input off the CPU with a weight kept wider
+    (``Config.keep_fp32_modules``), else None. The CPU kernels take that mix, compute in float32 and return the
+    input's dtype; CUDA's refuse it (``expected scalar type BFloat16 but found Float``), so there the norm runs on
+    the input cast up, its output cast back: the same arithmetic in two steps."""
+    x = args[0] if args else None
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    mixed = (
+        isinstance(x, Tensor)
+        and isinstance(weight, Tensor)
+        and x.device.type != "cpu"
+        and x.is_floating_point()
+        and weight.dtype.itemsize > x.dtype.itemsize
+    )
+    return weight.dtype if mixed else None
+
+
 class StepMode(TorchFunctionMode):
     """Torch-function hooks active while the step is traced: backward calls are tagged ``backward`` and
     loss-scaled; parameters are read in the compute dtype; norms of gradients become ``zgraph::grad_norm``."""
@@ -229,6 +250,9 @@ class StepMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if precision.config.param_dtype is not None and name not in ("__get__", "__set__") and not name.endswith("_"):
             args, kwargs = tree_map(precision.compute_view, (args, kwargs))
+            wide = _wide_weight_off_cpu(args, kwargs) if func in _ONE_DTYPE_NORMS else None
+            if wide is not None:
+                return func(args[0].to(wide), *args[1:], **kwargs).to(args[0].dtype)
         return func(*args, **kwargs)
 
     def _grad_norms(self, func: Callable, args: tuple, kwargs: dict) -> Any:
