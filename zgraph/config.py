@@ -128,7 +128,9 @@ class Config:
     stage 3 gathered in it — FSDP2's per-module ``MixedPrecisionPolicy``, DeepSpeed's
     ``lower_precision_safe_modules`` the other way round. A parameter is kept when every module holding it is an
     instance of one of these classes or lies inside one. Inputs are not cast: normalization layers take a 16-bit
-    input with fp32 weights and return the input's dtype; another module kept in fp32 should cast its input itself.
+    input with fp32 weights and return the input's dtype (off the CPU, where CUDA's layer and group norm kernels
+    take one dtype, zgraph runs them on the input cast up); another module kept in fp32 should cast its input
+    itself.
     Default: the normalization layers (``NORM_MODULES``: every BatchNorm, SyncBatchNorm and InstanceNorm,
     ``LayerNorm``, ``GroupNorm``, ``RMSNorm``); ``()`` casts every parameter. Without ``param_dtype`` it changes
     nothing."""
