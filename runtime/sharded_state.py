@@ -430,7 +430,7 @@ class StateIO:
         if kind == "grad":
             return self._state_tensor(spec, binding.params[spec.index].tensor.grad)
         if kind == "opt_state":
-            return self._state_tensor(spec, binding.optimizer_state(spec.optimizer, spec.index)[spec.field])
+            return self._state_tensor(spec, binding.optimizer_state_value(spec.optimizer, spec.index, spec.field))
         if kind == "buffer":
             return binding.buffers[spec.index].get()
         if kind == "hparam":

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zgraph.errors import CaptureError
+from zgraph.runtime.optimizers import class_name
+
 
 @dataclass
 class ParamRecord:
@@ -150,6 +153,24 @@ class Binding:
         """The live ``optimizer.state`` entry of a parameter (empty dict if the optimizer has none yet)."""
         opt = self.optimizers[o_index].optimizer
         return opt.state.get(self.params[p_index].tensor, {})
+
+    def optimizer_state_value(self, o_index: int, p_index: int, key: str) -> Any:
+        """One value of a parameter's optimizer state; a ``CaptureError`` naming the optimizer if it has none."""
+        state = self.optimizer_state(o_index, p_index)
+        if key not in state:
+            raise missing_state(self, o_index, p_index, key)
+        return state[key]
+
+
+def missing_state(binding: Binding, o_index: int, p_index: int, key: str) -> CaptureError:
+    """The error for graph-read optimizer state that is not where the optimizer keeps its state."""
+    record = binding.optimizers[o_index]
+    return CaptureError(
+        f"zgraph cannot read the state of the optimizer {record.name!r} ({class_name(record.optimizer)}): the "
+        f"step's graph reads its {key!r} of parameter {binding.params[p_index].name}, which its `state` does not "
+        "hold. zgraph reads optimizer state from `optimizer.state`, keyed by the parameters in `param_groups`, as "
+        "torch.optim keeps it; an optimizer that keeps its state elsewhere cannot be stepped in a zgraph step."
+    )
 
 
 def _join(prefix: str, name: str) -> str:

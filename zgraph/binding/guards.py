@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from zgraph.binding.arguments import StepCall
 from zgraph.capture import update_rules as zopt
+from zgraph.runtime.optimizers import bound_optimizers
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, structure_key
 
@@ -41,7 +42,7 @@ def discover(
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, torch.optim.Optimizer]]]:
     """Modules and optimizers a step call uses: in its arguments (any nesting), the arguments a
     ``functools.partial`` binds, its closure, the globals it names, and ``observed`` (found while tracing an
-    earlier call)."""
+    earlier call). An optimizer wrapper is the optimizer it wraps (``zgraph.runtime.optimizers``)."""
     found: list[tuple[str, object]] = []
     seen: set[int] = set()
     for name, value in call.arguments:
@@ -69,8 +70,7 @@ def discover(
     for name, value in observed:
         _find_state(value, name, found, seen)
     modules = [(label, m) for label, m in found if isinstance(m, nn.Module)]
-    optimizers = [(label, o) for label, o in found if isinstance(o, torch.optim.Optimizer)]
-    return modules, optimizers
+    return modules, bound_optimizers([(label, o) for label, o in found if isinstance(o, torch.optim.Optimizer)])
 
 
 # ------------------------------------------------------------------------------------------------ guard key

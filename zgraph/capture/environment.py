@@ -14,6 +14,7 @@ code, and how a failed trace is explained.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -143,6 +144,7 @@ def watch_unbound_state(binding: Binding) -> Iterator[None]:
 
     original_zero_grad = torch.optim.Optimizer.zero_grad
 
+    @functools.wraps(original_zero_grad)  # its signature, which wrappers inspect (accelerate's zero_grad)
     def zero_grad(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         optimizer_used(opt)  # bound optimizers have their own traced zero_grad (see _swap_optimizers)
         return original_zero_grad(opt, *args, **kwargs)

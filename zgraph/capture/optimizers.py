@@ -10,6 +10,7 @@ runs it for real around the graph on every call.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from zgraph.capture.environment import UnboundState
 from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
+from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.sharded_state import graph_tensor, normalize_param_state
 from zgraph.runtime.state import Binding
 
@@ -111,7 +113,7 @@ def record_scheduler_steps(trace: Trace) -> Iterator[None]:
                 "would depend on values the graph computes (e.g. ReduceLROnPlateau's metric). Call it between "
                 "step calls with the value the step returns."
             )
-        o_index = optimizer_index.get(id(scheduler.optimizer))
+        o_index = optimizer_index.get(id(unwrap_optimizer(scheduler.optimizer)))
         before_update = o_index is not None and o_index not in trace.stepped
         trace.scheduler_steps.append((scheduler, before_update, len(trace.stepped)))
 
@@ -131,7 +133,7 @@ def scheduler_order(trace: Trace) -> list[tuple[LRScheduler, bool]]:
     change the learning rate in the middle of the graph, which reads each learning rate once."""
     optimizer_index = {id(r.optimizer): r.index for r in trace.binding.optimizers}
     for scheduler, _, stepped_before in trace.scheduler_steps:
-        o_index = optimizer_index.get(id(scheduler.optimizer))
+        o_index = optimizer_index.get(id(unwrap_optimizer(scheduler.optimizer)))
         if o_index in trace.stepped[:stepped_before] and o_index in trace.stepped[stepped_before:]:
             raise CaptureError(
                 f"{type(scheduler).__name__}.step() runs between two step() calls of its optimizer inside one "
@@ -152,6 +154,7 @@ def _optimizer_phase(trace: Trace) -> Iterator[None]:
 
 
 def _in_optimizer(trace: Trace, fn: Callable) -> Callable:
+    @functools.wraps(fn)  # its signature stays fn's: wrappers inspect it (accelerate's zero_grad reads set_to_none)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with _optimizer_phase(trace):
             return fn(*args, **kwargs)

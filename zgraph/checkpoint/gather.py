@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zgraph.ops import host_read
 from zgraph.runtime.offload import materialize
+from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.sharded_state import pad_shard, sharding_of
 
 
@@ -128,7 +129,8 @@ def full_state_dict(
     model_state = {key: value for key, value in stream_state_dict(model, rank0_only=rank0_only) if keep}
     if optimizer is None:
         return model_state
-    optim_state = optimizer.state_dict()
+    # a wrapper's is the wrapped optimizer's, the one a zgraph step binds (zgraph.runtime.optimizers)
+    optim_state = unwrap_optimizer(optimizer).state_dict()
     state: dict[Any, dict[str, Any]] = {}
     for index, fields in optim_state["state"].items():
         state[index] = {}

@@ -16,6 +16,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from zgraph.checkpoint.data import Encoder, rng_state
 from zgraph.errors import CheckpointError
+from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.sharded_state import sharding_of
 from zgraph.version import __version__
 
@@ -33,11 +34,12 @@ OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 # ------------------------------------------------------------------------------------------------ naming
 def as_list(optimizer: OptimizerArg) -> list[torch.optim.Optimizer]:
+    """The optimizers given, each a wrapper's wrapped optimizer (the one a zgraph step binds)."""
     if optimizer is None:
         return []
     if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
+        return [unwrap_optimizer(optimizer)]
+    return [unwrap_optimizer(opt) for opt in optimizer]
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
