@@ -13,7 +13,8 @@ Floors, bottom to top (a module imports its own layer and layers on lower floors
 6. ``zgraph.inspect`` and ``zgraph.weights`` (never each other);
 7. the step: ``zgraph.step`` and ``zgraph.dispatch``;
 8. the public face, ``zgraph/__init__.py``;
-9. ``zgraph.demos``; 10. ``zgraph.cli``.
+9. ``zgraph.demos``; 10. ``zgraph.cli``; 11. ``zgraph.integrations`` (inside other libraries' loops: the user
+   surface's top floor; it may import the whole library, nothing imports it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ FLOORS = {
     "face": 8,
     "demos": 9,
     "cli": 10,
+    "integrations": 11,
 }
 LAYER_OF = {
     "zgraph.graph": "contract",

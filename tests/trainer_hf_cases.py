@@ -1,0 +1,125 @@
+"""Tiny GPT-2 and Llama (``hf_cases``' configs, nothing downloaded) trained by ``ZGraphTrainer`` and by the plain
+``transformers.Trainer`` (DDP on spawned gloo ranks; one process on the global batch), on the same data, with
+``gradient_accumulation_steps=2``, ``max_grad_norm=1.0`` and a cosine schedule with warm-up.
+
+Every run logs each optimizer step (``logging_steps=1``): ``loss`` (Trainer's mean over ranks), ``grad_norm``
+and ``learning_rate``, taken from ``trainer.state.log_history``; the final whole state dict is
+``zgraph.full_state_dict`` of the model (the plain model's ``state_dict()`` for Trainer).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import hf_cases
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+import zgraph
+from zgraph.integrations.transformers import ZGraphTrainer
+
+transformers.logging.set_verbosity_error()
+
+PER_DEVICE = 2  # rows per rank and micro-batch; one process on the global batch takes PER_DEVICE * world
+ACCUMULATION = 2
+STEPS = 4  # optimizer steps
+SEQ = hf_cases.SEQ
+MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": hf_cases.gpt2, "llama": hf_cases.llama}
+
+
+class Rows(torch.utils.data.Dataset):
+    """``n`` causal-LM rows (``input_ids`` = ``labels``), seeded."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, hf_cases.VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def dataset(world: int = 2) -> Rows:
+    return Rows(STEPS * ACCUMULATION * PER_DEVICE * world)
+
+
+def arguments(out: str, per_device: int = PER_DEVICE, cls: type = TrainingArguments, **changes: Any) -> Any:
+    settings: dict[str, Any] = dict(
+        output_dir=out,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_grad_norm=1.0,
+        learning_rate=1e-2,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_drop_last=True,
+        seed=0,
+        data_seed=0,
+        optim="adamw_torch",
+    )
+    settings.update(changes)
+    return cls(**settings)
+
+
+def history(trainer: Trainer) -> dict[str, list[float]]:
+    rows = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    return {key: [float(r[key]) for r in rows] for key in ("loss", "grad_norm", "learning_rate")}
+
+
+def whole_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in zgraph.full_state_dict(model).items()}
+
+
+def plain(name: str, out: str, world: int) -> dict:
+    """Trainer as it is: DDP on ``world`` ranks, or one process (world 1) on the global batch."""
+    model = MODELS[name]()
+    args = arguments(out, per_device=PER_DEVICE * (2 // world))
+    trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    trainer.train()
+    return {**history(trainer), "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def zero(name: str, stage: int, out: str, **changes: Any) -> dict:
+    model = MODELS[name]()
+    config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+    trainer = ZGraphTrainer(model=model, args=arguments(out, **changes), train_dataset=dataset(), zgraph_config=config)
+    trainer.train()
+    return {**history(trainer), "state": whole_state(trainer.model)}
+
+
+def _guarded(fn: Callable, *args: Any, **kwargs: Any) -> dict:
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def run_plain(rank: int, world: int, out_path: str, name: str) -> None:
+    """Worker: Trainer on ``world`` ranks (DDP when 2); rank 0 saves the result."""
+    result = _guarded(plain, name, os.path.join(os.path.dirname(out_path), f"plain-{world}"), world)
+    if rank == 0:
+        torch.save(result, out_path)
+
+
+def run_zero(rank: int, world: int, out_path: str, name: str, stages: list[int]) -> None:
+    """Worker: ZGraphTrainer at each stage; rank 0 saves ``{stage: result}``."""
+    results = {}
+    for stage in stages:
+        results[stage] = _guarded(zero, name, stage, os.path.join(os.path.dirname(out_path), f"zero-{stage}"))
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out_path)
