@@ -40,7 +40,7 @@ def results(tmp_path_factory):
     def get(name: str) -> dict:
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
-            run_ranks(1, "trainer_hf_cases.run_plain", str(root / "eager.pt"), name, timeout=DEADLINE)
+            run_ranks(1, "trainer_hf_cases.run_plain", str(root / "eager.pt"), name, timeout=DEADLINE, init_group=False)
             run_ranks(2, "trainer_hf_cases.run_plain", str(root / "ddp.pt"), name, timeout=DEADLINE)
             run_ranks(2, "trainer_hf_cases.run_zero", str(root / "zero.pt"), name, STAGES, timeout=DEADLINE)
             cache[name] = {
@@ -101,3 +101,42 @@ def test_ddp_matches_one_process(results, name):
 def test_trainer_matches_ddp(results, name, stage):
     result = results(name)
     assert_close(result[stage], result["ddp"], bounds(result), f"{name}: ZGraphTrainer stage {stage} vs DDP")
+    if stage == 3:  # every parameter sharded (param_persistence_threshold=0), none left whole
+        assert result[stage]["sharded"] == result[stage]["parameters"] > 0, result[stage]
+
+
+# ------------------------------------------------------------------------------ refused when the trainer is built
+def _build(tmp_path, config=None, **changes):
+    from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
+
+    args = cases.arguments(str(tmp_path), cls=ZGraphTrainingArguments, **changes)
+    return ZGraphTrainer(model=cases.MODELS["gpt2"](), args=args, train_dataset=cases.dataset(), zgraph_config=config)
+
+
+EAGER = {"backend": "eager"}
+DEEPSPEED = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}
+REFUSED = {
+    "deepspeed and fsdp": (None, dict(deepspeed=DEEPSPEED, fsdp="full_shard"), "deepspeed and fsdp are both set"),
+    "fsdp": (EAGER, dict(fsdp="full_shard"), "TrainingArguments fsdp="),
+    "torch_compile, eager backend": (EAGER, dict(torch_compile=True), "torch_compile=True .* the eager backend"),
+    "torch_compile, inductor": ({}, dict(torch_compile=True), "torch_compile=True .* compiles the whole step"),
+    "fp16 without loss scaling": (EAGER, dict(fp16=True), "fp16=True: .*GradScaler"),
+    "bf16_full_eval": (EAGER, dict(bf16_full_eval=True), "bf16_full_eval=True"),
+    "zgraph_config and deepspeed": (EAGER, dict(deepspeed=DEEPSPEED), "both zgraph_config and TrainingArguments deep"),
+    "clip norms differ": ({"backend": "eager", "max_grad_norm": 0.5}, {}, "max_grad_norm=0.5 and TrainingArguments"),
+    "deepspeed value mismatch": (
+        None,
+        dict(deepspeed={**DEEPSPEED, "gradient_accumulation_steps": 4}),
+        "ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_when_built(tmp_path, case):
+    """An option zgraph cannot honour is refused by the constructor, with a ValueError naming it."""
+    import zgraph
+
+    config, changes, message = REFUSED[case]
+    with pytest.raises(ValueError, match=message):
+        _build(tmp_path, None if config is None else zgraph.Config(**config), **changes)

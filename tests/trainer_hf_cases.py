@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainingArguments
 
 import zgraph
@@ -98,7 +99,9 @@ def zero(name: str, stage: int, out: str, **changes: Any) -> dict:
     config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
     trainer = ZGraphTrainer(model=model, args=arguments(out, **changes), train_dataset=dataset(), zgraph_config=config)
     trainer.train()
-    return {**history(trainer), "state": whole_state(trainer.model)}
+    params = list(trainer.model.parameters())
+    sharded = {"sharded": sum(isinstance(p, DTensor) for p in params), "parameters": len(params)}
+    return {**history(trainer), "state": whole_state(trainer.model), **sharded}
 
 
 def _guarded(fn: Callable, *args: Any, **kwargs: Any) -> dict:

@@ -49,6 +49,13 @@ def refuse_arguments(args: Any, config: Config | None) -> None:
             else ('zgraph compiles the whole step itself (Config(backend="inductor"))')
         )
         raise ValueError(f"TrainingArguments torch_compile=True cannot be honoured: {how}, and remove torch_compile")
+    for name in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, name):
+            raise ValueError(
+                f"TrainingArguments {name}=True: Trainer casts the model itself for evaluation, which would cast "
+                "zgraph's gathered parameters and write them back into the shards; remove it (evaluate under the "
+                "zgraph Config's precision)"
+            )
     if getattr(args, "parallelism_config", None) is not None:
         raise ValueError(
             "TrainingArguments parallelism_config: tensor, context and sequence parallelism are not zgraph's; "
