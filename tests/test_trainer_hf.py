@@ -42,7 +42,8 @@ def results(tmp_path_factory):
             root = tmp_path_factory.mktemp(name)
             run_ranks(1, "trainer_hf_cases.run_plain", str(root / "eager.pt"), name, timeout=DEADLINE, init_group=False)
             run_ranks(2, "trainer_hf_cases.run_plain", str(root / "ddp.pt"), name, timeout=DEADLINE)
-            run_ranks(2, "trainer_hf_cases.run_zero", str(root / "zero.pt"), name, STAGES, timeout=DEADLINE)
+            runs = [*STAGES, "deepspeed"] if name == "gpt2" else STAGES
+            run_ranks(2, "trainer_hf_cases.run_zero", str(root / "zero.pt"), name, runs, timeout=DEADLINE)
             cache[name] = {
                 "eager": torch.load(root / "eager.pt", weights_only=False),
                 "ddp": torch.load(root / "ddp.pt", weights_only=False),
@@ -105,6 +106,16 @@ def test_trainer_matches_ddp(results, name, stage):
         assert result[stage]["sharded"] == result[stage]["parameters"] > 0, result[stage]
 
 
+def test_deepspeed_json_with_auto_values_matches_ddp(results):
+    """TrainingArguments(deepspeed=...) with "auto" values (``trainer_hf_cases.DEEPSPEED``: ZeRO-3, its optimizer
+    section, every value the arguments know left "auto") trains as Trainer + DDP; stage 3's persistence threshold,
+    filled as transformers fills it (10 x hidden size = 160 elements), leaves the small tensors whole."""
+    result = results("gpt2")
+    got = result["deepspeed"]
+    assert_close(got, result["ddp"], bounds(result), "gpt2: ZGraphTrainer from a DeepSpeed JSON vs DDP")
+    assert 0 < got["sharded"] < got["parameters"], got
+
+
 # ------------------------------------------------------------------------------ refused when the trainer is built
 def _build(tmp_path, config=None, **changes):
     from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
@@ -140,3 +151,84 @@ def test_refused_when_built(tmp_path, case):
     config, changes, message = REFUSED[case]
     with pytest.raises(ValueError, match=message):
         _build(tmp_path, None if config is None else zgraph.Config(**config), **changes)
+
+
+# ------------------------------------------------------------------------------------- DeepSpeed "auto" values
+def test_auto_values_filled_as_transformers_fills_them(tmp_path):
+    from zgraph.integrations import hf_deepspeed
+    from zgraph.integrations.transformers import ZGraphTrainingArguments
+
+    args = cases.arguments(str(tmp_path), cls=ZGraphTrainingArguments, warmup_steps=0.25, weight_decay=0.1)
+    auto = "auto"
+    config = {
+        "train_micro_batch_size_per_gpu": auto,
+        "train_batch_size": auto,
+        "gradient_accumulation_steps": auto,
+        "gradient_clipping": auto,
+        "fp16": {"enabled": auto},
+        "bf16": {"enabled": auto},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": auto,
+            "stage3_prefetch_bucket_size": auto,
+            "stage3_param_persistence_threshold": auto,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": auto, "betas": auto, "eps": auto, "weight_decay": auto}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": auto, "warmup_max_lr": auto, "warmup_num_steps": auto, "total_num_steps": auto},
+        },
+    }
+    filled = hf_deepspeed.fill_from_arguments(hf_deepspeed.load(config), args, cases.MODELS["gpt2"]())
+    hf_deepspeed.fill_schedule(filled, args, 8)
+    assert filled == {
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 4,  # world 1 x 2 rows x 2 micro-batches
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 256,  # hidden size 16, squared
+            "stage3_prefetch_bucket_size": 230,
+            "stage3_param_persistence_threshold": 160,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2, "total_num_steps": 8},
+        },
+    }
+    assert config["optimizer"]["params"]["lr"] == "auto"  # the user's dict is not changed
+
+
+def test_deepspeed_sections_build_optimizer_and_scheduler(tmp_path):
+    """A DeepSpeed JSON file (a path, as TrainingArguments takes it) whose optimizer and scheduler sections say
+    "auto": the trainer builds them with zgraph.optimizer_from_deepspeed, filled from the arguments; the Config is
+    the file's (stage 2), with zgraph_options over it."""
+    import json
+
+    from zgraph.deepspeed.optim import DeepSpeedWarmupSchedule
+    from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
+
+    path = tmp_path / "ds.json"
+    sections = {
+        "zero_optimization": {"stage": 2},
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    }
+    path.write_text(json.dumps(sections))
+    args = cases.arguments(str(tmp_path), cls=ZGraphTrainingArguments, deepspeed=str(path))
+    model = cases.MODELS["gpt2"]()
+    trainer = ZGraphTrainer(model=model, args=args, train_dataset=cases.dataset(), zgraph_options={"backend": "eager"})
+    assert (trainer.zgraph_setup.config.stage, trainer.zgraph_setup.config.backend) == (2, "eager")
+    assert trainer.zgraph_setup.max_grad_norm == 1.0  # DeepSpeed's default clipping: the key is absent
+    trainer.create_optimizer_and_scheduler(num_training_steps=8)
+    assert type(trainer.optimizer) is torch.optim.AdamW and trainer.optimizer.defaults["lr"] == 1e-2
+    assert type(trainer.lr_scheduler) is DeepSpeedWarmupSchedule and trainer.lr_scheduler.optimizer is trainer.optimizer
+    assert trainer.zgraph_setup.deepspeed["scheduler"]["params"] == {"warmup_max_lr": 1e-2, "warmup_num_steps": 1}

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainingArguments
 
 import zgraph
-from zgraph.integrations.transformers import ZGraphTrainer
+from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
 
 transformers.logging.set_verbosity_error()
 
@@ -94,10 +94,39 @@ def plain(name: str, out: str, world: int) -> dict:
     return {**history(trainer), "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def zero(name: str, stage: int, out: str, **changes: Any) -> dict:
+# A DeepSpeed JSON as transformers' examples write them: "auto" wherever the Trainer's arguments know the value
+# (batch sizes, accumulation, clipping, precision, the optimizer's hyper-parameters, the hidden-size-based ZeRO
+# sizes). Its optimizer section builds torch's AdamW with the arguments' values, the scheduler is Trainer's cosine:
+# the run must equal Trainer + DDP.
+DEEPSPEED = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+    },
+}
+
+
+def zero(name: str, stage: int | str, out: str, **changes: Any) -> dict:
+    """ZGraphTrainer at ``stage``, or (``stage="deepspeed"``) configured by ``DEEPSPEED``."""
     model = MODELS[name]()
-    config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
-    trainer = ZGraphTrainer(model=model, args=arguments(out, **changes), train_dataset=dataset(), zgraph_config=config)
+    if stage == "deepspeed":
+        args = arguments(out, cls=ZGraphTrainingArguments, deepspeed=DEEPSPEED, **changes)
+        trainer = ZGraphTrainer(model=model, args=args, train_dataset=dataset(), zgraph_options={"backend": "eager"})
+    else:
+        config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+        args = arguments(out, **changes)
+        trainer = ZGraphTrainer(model=model, args=args, train_dataset=dataset(), zgraph_config=config)
     trainer.train()
     params = list(trainer.model.parameters())
     sharded = {"sharded": sum(isinstance(p, DTensor) for p in params), "parameters": len(params)}
@@ -118,8 +147,8 @@ def run_plain(rank: int, world: int, out_path: str, name: str) -> None:
         torch.save(result, out_path)
 
 
-def run_zero(rank: int, world: int, out_path: str, name: str, stages: list[int]) -> None:
-    """Worker: ZGraphTrainer at each stage; rank 0 saves ``{stage: result}``."""
+def run_zero(rank: int, world: int, out_path: str, name: str, stages: list[int | str]) -> None:
+    """Worker: ZGraphTrainer at each stage (or ``"deepspeed"``); rank 0 saves ``{stage: result}``."""
     results = {}
     for stage in stages:
         results[stage] = _guarded(zero, name, stage, os.path.join(os.path.dirname(out_path), f"zero-{stage}"))

@@ -77,19 +77,20 @@ def _refuse_precision(args: Any, config: Config) -> None:
         )
 
 
-def setup(args: Any, config: Config | None, model: Any) -> TrainerSetup:
+def setup(args: Any, config: Config | None, model: Any, options: dict[str, Any] | None = None) -> TrainerSetup:
     """The Config, clipping norm and filled DeepSpeed JSON a trainer with ``args`` and ``model`` runs with
-    (``config``: the user's zgraph Config, or None)."""
-    refuse_arguments(args, config)
+    (``config``: the user's zgraph Config, or None; ``options``: Config fields set over it, or over what the
+    DeepSpeed JSON gives — ``{"backend": "eager"}``, say)."""
+    refuse_arguments(args, config.replace(**options) if config is not None and options else config)
     deepspeed = None
     if args.deepspeed:
         if config is not None:
             raise ValueError("ZGraphTrainer got both zgraph_config and TrainingArguments deepspeed: give one of them")
         deepspeed = hf_deepspeed.fill_from_arguments(hf_deepspeed.load(args.deepspeed), args, model)
-        config = Config.from_deepspeed(hf_deepspeed.without_accumulation(deepspeed))
+        config = Config.from_deepspeed(hf_deepspeed.without_accumulation(deepspeed), **(options or {}))
         clip = config.max_grad_norm or 0.0
     else:
-        config = config if config is not None else Config()
+        config = (config if config is not None else Config()).replace(**(options or {}))
         if config.max_grad_norm is not None and config.max_grad_norm != args.max_grad_norm:
             raise ValueError(
                 f"zgraph Config.max_grad_norm={config.max_grad_norm} and TrainingArguments "

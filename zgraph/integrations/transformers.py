@@ -89,21 +89,23 @@ def update_step(
 
 class ZGraphTrainer(Trainer):
     """A ``transformers.Trainer`` whose optimizer step (micro-batches, clipping, optimizer) is one zgraph step;
-    configured by ``zgraph_config`` or the arguments' ``deepspeed`` JSON (see the module's docstring)."""
+    configured by ``zgraph_config`` (a ``zgraph.Config``) or the arguments' ``deepspeed`` JSON, with
+    ``zgraph_options`` (a dict of Config fields: ``{"backend": "eager"}``) set over either. Every other argument
+    is Trainer's."""
 
     def __init__(
         self, model: nn.Module | None = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any
     ) -> None:
         zgraph_config: Config | None = kwargs.pop("zgraph_config", None)
+        options: dict[str, Any] | None = kwargs.pop("zgraph_options", None)
         args = zgraph_arguments(args)
         if args is not None:
-            self.zgraph_setup: TrainerSetup = setup(args, zgraph_config, model)
+            self.zgraph_setup: TrainerSetup = setup(args, zgraph_config, model, options)
         self._micro_batches: list = []
         self._grad_norm: torch.Tensor | None = None
-        self._deepspeed_scheduler: Any = None
         super().__init__(model, args, *rest, **kwargs)
         if args is None:
-            self.zgraph_setup = setup(self.args, zgraph_config, self.model)
+            self.zgraph_setup = setup(self.args, zgraph_config, self.model, options)
         self.zgraph_step = zgraph.distribute(self.zgraph_setup.config)(update_step)
 
     # ------------------------------------------------------------------------------------------ the step
@@ -145,20 +147,18 @@ class ZGraphTrainer(Trainer):
         deepspeed = self.zgraph_setup.deepspeed
         if self.optimizer is not None or not deepspeed or "optimizer" not in deepspeed:
             return super().create_optimizer(model)
-        hf_deepspeed.fill_schedule(deepspeed, self.args, self.state.max_steps)
         params = (model or self.model).parameters()
-        self.optimizer, self._deepspeed_scheduler = zgraph.optimizer_from_deepspeed(deepspeed, params)
+        self.optimizer, _ = zgraph.optimizer_from_deepspeed({"optimizer": deepspeed["optimizer"]}, params)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         deepspeed = self.zgraph_setup.deepspeed
-        if self.lr_scheduler is None and deepspeed and "scheduler" in deepspeed:
-            if self._deepspeed_scheduler is None:  # Trainer's optimizer with DeepSpeed's scheduler
-                hf_deepspeed.fill_schedule(deepspeed, self.args, num_training_steps)
-                self._deepspeed_scheduler = scheduler_from_deepspeed(deepspeed, _inner(optimizer or self.optimizer))
-            self.lr_scheduler, self._created_lr_scheduler = self._deepspeed_scheduler, True
-            return self.lr_scheduler
-        return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is not None or not deepspeed or "scheduler" not in deepspeed:
+            return super().create_scheduler(num_training_steps, optimizer)
+        hf_deepspeed.fill_schedule(deepspeed, self.args, num_training_steps)
+        self.lr_scheduler = scheduler_from_deepspeed(deepspeed, _inner(optimizer or self.optimizer))
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     # ---------------------------------------------------------------------------- saving and loading
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
