@@ -232,3 +232,25 @@ def test_deepspeed_sections_build_optimizer_and_scheduler(tmp_path):
     assert type(trainer.optimizer) is torch.optim.AdamW and trainer.optimizer.defaults["lr"] == 1e-2
     assert type(trainer.lr_scheduler) is DeepSpeedWarmupSchedule and trainer.lr_scheduler.optimizer is trainer.optimizer
     assert trainer.zgraph_setup.deepspeed["scheduler"]["params"] == {"warmup_max_lr": 1e-2, "warmup_num_steps": 1}
+
+
+# --------------------------------------------------------------------------- checkpoints, save_model, evaluation
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_and_save_model(tmp_path, stage):
+    """save_steps=2 writes zgraph checkpoints (``checkpoint-N/zgraph``); a fresh trainer resumed from step 2 logs
+    the uninterrupted run's losses, gradient norms and learning rates for steps 3 and 4 and ends with its state,
+    bitwise; ``save_model`` writes files ``from_pretrained`` reads back as the trained model; ``evaluate`` on the
+    sharded model gives the plain Trainer's loss on the model read back."""
+    path = tmp_path / "result.pt"
+    run_ranks(2, "trainer_hf_cases.run_resume", str(path), "gpt2", stage, timeout=DEADLINE)
+    result = torch.load(path, weights_only=False)
+    assert "error" not in result, result["error"]
+    assert {"checkpoint-2", "checkpoint-4", "final"} <= set(result["checkpoints"])
+    assert {"zgraph", "model.safetensors", "config.json", "trainer_state.json"} <= set(result["in_checkpoint"])
+    full, resumed = result["full"], result["resumed"]
+    for key in SERIES:
+        assert resumed[key] == full[key], (key, resumed[key], full[key])  # log_history is restored with the state
+    for key, value in full["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+        assert torch.equal(result["loaded"][key], value), key
+    assert result["eval_loss"] == pytest.approx(result["loaded_eval_loss"], rel=1e-6)

@@ -155,3 +155,38 @@ def run_zero(rank: int, world: int, out_path: str, name: str, stages: list[int |
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
+
+
+def _trainer(name: str, stage: int, out: str, **changes: Any) -> ZGraphTrainer:
+    config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+    args = arguments(out, **changes)
+    return ZGraphTrainer(model=MODELS[name](), args=args, train_dataset=dataset(), zgraph_config=config)
+
+
+def resume(name: str, stage: int, out: str) -> dict:
+    """A run saving a checkpoint every 2 steps; a fresh trainer resumed from step 2's; ``save_model`` read back by
+    ``from_pretrained``; evaluation of the trained (sharded) model and of the one read back."""
+    full = _trainer(name, stage, out, save_strategy="steps", save_steps=2)
+    full.train()
+    eval_loss = full.evaluate(eval_dataset=dataset())["eval_loss"]
+    full.save_model(os.path.join(out, "final"))
+    resumed = _trainer(name, stage, out)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    loaded = MODELS[name]().from_pretrained(os.path.join(out, "final"))
+    plain_eval = Trainer(model=loaded, args=arguments(os.path.join(out, "plain")))
+    return {
+        "full": {**history(full), "state": whole_state(full.model)},
+        "resumed": {**history(resumed), "state": whole_state(resumed.model)},
+        "checkpoints": sorted(os.listdir(out)),
+        "in_checkpoint": sorted(os.listdir(os.path.join(out, "checkpoint-2"))),
+        "loaded": {k: v.detach().clone() for k, v in loaded.state_dict().items()},
+        "eval_loss": eval_loss,
+        "loaded_eval_loss": plain_eval.evaluate(eval_dataset=dataset())["eval_loss"],
+    }
+
+
+def run_resume(rank: int, world: int, out_path: str, name: str, stage: int) -> None:
+    """Worker: ``resume`` on every rank; rank 0 saves the result."""
+    result = _guarded(resume, name, stage, os.path.join(os.path.dirname(out_path), f"resume-{stage}"))
+    if rank == 0:
+        torch.save(result, out_path)
