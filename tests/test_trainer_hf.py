@@ -254,3 +254,17 @@ def test_resume_and_save_model(tmp_path, stage):
         assert torch.equal(resumed["state"][key], value), key
         assert torch.equal(result["loaded"][key], value), key
     assert result["eval_loss"] == pytest.approx(result["loaded_eval_loss"], rel=1e-6)
+
+
+def test_model_built_on_meta_and_loaded_into_shards(tmp_path):
+    """A model built on the meta device, its stage-3 shards filled by zgraph.load_pretrained, trains under
+    ZGraphTrainer exactly as the same files read by from_pretrained."""
+    path = tmp_path / "result.pt"
+    run_ranks(2, "trainer_hf_cases.run_meta", str(path), "gpt2", timeout=DEADLINE)
+    result = torch.load(path, weights_only=False)
+    assert "error" not in result, result["error"]
+    meta, pretrained = result["meta"], result["from_pretrained"]
+    for key in SERIES:
+        assert meta[key] == pretrained[key], (key, meta[key], pretrained[key])
+    for key, value in pretrained["state"].items():
+        assert torch.equal(meta["state"][key], value), key

@@ -190,3 +190,34 @@ def run_resume(rank: int, world: int, out_path: str, name: str, stage: int) -> N
     result = _guarded(resume, name, stage, os.path.join(os.path.dirname(out_path), f"resume-{stage}"))
     if rank == 0:
         torch.save(result, out_path)
+
+
+def meta_loaded(name: str, out: str) -> dict:
+    """The same pretrained files trained at stage 3 from ``from_pretrained`` and from a model built on the meta
+    device whose shards ``zgraph.load_pretrained`` filled (no rank ever holds the whole model)."""
+    pretrained = os.path.join(out, "pretrained")
+    if dist.get_rank() == 0:
+        MODELS[name]().save_pretrained(pretrained)
+    dist.barrier()
+    config = zgraph.Config(stage=3, backend="eager", param_persistence_threshold=0)
+    runs = {}
+    for how in ("from_pretrained", "meta"):
+        if how == "meta":
+            template = MODELS[name]()  # its config only
+            with torch.device("meta"):
+                model = type(template)(template.config)
+            zgraph.load_pretrained(model, pretrained, config=config)
+        else:
+            model = MODELS[name]().from_pretrained(pretrained)
+        args = arguments(os.path.join(out, how))
+        trainer = ZGraphTrainer(model=model, args=args, train_dataset=dataset(), zgraph_config=config)
+        trainer.train()
+        runs[how] = {**history(trainer), "state": whole_state(trainer.model)}
+    return runs
+
+
+def run_meta(rank: int, world: int, out_path: str, name: str) -> None:
+    """Worker: ``meta_loaded``; rank 0 saves the result."""
+    result = _guarded(meta_loaded, name, os.path.join(os.path.dirname(out_path), "meta"))
+    if rank == 0:
+        torch.save(result, out_path)

@@ -2,7 +2,8 @@
 
 - ``ZGraphAccelerator``: ``prepare`` leaves the model unwrapped (no DDP: zgraph averages gradients and shards
   the state itself) and gives the optimizer back as an ``OptimizerHandle``; autocast is zgraph's
-  (``Config.autocast_dtype`` / ``param_dtype``), not accelerate's.
+  (``Config.autocast_dtype`` / ``param_dtype``), not accelerate's. A model zgraph has sharded already is not
+  moved (``holds_shards``).
 - ``OptimizerHandle``: what Trainer holds as ``self.optimizer``. Its ``param_groups`` are the optimizer's own (an
   LR scheduler built on the handle sets the optimizer's learning rates, which a zgraph step reads as graph
   inputs); its ``step()`` does nothing, because the zgraph step already ran the optimizer, and it is never handed
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class OptimizerHandle(torch.optim.Optimizer):
@@ -73,10 +75,19 @@ class ZGraphAccelerator(Accelerator):
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
+        if holds_shards(model):
+            device_placement = False  # zgraph placed the shards; .to() would swap new tensors into them
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         return optimizer if isinstance(optimizer, OptimizerHandle) else OptimizerHandle(optimizer)
+
+
+def holds_shards(model: nn.Module) -> bool:
+    """Whether zgraph has sharded ``model`` already (``zgraph.load_pretrained`` into a meta model, an earlier
+    step): its parameters are DTensors on their device, which ``model.to(device)`` would replace by copies
+    (``torch.utils.swap_tensors``), and the first step's update would go to the tensors swapped out."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def as_zgraph_accelerator(accelerator: Accelerator) -> ZGraphAccelerator:

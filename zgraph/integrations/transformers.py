@@ -17,6 +17,8 @@ The overrides, and why (Trainer's source, transformers 5):
 
 - ``create_accelerator_and_postprocess``: the accelerator prepares the model without DDP and the optimizer as a
   handle whose ``step()`` is a no-op (``hf_accelerate``);
+- ``_move_model_to_device``: not for a model zgraph has sharded already (a meta model ``zgraph.load_pretrained``
+  filled): ``.to()`` swaps copies into its DTensor parameters, and the first update was lost to them;
 - ``training_step``: collects the micro-batches; at the last one runs the zgraph step (earlier ones return 0, so
   Trainer's summed loss is the same);
 - ``_clip_grad_norm`` / ``_get_grad_norm``: the norm the step computed;
@@ -45,7 +47,7 @@ import zgraph
 from zgraph.config import Config
 from zgraph.deepspeed.optim import scheduler_from_deepspeed
 from zgraph.integrations import hf_deepspeed
-from zgraph.integrations.hf_accelerate import OptimizerHandle, as_zgraph_accelerator
+from zgraph.integrations.hf_accelerate import OptimizerHandle, as_zgraph_accelerator, holds_shards
 from zgraph.integrations.hf_args import TrainerSetup, setup
 
 CHECKPOINT_DIR = "zgraph"
@@ -112,6 +114,10 @@ class ZGraphTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         as_zgraph_accelerator(self.accelerator)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if not holds_shards(model):  # a sharded model's shards are where zgraph put them
+            super()._move_model_to_device(model, device)
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
