@@ -268,3 +268,15 @@ def test_model_built_on_meta_and_loaded_into_shards(tmp_path):
         assert meta[key] == pretrained[key], (key, meta[key], pretrained[key])
     for key, value in pretrained["state"].items():
         assert torch.equal(meta["state"][key], value), key
+
+
+def test_plain_training_arguments_with_deepspeed_are_rebuilt(tmp_path):
+    """Plain TrainingArguments whose deepspeed is set (where the DeepSpeed package is installed, they built
+    DeepSpeed's own config; here set after construction) are rebuilt as ZGraphTrainingArguments and read by zgraph."""
+    from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
+
+    args = cases.arguments(str(tmp_path))
+    args.deepspeed = DEEPSPEED
+    trainer = ZGraphTrainer(model=cases.MODELS["gpt2"](), args=args, train_dataset=cases.dataset())
+    assert isinstance(trainer.args, ZGraphTrainingArguments) and trainer.args.deepspeed == DEEPSPEED
+    assert trainer.zgraph_setup.config.stage == 2 and trainer.args.gradient_accumulation_steps == 2
