@@ -221,3 +221,15 @@ def run_meta(rank: int, world: int, out_path: str, name: str) -> None:
     result = _guarded(meta_loaded, name, os.path.join(os.path.dirname(out_path), "meta"))
     if rank == 0:
         torch.save(result, out_path)
+
+
+def bf16_losses(name: str, out: str) -> dict[str, list[float]]:
+    """One process, ``bf16=True``: Trainer (accelerate's autocast) and ZGraphTrainer (zgraph's autocast)."""
+    plain_trainer = Trainer(model=MODELS[name](), args=arguments(out + "/plain", bf16=True), train_dataset=dataset())
+    plain_trainer.train()
+    config = zgraph.Config(backend="eager")
+    args = arguments(out + "/zgraph", bf16=True)
+    trainer = ZGraphTrainer(model=MODELS[name](), args=args, train_dataset=dataset(), zgraph_config=config)
+    trainer.train()
+    assert trainer.zgraph_setup.config.autocast_dtype == torch.bfloat16
+    return {"plain": history(plain_trainer)["loss"], "zgraph": history(trainer)["loss"]}
