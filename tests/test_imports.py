@@ -153,3 +153,15 @@ def test_the_rules_refuse_an_arrow_up_or_sideways():
     assert not allowed("zgraph.checkpoint.state", "zgraph.config")
     assert not allowed("zgraph.deepspeed.config", "zgraph.config")
     assert allowed("zgraph.config", "zgraph.deepspeed.config")
+
+
+def test_importing_zgraph_imports_no_integration():
+    """transformers and accelerate are an extra (``hf``): ``import zgraph`` must not import them (nor the
+    integrations floor, which does)."""
+    import subprocess
+    import sys
+
+    names = ("transformers", "accelerate", "zgraph.integrations")
+    code = f"import sys, zgraph; print(sorted(m for m in {names!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]", out
