@@ -13,7 +13,8 @@ Floors, bottom to top (a module imports its own layer and layers on lower floors
 6. ``zgraph.inspect`` and ``zgraph.weights`` (never each other);
 7. the step: ``zgraph.step`` and ``zgraph.dispatch``;
 8. the public face, ``zgraph/__init__.py``;
-9. ``zgraph.demos``; 10. ``zgraph.cli``.
+9. ``zgraph.demos``; 10. ``zgraph.cli``; 11. ``zgraph.integrations`` (inside other libraries' loops: the user
+   surface's top floor; it may import the whole library, nothing imports it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ FLOORS = {
     "face": 8,
     "demos": 9,
     "cli": 10,
+    "integrations": 11,
 }
 LAYER_OF = {
     "zgraph.graph": "contract",
@@ -151,3 +153,15 @@ def test_the_rules_refuse_an_arrow_up_or_sideways():
     assert not allowed("zgraph.checkpoint.state", "zgraph.config")
     assert not allowed("zgraph.deepspeed.config", "zgraph.config")
     assert allowed("zgraph.config", "zgraph.deepspeed.config")
+
+
+def test_importing_zgraph_imports_no_integration():
+    """transformers and accelerate are an extra (``hf``): ``import zgraph`` must not import them (nor the
+    integrations floor, which does)."""
+    import subprocess
+    import sys
+
+    names = ("transformers", "accelerate", "zgraph.integrations")
+    code = f"import sys, zgraph; print(sorted(m for m in {names!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]", out

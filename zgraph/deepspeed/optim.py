@@ -87,6 +87,15 @@ def optimizer_from_deepspeed(
     return optimizer, (_scheduler(scheduler_spec, optimizer) if scheduler_spec else None)
 
 
+def scheduler_from_deepspeed(
+    config: Mapping[str, Any] | str | os.PathLike, optimizer: torch.optim.Optimizer
+) -> LRScheduler | None:
+    """The LR scheduler a DeepSpeed config's ``scheduler`` section builds for an optimizer made elsewhere (None
+    without the section): transformers' DeepSpeed integration pairs Trainer's optimizer with it."""
+    spec = section("scheduler", load_json(config).get("scheduler"))
+    return _scheduler(spec, optimizer) if spec else None
+
+
 def _checked(args: Mapping[str, Any], name: str) -> dict[str, Any]:
     """Optimizer arguments with strict types, named ``optimizer.params.<key>``."""
     out: dict[str, Any] = {}
