@@ -1,6 +1,6 @@
 """A DeepSpeed JSON's ``"auto"`` values filled from ``TrainingArguments``, as transformers' DeepSpeed integration
 fills them (``HfTrainerDeepSpeedConfig.trainer_config_process`` and ``trainer_config_finalize``, transformers 5),
-on plain dicts: this file imports neither transformers nor DeepSpeed.
+on plain dicts: this file imports neither transformers nor DeepSpeed (``"auto"``: ``zgraph.deepspeed.values``).
 
 A value that is not ``"auto"`` and differs from the argument it stands for is a mismatch, refused with every
 mismatch named, as transformers refuses it. What is filled when the trainer is built (``fill_from_arguments``):
@@ -17,6 +17,8 @@ import json
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from zgraph.deepspeed.values import is_auto
 
 _HIDDEN_SIZE_KEYS = (
     "zero_optimization.reduce_bucket_size",
@@ -41,14 +43,14 @@ class _Filler:
 
     def is_auto(self, key: str) -> bool:
         node, last = self._node(key)
-        return node is not None and node.get(last) == "auto"
+        return node is not None and is_auto(node.get(last))
 
     def fill(self, key: str, value: Any, argument: str | None = None) -> None:
         """``"auto"`` becomes ``value``; another value must equal it (unless ``argument`` is None: fill only)."""
         node, last = self._node(key)
         if node is None:
             return
-        if node.get(last) == "auto":
+        if is_auto(node.get(last)):
             node[last] = value
         elif argument is not None and node.get(last) is not None and node[last] != value:
             self.mismatches.append(f"- ds {key}={node[last]} vs hf {argument}={value}")
