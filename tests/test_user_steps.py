@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import warnings
 
@@ -90,6 +91,49 @@ def test_user_dict_batch():
     data = [(collections.UserDict(x=x, y=y),) for x, y in batches()]
     compiled = run_parity(mapping_step, lambda: with_opt(torch.optim.AdamW, lr=1e-2), data)
     assert len(compiled._dispatch.cache) == 1, "one capture for batches of the same shapes"
+
+
+@dataclasses.dataclass
+class ModelOutput(collections.OrderedDict):
+    """Hugging Face's ``ModelOutput`` in small: a dataclass and an ordered dict of its set fields, which refuses
+    ``update`` and ``clear`` (a step returning ``model(**batch)`` returns one)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+    def update(self, *args, **kwargs):
+        raise Exception(f"You cannot use ``update`` on a {type(self).__name__} instance.")
+
+    def clear(self):
+        raise Exception(f"You cannot use ``clear`` on a {type(self).__name__} instance.")
+
+
+def test_returned_model_output_keeps_its_type_and_fields():
+    def step(model, opt, x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return ModelOutput(loss=loss.detach(), logits=logits.detach())
+
+    model, opt = with_opt(torch.optim.SGD, lr=0.1)
+    ref_model, ref_opt = copy.deepcopy((model, opt))
+    compiled = zgraph.distribute(EAGER)(step)
+    for x, y in batches(2):
+        got, want = compiled(model, opt, x, y), step(ref_model, ref_opt, x, y)
+        assert type(got) is ModelOutput and list(got) == ["loss", "logits"]
+        assert_close(got.loss, want.loss, bitwise=True, what="loss attribute")
+        assert_close(got["logits"], want["logits"], bitwise=True, what="logits item")
 
 
 class Weighted(nn.Module):

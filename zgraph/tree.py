@@ -67,8 +67,8 @@ def _rebuild_mapping(obj: Mapping, values: list) -> Mapping:
         return items
     if isinstance(obj, (dict, collections.UserDict)):
         clone = copy.copy(obj)  # a new mapping of the same type (a defaultdict keeps its factory); the original
-        clone.clear()  # is untouched: dict subclasses and UserDicts copy their items
-        clone.update(items)
+        for key, value in items.items():  # is untouched. Item by item, the same keys: Hugging Face's ModelOutput
+            clone[key] = value  # (a dict and a dataclass) refuses update() and clear(), and sets its field here
         return clone
     try:
         return type(obj)(items)
