@@ -9,7 +9,8 @@ process on the global batch (``bounds``), never below ``REL``. DDP is held to th
 differs only in the order of float reductions): the logged series within ``DDP_REL``, the state within
 ``DDP_STATE_REL`` — looser, because an attention key bias has a gradient that is zero but for round-off, so
 Adam's normalised update of it follows the reduction order (GPT-2's ``c_attn.bias``: 1.1e-4 of its scale; every
-other tensor about 1e-7). The per-tensor bounds of ZGraphTrainer against DDP come from that same distance.
+other tensor about 1e-7). The per-tensor bounds of ZGraphTrainer against DDP come from that same distance
+(``hf_parity``, shared with the accelerate loop's tests).
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ pytest.importorskip("accelerate")
 
 import trainer_hf_cases as cases  # noqa: E402  (needs transformers)
 from dist_harness import run_ranks  # noqa: E402
+from hf_parity import DDP_REL, DDP_STATE_REL, SERIES, assert_close, bounds  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 STAGES = [0, 1, 2, 3]
-REL = 1e-6
-NOISE_FACTOR = 10
-DDP_REL = 1e-5
-DDP_STATE_REL = 1e-3
 DEADLINE = 300  # seconds for one rank group; about 40 s for four stages on 2 idle cores
 
 
@@ -52,41 +50,6 @@ def results(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12)).item()
-
-
-def _series_rel(actual: list[float], expected: list[float]) -> float:
-    return _rel(torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64))
-
-
-SERIES = ("loss", "grad_norm", "learning_rate")
-
-
-def bounds(result: dict) -> dict[str, float]:
-    """Each logged series' and state tensor's bound: ``NOISE_FACTOR`` times DDP's distance to one process."""
-    ddp, eager = result["ddp"], result["eager"]
-    for run in (ddp, eager):
-        assert "error" not in run, run.get("error")
-    noise = {k: _series_rel(ddp[k], eager[k]) for k in SERIES}
-    noise.update({k: _rel(v, eager["state"][k]) for k, v in ddp["state"].items()})
-    return {k: max(REL, NOISE_FACTOR * n) for k, n in noise.items()}
-
-
-def assert_close(got: dict, want: dict, limits: dict[str, float], what: str) -> None:
-    assert "error" not in got, f"{what} failed:\n{got.get('error')}"
-    for key in SERIES:
-        assert len(got[key]) == len(want[key]) == cases.STEPS, (what, key, got[key])
-        err = _series_rel(got[key], want[key])
-        assert err <= limits[key], f"{what}: {key} {got[key]} vs {want[key]}: {err:.2e} (bound {limits[key]:.2e})"
-    assert got["state"].keys() == want["state"].keys(), what
-    for key, value in want["state"].items():
-        err = _rel(got["state"][key], value)
-        assert err <= limits[key], (
-            f"{what}: state_dict[{key!r}] off by {err:.2e} of its scale (bound {limits[key]:.2e})"
-        )
 
 
 @pytest.mark.parametrize("name", list(cases.MODELS))

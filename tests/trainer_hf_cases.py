@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import hf_cases
+import hf_parity
 import torch
 import torch.distributed as dist
 import transformers
@@ -29,7 +30,7 @@ transformers.logging.set_verbosity_error()
 
 PER_DEVICE = 2  # rows per rank and micro-batch; one process on the global batch takes PER_DEVICE * world
 ACCUMULATION = 2
-STEPS = 4  # optimizer steps
+STEPS = hf_parity.STEPS  # optimizer steps
 SEQ = hf_cases.SEQ
 MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": hf_cases.gpt2, "llama": hf_cases.llama}
 

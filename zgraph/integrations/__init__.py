@@ -6,6 +6,8 @@ Files::
 
     transformers.py   ZGraphTrainer (a transformers.Trainer whose update is one zgraph step),
                       ZGraphTrainingArguments (deepspeed= read by zgraph, no DeepSpeed package needed)
+    accelerate.py     ZGraphAccelerator: a user's own accelerate loop run as zgraph steps (the model's forward
+                      with its compiled backward, the optimizer step), no DDP wrapper
     hf_accelerate.py  the accelerate pieces the trainer swaps in: no DDP wrapper, an optimizer handle whose
                       step() is the zgraph step's
     hf_args.py        TrainingArguments zgraph cannot honour, refused when the trainer is built; the zgraph
