@@ -12,6 +12,8 @@ Files::
                       step() is the zgraph step's
     hf_args.py        TrainingArguments zgraph cannot honour, refused when the trainer is built; the zgraph
                       Config a trainer runs with (from a Config, a DeepSpeed JSON, or the arguments)
+    trl.py            ZGraphSFTTrainer (TRL's SFTTrainer on ZGraphTrainer's step; its metrics come out of the
+                      step), ZGraphSFTConfig; needs trl
     hf_deepspeed.py   DeepSpeed JSON "auto" values filled from TrainingArguments, as transformers' DeepSpeed
                       integration fills them (plain dicts: no transformers import)
 """

@@ -20,7 +20,8 @@ The overrides, and why (Trainer's source, transformers 5):
 - ``_move_model_to_device``: not for a model zgraph has sharded already (a meta model ``zgraph.load_pretrained``
   filled): ``.to()`` swaps copies into its DTensor parameters, and the first update was lost to them;
 - ``training_step``: collects the micro-batches; at the last one runs the zgraph step (earlier ones return 0, so
-  Trainer's summed loss is the same);
+  Trainer's summed loss is the same), then hands the metric tensors ``compute_loss`` recorded in the step to
+  ``log_step_metrics`` (a subclass's hook: ``zgraph.integrations.trl``);
 - ``_clip_grad_norm`` / ``_get_grad_norm``: the norm the step computed;
 - ``create_optimizer`` / ``create_scheduler``: a DeepSpeed JSON's ``optimizer`` / ``scheduler`` sections, built by
   ``zgraph.optimizer_from_deepspeed`` (as DeepSpeed's integration builds them); else Trainer's;
@@ -64,49 +65,61 @@ class ZGraphTrainingArguments(TrainingArguments):
         self.deepspeed = deepspeed
 
 
-def zgraph_arguments(args: TrainingArguments | None) -> TrainingArguments | None:
-    """``args`` as ``ZGraphTrainingArguments`` when its ``deepspeed`` is set (re-run without DeepSpeed's plugin)."""
-    if args is None or isinstance(args, ZGraphTrainingArguments) or not args.deepspeed:
+def zgraph_arguments(args: TrainingArguments | None, cls: type = ZGraphTrainingArguments) -> TrainingArguments | None:
+    """``args`` as ``cls`` (``ZGraphTrainingArguments`` or a subclass) when its ``deepspeed`` is set: re-run without
+    DeepSpeed's plugin."""
+    if args is None or isinstance(args, cls) or not args.deepspeed:
         return args
     fields = {f.name: getattr(args, f.name) for f in args.__dataclass_fields__.values() if f.init}
-    return ZGraphTrainingArguments(**fields)
+    return cls(**fields)
 
 
 def update_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, num_items: Any, loss_of: Any, clip: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
     """One optimizer step over ``micro_batches`` (what the zgraph step captures): each micro-batch's loss
-    (``loss_of``, already scaled for accumulation) backward, clipping to ``clip`` (0: the norm is only measured),
-    the optimizer. Returns the summed loss and the global gradient norm before clipping."""
+    (``loss_of`` gives it, already scaled for accumulation, with a dict of metric tensors) backward, clipping to
+    ``clip`` (0: the norm is only measured), the optimizer. Returns the summed loss, the global gradient norm before
+    clipping and each micro-batch's metric tensors (graph outputs: their values are read after the step)."""
     total = None
+    metrics = []
     for inputs in micro_batches:
-        loss = loss_of(model, inputs, num_items)
+        loss, values = loss_of(model, inputs, num_items)
         loss.backward()
+        metrics.append(values)
         total = loss.detach() if total is None else total + loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad()
-    return total, norm
+    return total, norm, metrics
 
 
 class ZGraphTrainer(Trainer):
     """A ``transformers.Trainer`` whose optimizer step (micro-batches, clipping, optimizer) is one zgraph step;
     configured by ``zgraph_config`` (a ``zgraph.Config``) or the arguments' ``deepspeed`` JSON, with
     ``zgraph_options`` (a dict of Config fields: ``{"backend": "eager"}``) set over either. Every other argument
-    is Trainer's."""
+    is Trainer's.
+
+    A subclass whose ``compute_loss`` measures more than the loss (TRL's metrics) cannot read tensor values inside
+    the step (it is traced once and replayed): inside it, ``self.step_metrics`` is a dict (None elsewhere) where
+    ``compute_loss`` puts metric tensors, which come out of the step and reach ``log_step_metrics`` after it."""
+
+    arguments_class: type = ZGraphTrainingArguments
+    """What ``args`` with a ``deepspeed`` JSON are rebuilt as (``zgraph_arguments``)."""
 
     def __init__(
         self, model: nn.Module | None = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any
     ) -> None:
         zgraph_config: Config | None = kwargs.pop("zgraph_config", None)
         options: dict[str, Any] | None = kwargs.pop("zgraph_options", None)
-        args = zgraph_arguments(args)
-        if args is not None:
+        args = zgraph_arguments(args, self.arguments_class)
+        if args is not None and not isinstance(model, str):  # a name (TRL's trainers load it): set up once loaded
             self.zgraph_setup: TrainerSetup = setup(args, zgraph_config, model, options)
         self._micro_batches: list = []
         self._grad_norm: torch.Tensor | None = None
+        self.step_metrics: dict[str, torch.Tensor] | None = None
         super().__init__(model, args, *rest, **kwargs)
-        if args is None:
+        if not hasattr(self, "zgraph_setup"):
             self.zgraph_setup = setup(self.args, zgraph_config, self.model, options)
         self.zgraph_step = zgraph.distribute(self.zgraph_setup.config)(update_step)
 
@@ -127,20 +140,33 @@ class ZGraphTrainer(Trainer):
             return torch.zeros((), device=self.args.device)
         batches, self._micro_batches = self._micro_batches, []
         model.train()
-        loss, self._grad_norm = self.zgraph_step(
+        loss, self._grad_norm, metrics = self.zgraph_step(
             model, _inner(self.optimizer), batches, num_items_in_batch, self.micro_batch_loss,
             self.zgraph_setup.max_grad_norm,
         )  # fmt: skip
+        self.log_step_metrics(batches, metrics)
         return loss
 
-    def micro_batch_loss(self, model: nn.Module, inputs: dict[str, Any], num_items: Any) -> torch.Tensor:
-        """One micro-batch's loss as Trainer's ``training_step`` backpropagates it (scaled for accumulation)."""
-        with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items)
+    def micro_batch_loss(
+        self, model: nn.Module, inputs: dict[str, Any], num_items: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss as Trainer's ``training_step`` backpropagates it (scaled for accumulation), and
+        the metric tensors ``compute_loss`` put in ``self.step_metrics``."""
+        self.step_metrics = {}
+        try:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items)
+            metrics = self.step_metrics
+        finally:
+            self.step_metrics = None
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items is not None) or self.compute_loss_func is not None
-        return loss if scaled else loss / self.current_gradient_accumulation_steps
+        return (loss if scaled else loss / self.current_gradient_accumulation_steps), metrics
+
+    def log_step_metrics(self, micro_batches: list[dict[str, Any]], metrics: list[dict[str, torch.Tensor]]) -> None:
+        """After the step: each micro-batch's inputs and the metric tensors its ``compute_loss`` recorded in the
+        step. Nothing here; a subclass whose ``compute_loss`` records metrics logs them."""
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor | None:
         return self._grad_norm

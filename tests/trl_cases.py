@@ -1,0 +1,159 @@
+"""TRL's ``SFTTrainer`` and ``ZGraphSFTTrainer`` on a tiny GPT-2 (``hf_cases.gpt2``, from a config), a word-level
+tokenizer built here and a text dataset of short sentences (nothing downloaded): SFTTrainer's own dataset
+preparation (EOS, tokenizing, labels, truncation), collator (padding to ``PAD_TO``) and fused LM head, with its
+defaults (gradient checkpointing on), ``gradient_accumulation_steps=2``, ``max_grad_norm=1.0`` and a cosine schedule.
+
+Every run logs each optimizer step (``logging_steps=1``): ``SERIES``, from ``trainer.state.log_history``; then the
+final whole state dict and ``trainer.evaluate()``'s metrics on a held-out text set.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL's trainers ping the Hub when built
+
+import hf_cases  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+import trl.trainer.utils  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+import zgraph  # noqa: E402
+from zgraph.integrations.trl import ZGraphSFTConfig, ZGraphSFTTrainer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+WORDS = "the a cat dog bird sat ran flew on under mat tree fast slow red blue big small and".split()
+PER_DEVICE = 2  # rows per rank and micro-batch; one process on the global batch takes PER_DEVICE * world
+ACCUMULATION = 2
+STEPS = 3
+PAD_TO = 8  # every batch padded to 8 tokens (max_length too): one shape, one trace
+SERIES = ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens")
+EVAL = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``WORDS`` (ids 0-2: EOS, padding, unknown), built offline."""
+    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def texts(n: int, seed: int) -> Dataset:
+    """``n`` sentences of 3 to 7 random words, seeded (SFTTrainer adds EOS: rows of 4 to 8 tokens, padded)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(3, 8, (1,), generator=g))
+        rows.append(" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (length,), generator=g)))
+    return Dataset.from_dict({"text": rows})
+
+
+def arguments(out: str, per_device: int = PER_DEVICE, cls: type = SFTConfig, **changes: Any) -> Any:
+    settings: dict[str, Any] = dict(
+        output_dir=out,
+        per_device_train_batch_size=per_device,
+        per_device_eval_batch_size=per_device,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_grad_norm=1.0,
+        learning_rate=1e-2,
+        lr_scheduler_type="cosine",
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=False,  # TRL's default is bf16 autocast; the comparison is of fp32 arithmetic
+        dataloader_drop_last=True,
+        seed=0,
+        data_seed=0,
+        max_length=PAD_TO,
+        pad_to_multiple_of=PAD_TO,
+    )
+    settings.update(changes)
+    return cls(**settings)
+
+
+def run(trainer: SFTTrainer, world: int) -> dict:
+    """Train, then evaluate; the logged series, the final whole state and the evaluation metrics."""
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    result: dict[str, Any] = {key: [float(r[key]) for r in rows] for key in SERIES}
+    result["state"] = {k: v.detach().clone() for k, v in zgraph.full_state_dict(trainer.model).items()}
+    evaluated = trainer.evaluate(texts(4 * world, seed=2))
+    result.update({key: float(evaluated[key]) for key in EVAL})
+    params = list(trainer.model.parameters())
+    result.update(sharded=sum(isinstance(p, DTensor) for p in params), parameters=len(params))
+    return result
+
+
+def train_dataset() -> Dataset:
+    return texts(STEPS * ACCUMULATION * PER_DEVICE * 2, seed=1)
+
+
+def plain(out: str, world: int) -> dict:
+    """SFTTrainer as it is: DDP on ``world`` ranks, or one process (world 1) on the global batch."""
+    args = arguments(out, per_device=PER_DEVICE * (2 // world))
+    trainer = SFTTrainer(hf_cases.gpt2(), args, train_dataset=train_dataset(), processing_class=tokenizer())
+    return run(trainer, world)
+
+
+def zero(out: str, stage: int) -> dict:
+    """ZGraphSFTTrainer at ``stage`` (every parameter sharded at stage 3). Stage 3 runs with TRL's fused LM head
+    choosing its CUDA path (``_use_triton``: Triton, only the labelled positions), as on a GPU: the step must put it
+    on its torch path (``zgraph.integrations.trl.torch_fused_head``) to trace it."""
+    if stage == 3:
+        trl.trainer.utils._use_triton = lambda device: True
+    try:
+        return _zero(out, stage)
+    finally:
+        trl.trainer.utils._use_triton = _USE_TRITON
+
+
+_USE_TRITON = trl.trainer.utils._use_triton
+
+
+def _zero(out: str, stage: int) -> dict:
+    config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+    args = arguments(out, cls=ZGraphSFTConfig)
+    trainer = ZGraphSFTTrainer(
+        hf_cases.gpt2(), args, train_dataset=train_dataset(), processing_class=tokenizer(), zgraph_config=config
+    )
+    return run(trainer, 2)
+
+
+def _guarded(fn: Any, *args: Any) -> dict:
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def run_plain(rank: int, world: int, out_path: str) -> None:
+    """Worker: SFTTrainer in one process (world 1); rank 0 saves the result."""
+    result = _guarded(plain, os.path.join(os.path.dirname(out_path), f"plain-{world}"), world)
+    if rank == 0:
+        torch.save(result, out_path)
+
+
+def run_ddp_and_zero(rank: int, world: int, out_path: str, stages: list[int]) -> None:
+    """Worker: SFTTrainer + DDP, then ZGraphSFTTrainer at each stage, on the same ranks; rank 0 saves
+    ``{"ddp": ..., stage: ...}``."""
+    root = os.path.dirname(out_path)
+    results = {"ddp": _guarded(plain, os.path.join(root, "ddp"), world)}
+    dist.barrier()
+    for stage in stages:
+        results[stage] = _guarded(zero, os.path.join(root, f"zero-{stage}"), stage)
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out_path)
