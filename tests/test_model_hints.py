@@ -16,6 +16,7 @@ class _Experts(nn.Module):
     def __init__(self, implementation: str):
         super().__init__()
         self.config = types.SimpleNamespace(_experts_implementation=implementation)
+        self.num_experts = 4
 
     def forward(self, x):
         for _ in x.nonzero():  # data-dependent, as transformers' eager experts loop
@@ -23,9 +24,17 @@ class _Experts(nn.Module):
         raise RuntimeError("data-dependent")
 
 
-def _raised(implementation: str) -> BaseException:
+class _Dense(_Experts):
+    """A dense model: transformers 5 sets ``_experts_implementation="eager"`` on GPT-2's config too."""
+
+    def __init__(self, implementation: str):
+        super().__init__(implementation)
+        del self.num_experts
+
+
+def _raised(implementation: str, cls: type = _Experts) -> BaseException:
     try:
-        _Experts(implementation)(torch.ones(2))
+        cls(implementation)(torch.ones(2))
     except RuntimeError as exc:
         return exc
     raise AssertionError("did not raise")
@@ -38,6 +47,7 @@ def test_eager_experts_name_batched_mm():
 
 def test_other_implementations_and_plain_code_give_no_hint():
     assert hint(_raised("grouped_mm")) == ""
+    assert hint(_raised("eager", _Dense)) == "", "a dense model's failure is not the experts loop's"
     try:
         raise ValueError("plain")
     except ValueError as exc:

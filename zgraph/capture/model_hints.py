@@ -24,8 +24,8 @@ def hint(exc: BaseException) -> str:
     data-dependent model pattern; ``""`` otherwise."""
     for frame in reversed(_frames(exc.__traceback__)):  # innermost first: the experts module, not the model
         owner = frame.f_locals.get("self")
-        if not isinstance(owner, nn.Module):
-            continue
+        if not isinstance(owner, nn.Module) or not hasattr(owner, "num_experts"):
+            continue  # only an experts module (transformers' ``XxxExperts``); dense models have the setting too
         config = getattr(owner, "config", None)
         if getattr(config, "_experts_implementation", None) == "eager":
             return (
