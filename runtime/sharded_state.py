@@ -104,12 +104,20 @@ class ShardingPlan:
         return pad_shard(t, spec, self.rank)
 
     def store(self, current: Tensor | None, padded: Tensor, spec: ShardSpec) -> DTensor:
-        """Point the DTensor ``current`` (if zgraph made it) at a new padded shard, else make a new one."""
-        if isinstance(current, DTensor) and getattr(current, _PADDED, None) is not None:
+        """Point the DTensor ``current`` at a new padded shard, else make a new one. ``current`` is zgraph's or
+        laid out as zgraph lays it (``model.to(device)`` swapped a copy into a sharded parameter: the copy is
+        pointed at the shard, so the update lands in the parameter the module holds)."""
+        if isinstance(current, DTensor) and self.laid_out(current, spec):
             current._local_tensor = padded[: spec.local_rows(self.rank)]
             setattr(current, _PADDED, padded)
             return current
         return self.wrap(padded, spec)
+
+    def laid_out(self, t: DTensor, spec: ShardSpec) -> bool:
+        """Whether ``t`` is zgraph's DTensor for ``spec``, or one laid out the same way (same mesh, rows)."""
+        if getattr(t, _PADDED, None) is not None:
+            return True
+        return t.device_mesh == self.mesh and tuple(t.placements) == (Shard(0),) and tuple(t.shape) == spec.shape
 
 
 def make_plan(
@@ -426,7 +434,10 @@ class StateIO:
         binding = self.binding
         kind = spec.kind
         if kind == "param":
-            return self._state_tensor(spec, binding.params[spec.index].tensor)
+            param = binding.params[spec.index].tensor
+            if spec.layout == "shard" and self.plan.params_sharded(spec.index):
+                self._check_laid_out(binding.params[spec.index].name, param, self.plan.specs[spec.index])
+            return self._state_tensor(spec, param)
         if kind == "grad":
             return self._state_tensor(spec, binding.params[spec.index].tensor.grad)
         if kind == "opt_state":
@@ -443,6 +454,17 @@ class StateIO:
             return binding.loss_scale_state[spec.field]
         raise AssertionError(f"unknown graph input kind {kind!r}")
 
+    def _check_laid_out(self, name: str, param: Tensor, spec: ShardSpec) -> None:
+        """A sharded parameter must still be a DTensor laid out as zgraph lays it, or its update (written into
+        it after the step) would have nowhere to go; raised before the step runs."""
+        if not (isinstance(param, DTensor) and self.plan.laid_out(param, spec)):
+            raise ZGraphError(
+                f"parameter {name} is no longer a DTensor sharded as zgraph shards it (now {type(param).__name__}, "
+                f"placements {getattr(param, 'placements', None)}): something outside zgraph re-laid it out, so "
+                "the step's update would be lost. Leave zgraph's parameters as they are between steps "
+                "(zgraph.gather(model) gives whole ones to read or change)."
+            )
+
     def write(self, role: Any, value: Tensor, user_tensors: list) -> None:
         binding = self.binding
         kind = role.kind
@@ -451,7 +473,7 @@ class StateIO:
         if kind == "param":
             param = binding.params[role.index].tensor
             if sharded:
-                self.plan.store(param, value, spec)
+                self.plan.store(param, value, spec)  # laid out as zgraph lays it: read() checked
             else:
                 param.data = value
         elif kind == "grad":

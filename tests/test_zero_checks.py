@@ -21,6 +21,7 @@ CHECKS = [
     "user_collectives",
     "split_steps",
     "waits_before_use",
+    "moved_between_steps",
 ]
 
 
@@ -179,3 +180,14 @@ def test_stage3_waits_sit_right_before_the_first_real_use(checks):
     between = checks(2)["waits_before_use"]
     assert between, "the stage-3 graph has forward gathers"
     assert max(between.values()) == 0, between
+
+
+def test_model_moved_between_steps_keeps_training(checks):
+    """``model.to(device)`` on a model whose parameters zgraph sharded swaps copies into them; the next updates used
+    to go to the shards swapped out and were lost (silently: stage 3's third step equalled its second). Now the
+    copies are adopted. A parameter laid out otherwise is refused before the step runs, naming it."""
+    result = checks(2)["moved_between_steps"]
+    for stage in range(4):
+        assert result[stage] < 1e-6, (stage, result[stage])
+    assert "parameter 0.weight is no longer a DTensor sharded as zgraph shards it" in result["replicated"], result
+    assert result["unchanged"], "the refused step changed the model"
