@@ -76,7 +76,7 @@ class ZGraphAccelerator(Accelerator):
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
         if holds_shards(model):
-            device_placement = False  # zgraph placed the shards; .to() would swap new tensors into them
+            device_placement = False  # zgraph placed the shards; .to() would only copy them
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
@@ -85,8 +85,8 @@ class ZGraphAccelerator(Accelerator):
 
 def holds_shards(model: nn.Module) -> bool:
     """Whether zgraph has sharded ``model`` already (``zgraph.load_pretrained`` into a meta model, an earlier
-    step): its parameters are DTensors on their device, which ``model.to(device)`` would replace by copies
-    (``torch.utils.swap_tensors``), and the first step's update would go to the tensors swapped out."""
+    step): its parameters are DTensors on their device, which ``model.to(device)`` would only replace by copies
+    (``torch.utils.swap_tensors``; zgraph adopts them, but the copy is work and memory for nothing)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 

@@ -18,7 +18,7 @@ The overrides, and why (Trainer's source, transformers 5):
 - ``create_accelerator_and_postprocess``: the accelerator prepares the model without DDP and the optimizer as a
   handle whose ``step()`` is a no-op (``hf_accelerate``);
 - ``_move_model_to_device``: not for a model zgraph has sharded already (a meta model ``zgraph.load_pretrained``
-  filled): ``.to()`` swaps copies into its DTensor parameters, and the first update was lost to them;
+  filled): ``.to()`` would copy every shard into a new DTensor for nothing;
 - ``training_step``: collects the micro-batches; at the last one runs the zgraph step (earlier ones return 0, so
   Trainer's summed loss is the same), then hands the metric tensors ``compute_loss`` recorded in the step to
   ``log_step_metrics`` (a subclass's hook: ``zgraph.integrations.trl``);
