@@ -120,6 +120,10 @@ def saved(out: str) -> dict[str, Any]:
         first.backward(model(**batch).loss)
         optimizer.step()
         optimizer.zero_grad()
+    with torch.no_grad():
+        before = model(**batch).loss
+        unwrapped = first.unwrap_model(model, keep_fp32_wrapper=False)  # the same model, still run by zgraph
+        after = unwrapped(**batch).loss
     first.save_state(os.path.join(out, "state"))
     first.save_model(model, os.path.join(out, "model"))
     second = ZGraphAccelerator(config=config, cpu=True)
@@ -135,6 +139,7 @@ def saved(out: str) -> dict[str, Any]:
         "optimizer_steps": [s["step"].item() for s in zgraph.full_state_dict(fresh, fresh_opt)[1]["state"].values()],
         "loaded": {k: v.detach().clone() for k, v in loaded.state_dict().items()},
         "get_state_dict": {k: v.detach().clone() for k, v in second.get_state_dict(fresh).items()},
+        "unwrapped_loss": (before, after),
     }
 
 

@@ -55,7 +55,8 @@ def test_loop_matches_ddp(result, stage):
 
 def test_save_state_load_state_and_save_model(tmp_path):
     """Stage 3: ``load_state`` of ``save_state``'s checkpoint gives a fresh model and optimizer the trained ones;
-    ``save_model``'s safetensors load with ``from_pretrained``; ``get_state_dict`` is the whole state."""
+    ``save_model``'s safetensors load with ``from_pretrained``; ``get_state_dict`` is the whole state;
+    ``unwrap_model(model, keep_fp32_wrapper=False)`` is the same model, still run by zgraph."""
     run_ranks(2, "accelerate_hf_cases.run_saved", str(tmp_path / "saved.pt"), timeout=DEADLINE)
     got = torch.load(tmp_path / "saved.pt", weights_only=False)
     assert "error" not in got, got.get("error")
@@ -64,6 +65,8 @@ def test_save_state_load_state_and_save_model(tmp_path):
         for key, value in got["state"].items():
             assert torch.equal(got[other][key], value), f"{other}: {key}"
     assert got["optimizer_steps"] and set(got["optimizer_steps"]) == {2.0}, got["optimizer_steps"]
+    before, after = got["unwrapped_loss"]
+    assert torch.equal(before, after), "unwrap_model(keep_fp32_wrapper=False) left the model running as it was"
 
 
 # ------------------------------------------------------------------------------------ refused when built

@@ -172,9 +172,10 @@ class ZGraphAccelerator(Accelerator):
 
 
 def sharded_forward(model: nn.Module, config: Config) -> Callable[..., Any]:
-    """``model.forward`` as a zgraph step over ``model``: what ``prepare`` installs on the model. The original
-    stays as ``__wrapped__`` and ``model._original_forward`` (accelerate's ``unwrap_model(...,
-    keep_fp32_wrapper=False)`` puts it back)."""
+    """``model.forward`` as a zgraph step over ``model``: what ``prepare`` installs on the model. The original is
+    its ``__wrapped__`` (``inspect.signature(model.forward)`` is the model's). It is not recorded as
+    ``model._original_forward``, accelerate's mark for its autocast wrapper: ``unwrap_model(...,
+    keep_fp32_wrapper=False)`` would strip the step, and a model zgraph sharded must keep running through it."""
     forward = model.forward
 
     def forward_step(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -187,7 +188,6 @@ def sharded_forward(model: nn.Module, config: Config) -> Callable[..., Any]:
 
     call.__wrapped__ = forward  # type: ignore[attr-defined]  # inspect.signature(model.forward) is the model's
     call.__doc__ = forward.__doc__
-    model._original_forward = forward
     return call
 
 
