@@ -34,6 +34,7 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 _FAILED = b"\x01"  # first byte of a posted exchange value that reports a failure instead of a payload
 _SEQUENCE: dict[str, int] = {}  # per group: how many exchanges this process has made
 _BROKEN: dict[str, str] = {}  # per group: why its collectives cannot be used anymore
+_RECORDED: set[str] = set()  # groups in which this process has a failure record standing
 _GRACE = 2.0  # seconds to wait for a failing rank's record once a collective has failed
 
 
@@ -106,13 +107,18 @@ class Channel:
             text = f"in {label}: {type(error).__name__}: {error}"
         try:
             self._store.set(f"failed/{self.rank}", text.encode())
+            _RECORDED.add(self.group.group_name or "")
             self._store.set(f"x/{self._next()}/{self.rank}", _FAILED + text.encode())
         except (dist.DistError, RuntimeError):
             pass
 
     def clear_failure(self) -> None:
-        """This rank's call succeeded again after an earlier failure: its old record no longer applies."""
-        self._store.delete_key(f"failed/{self.rank}")
+        """A call on the group succeeded: this rank's earlier failure record (of any step) no longer applies, and
+        a later failure of another rank must not be blamed on it."""
+        name = self.group.group_name or ""
+        if name in _RECORDED:
+            self._store.delete_key(f"failed/{self.rank}")
+            _RECORDED.discard(name)
 
     def failures(self, wait: float = 0.0) -> dict[int, str]:
         """The failure records of the other ranks, waiting up to ``wait`` seconds for a first one."""

@@ -46,7 +46,6 @@ class Dispatcher:
         self.cache: dict[tuple, CompiledStep] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
         self.calls = 0  # calls made, for naming the call in errors other ranks see
-        self.failed = False  # the last call raised (its failure record is cleared by the next good call)
 
     def __call__(self, call: StepCall) -> object:
         if traced_arguments(call.args, call.kwargs):
@@ -66,11 +65,8 @@ class Dispatcher:
         except Exception as error:
             if not getattr(error, "_zgraph_recorded", False):
                 channel.record_failure(label, error)
-            self.failed = True
             raise
-        if self.failed:
-            channel.clear_failure()
-            self.failed = False
+        channel.clear_failure()  # a good call on the group: this rank's earlier failure (any step's) is over
         return result
 
     def _call(self, call: StepCall, channel: Channel | None, group: ProcessGroupInfo, label: str) -> object:
