@@ -103,11 +103,14 @@ class ShardingPlan:
             return out
         return pad_shard(t, spec, self.rank)
 
-    def store(self, current: Tensor | None, padded: Tensor, spec: ShardSpec) -> DTensor:
-        """Point the DTensor ``current`` at a new padded shard, else make a new one. ``current`` is zgraph's or
-        laid out as zgraph lays it (``model.to(device)`` swapped a copy into a sharded parameter: the copy is
-        pointed at the shard, so the update lands in the parameter the module holds)."""
-        if isinstance(current, DTensor) and self.laid_out(current, spec):
+    def store(self, current: Tensor | None, padded: Tensor, spec: ShardSpec, adopt: bool = False) -> DTensor:
+        """Point the DTensor ``current`` at a new padded shard, else make a new one. ``current`` is zgraph's or,
+        with ``adopt`` (a parameter), laid out as zgraph lays it: ``model.to(device)`` swapped a copy into a
+        sharded parameter, and the copy is pointed at the shard, so the update lands in the parameter the module
+        holds."""
+        if isinstance(current, DTensor) and (
+            getattr(current, _PADDED, None) is not None or adopt and self.laid_out(current, spec)
+        ):
             current._local_tensor = padded[: spec.local_rows(self.rank)]
             setattr(current, _PADDED, padded)
             return current
@@ -473,7 +476,7 @@ class StateIO:
         if kind == "param":
             param = binding.params[role.index].tensor
             if sharded:
-                self.plan.store(param, value, spec)  # laid out as zgraph lays it: read() checked
+                self.plan.store(param, value, spec, adopt=True)  # laid out as zgraph lays it: read() checked
             else:
                 param.data = value
         elif kind == "grad":
