@@ -10,8 +10,6 @@ Each run records, per optimizer step, the mean over ranks of the micro-batches' 
 from __future__ import annotations
 
 import os
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import hf_cases
@@ -83,16 +81,9 @@ def zero(stage: int) -> dict[str, Any]:
     return {**result, "sharded": sum(isinstance(p, DTensor) for p in params), "parameters": len(params)}
 
 
-def _guarded(fn: Callable, *args: Any) -> dict:
-    try:
-        return fn(*args)
-    except Exception:
-        return {"error": traceback.format_exc()}
-
-
 def run_plain(rank: int, world: int, out_path: str) -> None:
     """Worker: the plain accelerate loop on ``world`` ranks; rank 0 saves the result."""
-    result = _guarded(plain, world)
+    result = hf_cases._guarded(plain, world)
     if rank == 0:
         torch.save(result, out_path)
 
@@ -101,7 +92,7 @@ def run_zero(rank: int, world: int, out_path: str, stages: list[int]) -> None:
     """Worker: the ZGraphAccelerator loop at each stage; rank 0 saves ``{stage: result}``."""
     results = {}
     for stage in stages:
-        results[stage] = _guarded(zero, stage)
+        results[stage] = hf_cases._guarded(zero, stage)
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
@@ -144,6 +135,6 @@ def saved(out: str) -> dict[str, Any]:
 
 
 def run_saved(rank: int, world: int, out_path: str) -> None:
-    result = _guarded(saved, os.path.join(os.path.dirname(out_path), "saved"))
+    result = hf_cases._guarded(saved, os.path.join(os.path.dirname(out_path), "saved"))
     if rank == 0:
         torch.save(result, out_path)

@@ -10,7 +10,6 @@ final whole state dict and ``trainer.evaluate()``'s metrics on a held-out text s
 from __future__ import annotations
 
 import os
-import traceback
 from typing import Any
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL's trainers ping the Hub when built
@@ -132,16 +131,9 @@ def _zero(out: str, stage: int) -> dict:
     return run(trainer, 2)
 
 
-def _guarded(fn: Any, *args: Any) -> dict:
-    try:
-        return fn(*args)
-    except Exception:
-        return {"error": traceback.format_exc()}
-
-
 def run_plain(rank: int, world: int, out_path: str) -> None:
     """Worker: SFTTrainer in one process (world 1); rank 0 saves the result."""
-    result = _guarded(plain, os.path.join(os.path.dirname(out_path), f"plain-{world}"), world)
+    result = hf_cases._guarded(plain, os.path.join(os.path.dirname(out_path), f"plain-{world}"), world)
     if rank == 0:
         torch.save(result, out_path)
 
@@ -150,10 +142,10 @@ def run_ddp_and_zero(rank: int, world: int, out_path: str, stages: list[int]) ->
     """Worker: SFTTrainer + DDP, then ZGraphSFTTrainer at each stage, on the same ranks; rank 0 saves
     ``{"ddp": ..., stage: ...}``."""
     root = os.path.dirname(out_path)
-    results = {"ddp": _guarded(plain, os.path.join(root, "ddp"), world)}
+    results = {"ddp": hf_cases._guarded(plain, os.path.join(root, "ddp"), world)}
     dist.barrier()
     for stage in stages:
-        results[stage] = _guarded(zero, os.path.join(root, f"zero-{stage}"), stage)
+        results[stage] = hf_cases._guarded(zero, os.path.join(root, f"zero-{stage}"), stage)
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
