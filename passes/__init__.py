@@ -2,6 +2,24 @@
 
 ``default_pipeline()`` is the ordered list ``@zgraph.distribute`` runs; see each pass's module docstring for
 what it does and what later passes may rely on.
+
+Files::
+
+    pipeline.py              named passes with contracts, run in order, each leaving a graph to inspect
+    provenance.py            every node a pass creates is stamped with the pass's name, by a hook
+    graph_utils.py           helpers the passes share: graph outputs and their roles, shard values
+    cse.py                   ``cse``: merge nodes computing the same pure op on the same inputs
+    reduce_scatter_grads.py  ``reduce_scatter_grads``: local gradients become the global batch's
+    shard_optimizer.py       ``shard_optimizer`` (stage >= 1): each rank updates only its shard
+    shard_params.py          ``shard_params`` (stage 3): parameters enter and leave as this rank's shard
+    clip_grad.py             ``clip_grad``: norms of sharded gradients from the shards, one all-reduce
+    loss_scale.py            ``loss_scale``: the fp16 overflow check sees every rank's gradients
+    cast.py                  ``cast``: dtype casts moved to where they save the most
+    offload.py               ``offload``: optimizer states and parameter shards moved to a slower tier
+    bucket.py                ``bucket``: layout operators of one kind merged into buckets
+    lower_collectives.py     ``lower_collectives``: layout operators become functional collectives
+    schedule.py              ``schedule``: the lowered graph ordered so communication overlaps compute
+    partition.py             a split step's joint graph cut into a forward and a backward graph
 """
 
 from __future__ import annotations

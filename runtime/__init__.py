@@ -1,1 +1,25 @@
-"""zgraph runtime (installed as ``zgraph.runtime``): process groups, sharded state, executors."""
+"""zgraph runtime (installed as ``zgraph.runtime``): process groups, sharded state, executors.
+
+Files::
+
+    process_group.py   process groups: from torchrun's environment, an existing default group, or none
+    devices.py         where a step's state lives, which backend serves it, how the host reads from it
+    agreement.py       what crosses ranks besides the graph's tensors, as bytes (never pickled)
+    consistency.py     all ranks run the same graph: a cheap check each call, an error instead of a hang
+    state.py           the training state a step reads and writes: parameters, buffers, optimizers
+    optimizers.py      which optimizers a step binds (a wrapper is the optimizer it wraps)
+    sharded_state.py   where each parameter, gradient and optimizer-state shard lives on each rank
+    state_io.py        a step graph's inputs read from that state, its outputs written back
+    storage_guard.py   reading a sharded tensor's bytes outside zgraph: a clear error
+    meta_init.py       a meta-device model made real where the step keeps it
+    offload.py         offload tiers for optimizer states and parameter shards
+    offload_store.py   what every offload tier does around a graph
+    offload_host.py    the ``"cpu"`` tier: device state kept in host memory
+    offload_nvme.py    the ``"nvme"`` tier: state kept in files
+    host_memory.py     freed host memory kept for the next step
+    reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
+    executor.py        backends that turn the final graph into something to call
+    memory.py          live tensor bytes on any device, measured exactly
+    cost_model.py      cost of collectives and compute, for bucket sizes and schedules
+    timeline.py        how a lowered graph runs: one compute and one communication stream
+"""

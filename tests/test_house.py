@@ -52,3 +52,16 @@ def test_no_library_function_over_60_lines():
 def test_no_function_over_80_lines():
     long = _long_functions(HOUSE, MAX_FUNCTION_LINES)
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_every_package_init_maps_its_files():
+    """A package's ``__init__`` opens with a map of its files: each module and sub-package is named there."""
+    unmapped = {}
+    for init in (p for p in LIBRARY if p.name == "__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        files = [p for p in init.parent.iterdir() if p.suffix == ".py" and p.name != "__init__.py"]
+        files += [p for p in init.parent.iterdir() if (p / "__init__.py").exists()]
+        missing = [p.name for p in files if p.name not in doc]
+        if missing:
+            unmapped[str(init.relative_to(ROOT))] = missing
+    assert not unmapped, f"package maps that leave files out: {unmapped}"

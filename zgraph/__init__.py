@@ -23,6 +23,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     weights/       big models: meta-device materialisation, load_pretrained, save_pretrained (streamed)
     dispatch.py step.py   one call along the data's way; @zgraph.distribute, the object that replaces the step
     demos/ cli/    the demos and their models; the zgraph command (users of the library)
+    integrations/  Hugging Face Trainer, accelerate and TRL run as zgraph steps (users of the library)
 """
 
 from zgraph.checkpoint.gather import full_state_dict, gather, stream_state_dict

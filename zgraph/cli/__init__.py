@@ -2,6 +2,7 @@
 
 Files::
 
+    __main__.py  ``python -m zgraph.cli``
     main.py      argument parsing and the sub-commands
     estimate.py  ``zgraph estimate``
 """

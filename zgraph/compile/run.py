@@ -14,8 +14,8 @@ from zgraph.compile.variant import CompiledStep
 from zgraph.graph import INPUT, OFFLOADED, VAL, placeholders, state_key, tensor_bytes
 from zgraph.ops import offload_tier
 from zgraph.runtime.offload_store import TierStore
-from zgraph.runtime.sharded_state import StateIO
 from zgraph.runtime.state import Binding
+from zgraph.runtime.state_io import StateIO
 from zgraph.tree import map_leaves
 
 

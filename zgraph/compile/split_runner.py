@@ -33,8 +33,9 @@ from zgraph.graph import GraphInput, GraphOutput, input_specs, state_key
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.consistency import check_same_graph, digest
 from zgraph.runtime.executor import Executable
-from zgraph.runtime.sharded_state import StateIO, sharding_of
+from zgraph.runtime.sharded_state import sharding_of
 from zgraph.runtime.state import Binding
+from zgraph.runtime.state_io import StateIO
 
 
 @dataclass(frozen=True)
