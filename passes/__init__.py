@@ -46,6 +46,7 @@ from zgraph.passes.pipeline import (
     run_pipeline,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
+from zgraph.passes.remat import remat
 from zgraph.passes.schedule import schedule
 from zgraph.passes.shard_optimizer import shard_optimizer
 from zgraph.passes.shard_params import shard_params
@@ -62,6 +63,7 @@ def default_pipeline(
     offload_optimizer: str | None = None,
     offload_fraction: float = 1.0,
     offload_params: str | None = None,
+    remat_policy: str | None = None,
 ) -> list[Pass]:
     """The passes of a distributed step, in order, with their options bound (``functools.partial``).
 
@@ -70,6 +72,7 @@ def default_pipeline(
     bind = functools.partial
     return [
         Pass("cse", eliminate_common_subexpressions),
+        Pass("remat", bind(remat, policy=remat_policy), requires={"phases"}),
         Pass("shard_optimizer", bind(shard_optimizer, stage=stage), requires={"phases"}),
         Pass(
             "reduce_scatter_grads",

@@ -30,6 +30,7 @@ from zgraph.config_checks import (
     check_max_grad_norm,
     check_offload,
     check_precision,
+    check_remat,
     check_size,
     check_timeout,
     module_classes,
@@ -111,6 +112,17 @@ class Config:
     ``reshard_after_forward=False``). DeepSpeed's ``stage3_max_reuse_distance`` (DeepSpeed counts every module's
     parameters it passes, zgraph each other parameter once); ``from_deepspeed`` maps it, and a DeepSpeed config
     that leaves it out gets DeepSpeed's default, 1e9."""
+
+    remat: str | None = field(default=None, metadata=_pass_option("remat_policy"))
+    """Activation recomputation (the ``remat`` pass): forward values the backward reads are recomputed in the
+    backward instead of being kept from the forward. None (default): none. ``"selective"`` (torchtitan's default
+    selective activation checkpointing): outputs of matmul-like ops (``mm``, ``addmm``, ``bmm``, attention,
+    convolution) and of random ops are kept, everything else the backward reads (pointwise ops, norms, softmax,
+    views, casts) is recomputed. Random draws (dropout masks) are never recomputed, so losses and parameters are
+    bitwise those without it. ``"full"`` (``torch.utils.checkpoint`` around each of the model's repeated blocks: the
+    children of an ``nn.ModuleList`` / ``nn.Sequential`` of modules of one class): only each block's inputs are kept,
+    everything inside a block the backward reads is recomputed; a model without such blocks is refused. ``"auto"``
+    (a planner under a memory budget) is not accepted yet."""
 
     measure_collectives: bool = True
     """Fit the collective cost model (latency + bytes / bandwidth) by a short measurement on the first call, cached
@@ -220,6 +232,7 @@ class Config:
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
         check_size("max_reuse_distance", self.max_reuse_distance, allow_auto=False)
+        check_remat(self.remat)
         for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype", "autocast_dtype"):
             check_float_dtype(name, getattr(self, name))
         object.__setattr__(self, "keep_fp32_modules", module_classes("keep_fp32_modules", self.keep_fp32_modules))

@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from zgraph.passes import Pass, PassContext
+from zgraph.passes.remat import POLICIES as REMAT_POLICIES
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
@@ -35,6 +36,17 @@ def check_choice(name: str, value: object, allowed: tuple[object, ...], typ: typ
         )
     if value not in allowed:
         raise ValueError(f"Config.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def check_remat(value: object) -> None:
+    """``Config.remat``: None, ``"selective"`` or ``"full"``; ``"auto"`` (a planner) is not there yet."""
+    if value == "auto":
+        raise ValueError(
+            'Config.remat="auto" (a planner choosing what to recompute under a memory budget) is not implemented '
+            'yet; use None, "selective" or "full"'
+        )
+    if value is not None:
+        check_choice("remat", value, REMAT_POLICIES, str)
 
 
 def check_size(name: str, value: object, allow_auto: bool) -> None:

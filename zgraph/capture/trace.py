@@ -45,6 +45,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from zgraph.capture.blocks import mark_blocks
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Returned, Traced
 from zgraph.capture.collectives import functional_c10d
 from zgraph.capture.environment import (
@@ -237,6 +238,7 @@ def _environment(
             stack.enter_context(cast_forward_inputs(binding, config.param_dtype))
         if config.autocast_dtype is not None:
             stack.enter_context(autocast_forwards(binding, config.autocast_dtype, _device_type(state.params)))
+        stack.enter_context(mark_blocks(binding))
         stack.enter_context(swap_optimizers(step_trace))
         stack.enter_context(record_scheduler_steps(step_trace))
         stack.enter_context(functional_c10d())

@@ -1,0 +1,165 @@
+"""``remat``: activation recomputation. Forward values the backward reads are recomputed in the backward instead of
+being kept alive from the forward to the backward (``Config.remat``).
+
+Plan, then rewrite (as inductor's bucketing): ``plan_recompute`` returns the forward nodes to recompute,
+``recompute`` copies each of them (``node_copy``) right before its first backward reader (or before the first copy
+that reads it) and points the backward readers at the copy; the forward original then dies after its last forward
+use. Forward and optimizer readers keep reading the original.
+
+``"selective"`` (torchtitan's default selective activation checkpointing policy): the outputs of matmul-like ops
+(``mm``, ``addmm``, ``bmm``, ``baddbmm``, the ``_scaled_dot_product_*`` attentions, ``convolution``) and of random
+ops are saved; every other forward value the backward reads (pointwise ops, norms, softmax, views, casts) is
+recomputed from saved values and graph inputs, and so, recursively, is every such value it is computed from.
+
+``"full"`` (``torch.utils.checkpoint`` around every block): only each block's inputs are saved, and every value
+inside a block the backward reads is recomputed from them (matmuls included). Blocks are the model's repeated
+modules, as capture marks them (``node.meta[CUSTOM][BLOCK]``, see ``zgraph.graph``); values outside every block are
+saved as without recomputation. A graph without blocks is refused (``PipelineError``): ``"selective"`` needs none.
+
+Random ops (``nondeterministic_seeded``: dropout's ``bernoulli`` / ``native_dropout``, ``rand*``, the generator
+state) and ops whose output is undefined memory (``empty*``) are never recomputed: their outputs are saved, so the
+step's results stay bitwise those of the step without recomputation (a deterministic op run again on the same
+inputs gives the same bits). Collectives and zgraph's own operators are not recomputed either.
+
+The pass runs before the sharding passes: a recomputed op that reads a parameter reads the placeholder in the
+backward, so stage 3's ``shard_params`` gathers it with the backward's other reads of that parameter.
+
+Later passes may rely on: every node the pass adds is a backward-phase copy of a forward node, placed before all
+of its readers; no forward node has a new reader; random draws are where they were.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from zgraph.errors import PipelineError
+from zgraph.graph import BACKWARD, BLOCK, CUSTOM, FORWARD, PHASE
+from zgraph.passes.pipeline import PassContext
+
+aten = torch.ops.aten
+
+POLICIES = ("full", "selective")
+
+# Ops whose outputs "selective" saves (torchtitan's _save_list, by overload packet).
+SAVED_OPS = frozenset(
+    {
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._scaled_mm,
+        aten.convolution,
+    }
+)
+# Ops whose output is uninitialised memory: running one again does not give the same values.
+_UNDEFINED = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided})
+
+
+def remat(gm: fx.GraphModule, ctx: PassContext, *, policy: str | None = None) -> fx.GraphModule:
+    """Recompute forward values in the backward instead of saving them (``Config.remat``).
+
+    ``policy``: None (the pass does nothing), ``"selective"`` or ``"full"`` (see the module's docstring)."""
+    if policy is None:
+        return gm
+    if policy not in POLICIES:
+        raise ValueError(f"remat policy must be one of {POLICIES} or None; got {policy!r}")
+    recompute(gm, plan_recompute(gm, policy))
+    return gm
+
+
+def plan_recompute(gm: fx.GraphModule, policy: str = "selective") -> list[fx.Node]:
+    """The forward nodes ``policy`` recomputes in the backward, in graph order.
+
+    From each forward value the backward reads, recomputable values are followed back through their inputs; the
+    first ones that are not are saved (for ``"full"``, also those outside the reader's block and those read outside
+    their own block: its inputs and outputs)."""
+    full = policy == "full"
+    if full and not any(block_of(n) for n in gm.graph.nodes if _is_forward(n)):
+        raise PipelineError(
+            'Config.remat="full" recomputes each of the model\'s repeated blocks (the children of an nn.ModuleList '
+            'or nn.Sequential of modules of one class), and this step\'s models have none; use remat="selective"'
+        )
+    chosen: set[fx.Node] = set()
+    stack = [(n, block_of(n)) for n in gm.graph.nodes if _is_forward(n) and any(_is_backward(u) for u in n.users)]
+    while stack:
+        node, block = stack.pop()
+        if node not in chosen and _chosen_by(node, block, full):
+            chosen.add(node)
+            stack.extend((a, block) for a in node.all_input_nodes if _is_forward(a))
+    return [n for n in gm.graph.nodes if n in chosen]
+
+
+def _chosen_by(node: fx.Node, block: str | None, full: bool) -> bool:
+    """Whether the policy recomputes ``node``, reached from a backward read of a value of ``block``."""
+    if not recomputable(node, saving_matmuls=not full):
+        return False
+    return not full or (block is not None and block_of(node) == block and not leaves_block(node))
+
+
+def leaves_block(node: fx.Node) -> bool:
+    """Whether a forward value is read in the forward outside the block that made it (the next block's input, or
+    the input of what follows the blocks): ``"full"`` saves it."""
+    return any(_is_forward(u) and block_of(u) != block_of(node) for u in node.users)
+
+
+def block_of(node: fx.Node) -> str | None:
+    """The block (a repeated module) whose forward made ``node``, or None."""
+    return (node.meta.get(CUSTOM) or {}).get(BLOCK)
+
+
+def recomputable(node: fx.Node, *, saving_matmuls: bool = True) -> bool:
+    """Whether a forward node may be recomputed: a deterministic aten op (not a matmul-like one where
+    ``saving_matmuls``), or an element of the tuple of one; never a random op, a collective or one of zgraph's own
+    operators."""
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return (
+            isinstance(source, fx.Node) and _is_forward(source) and recomputable(source, saving_matmuls=saving_matmuls)
+        )
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    if saving_matmuls and target.overloadpacket in SAVED_OPS:
+        return False
+    return target.overloadpacket not in _UNDEFINED
+
+
+def recompute(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
+    """Copy each of ``nodes`` (forward nodes, in graph order) into the backward, before its first backward reader
+    or the first copy that reads it, and point the backward readers at the copies."""
+    if not nodes:
+        return
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    chosen = set(nodes)
+    anchor: dict[fx.Node, fx.Node] = {}
+    for node in reversed(nodes):  # readers come later in graph order: their anchors are known
+        places = [u for u in node.users if _is_backward(u)] + [anchor[u] for u in node.users if u in chosen]
+        anchor[node] = min(places, key=order.__getitem__)
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        with gm.graph.inserting_before(anchor[node]):
+            copy = gm.graph.node_copy(node, lambda arg: copies.get(arg, arg))
+        copy.meta[PHASE] = BACKWARD
+        copies[node] = copy
+    made = set(copies.values())
+    for node, copy in copies.items():
+        for user in list(node.users):
+            if _is_backward(user) and user not in made:
+                user.replace_input_with(node, copy)
+
+
+def _is_forward(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.meta.get(PHASE) == FORWARD
+
+
+def _is_backward(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.meta.get(PHASE) == BACKWARD
