@@ -14,7 +14,8 @@ recomputed from saved values and graph inputs, and so, recursively, is every suc
 ``"full"`` (``torch.utils.checkpoint`` around every block): only each block's inputs are saved, and every value
 inside a block the backward reads is recomputed from them (matmuls included). Blocks are the model's repeated
 modules, as capture marks them (``node.meta[CUSTOM][BLOCK]``, see ``zgraph.graph``); values outside every block are
-saved as without recomputation. A graph without blocks is refused (``PipelineError``): ``"selective"`` needs none.
+saved as without recomputation. A graph whose backward reads forward values but that has no blocks is refused
+(``PipelineError``): ``"selective"`` needs none.
 
 Random ops (``nondeterministic_seeded``: dropout's ``bernoulli`` / ``native_dropout``, ``rand*``, the generator
 state) and ops whose output is undefined memory (``empty*``) are never recomputed: their outputs are saved, so the
@@ -81,13 +82,14 @@ def plan_recompute(gm: fx.GraphModule, policy: str = "selective") -> list[fx.Nod
     first ones that are not are saved (for ``"full"``, also those outside the reader's block and those read outside
     their own block: its inputs and outputs)."""
     full = policy == "full"
-    if full and not any(block_of(n) for n in gm.graph.nodes if _is_forward(n)):
+    read = [n for n in gm.graph.nodes if _is_forward(n) and any(_is_backward(u) for u in n.users)]
+    if full and read and not any(block_of(n) for n in gm.graph.nodes if _is_forward(n)):
         raise PipelineError(
             'Config.remat="full" recomputes each of the model\'s repeated blocks (the children of an nn.ModuleList '
             'or nn.Sequential of modules of one class), and this step\'s models have none; use remat="selective"'
         )
     chosen: set[fx.Node] = set()
-    stack = [(n, block_of(n)) for n in gm.graph.nodes if _is_forward(n) and any(_is_backward(u) for u in n.users)]
+    stack = [(n, block_of(n)) for n in read]
     while stack:
         node, block = stack.pop()
         if node not in chosen and _chosen_by(node, block, full):

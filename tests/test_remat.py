@@ -1,0 +1,218 @@
+"""The ``remat`` pass (``Config.remat``): its plan on small synthetic graphs, the rewrite, and whole steps.
+
+A recomputed deterministic op gives the same bits on the same inputs, and random draws are saved, never drawn
+again: with either policy, losses and parameters are bitwise those of the step without recomputation, at every
+ZeRO stage, on one rank and on two, and in split mode. Recomputing lowers the step's estimated peak where
+activations dominate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pass_graphs import Builder, aten, context, count
+from remat_cases import POLICIES, Net, batches, step, train
+
+import zgraph
+from zgraph.errors import PipelineError
+from zgraph.graph import BACKWARD, BLOCK, CUSTOM, MADE_BY, PHASE, GraphOutput
+from zgraph.passes import Pass, run_pipeline
+from zgraph.passes.remat import plan_recompute, remat
+
+STAGES = [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ synthetic graphs
+def _in_block(node, name):
+    node.meta[CUSTOM] = {BLOCK: name}
+    return node
+
+
+def _two_blocks(blocks: bool = True):
+    """Two blocks (``mm``, ``relu``/``tanh``, a dropout mask in the second, a residual add), a sum outside them,
+    and a backward that reads what autograd's formulas would read."""
+    b = Builder()
+    x = b.input("x", (4, 8))
+    w0 = b.input("w0", (8, 8), "param", 0)
+    w1 = b.input("w1", (8, 8), "param", 1)
+    mark = _in_block if blocks else (lambda node, name: node)
+    h0 = mark(b.op(aten.mm.default, x, mark(b.op(aten.t.default, w0), "b0")), "b0")
+    a0 = mark(b.op(aten.relu.default, h0), "b0")
+    o0 = mark(b.op(aten.add.Tensor, x, a0), "b0")
+    h1 = mark(b.op(aten.mm.default, o0, w1), "b1")
+    a1 = mark(b.op(aten.tanh.default, h1), "b1")
+    mask = mark(b.op(aten.bernoulli.p, a1, 0.5), "b1")
+    o1 = mark(b.op(aten.mul.Tensor, a1, mask), "b1")
+    loss = b.op(aten.sum.default, o1)
+    g = b.op(aten.ones_like.default, o1, phase=BACKWARD)
+    g = b.op(aten.mul.Tensor, g, mask, phase=BACKWARD)
+    g = b.op(aten.tanh_backward.default, g, a1, phase=BACKWARD)
+    gw1 = b.op(aten.mm.default, b.op(aten.t.default, o0, phase=BACKWARD), g, phase=BACKWARD)
+    g = b.op(aten.mm.default, g, b.op(aten.t.default, w1, phase=BACKWARD), phase=BACKWARD)
+    g = b.op(aten.threshold_backward.default, g, a0, 0, phase=BACKWARD)
+    gw0 = b.op(aten.mm.default, b.op(aten.t.default, x, phase=BACKWARD), g, phase=BACKWARD)
+    nodes = {"t": h0.args[1], "h0": h0, "a0": a0, "o0": o0, "h1": h1, "a1": a1, "mask": mask, "o1": o1}
+    outs = [(loss, GraphOutput("user", "loss", 0)), (gw0, GraphOutput("grad", "w0", 0))]
+    return b.finish([*outs, (gw1, GraphOutput("grad", "w1", 1))]), nodes
+
+
+def _names(nodes):
+    return [n.name for n in nodes]
+
+
+def test_selective_saves_matmuls_and_random_ops_and_recomputes_the_rest():
+    gm, n = _two_blocks()
+    # the backward reads a0 (relu), o0 (add), a1 (tanh), mask (random), o1 (mul): pointwise ones are recomputed
+    # from the matmuls' outputs, the mask and the graph's inputs; the mask and the matmuls are saved
+    assert _names(plan_recompute(gm, "selective")) == _names([n["a0"], n["o0"], n["a1"], n["o1"]])
+
+
+def test_full_recomputes_inside_each_block_from_its_inputs():
+    gm, n = _two_blocks()
+    # o0 is block 1's input and o1 the sum's: saved; inside the blocks everything deterministic is recomputed,
+    # matmuls included
+    assert _names(plan_recompute(gm, "full")) == _names([n["t"], n["h0"], n["a0"], n["h1"], n["a1"]])
+
+
+def test_full_refuses_a_graph_without_blocks():
+    gm, _ = _two_blocks(blocks=False)
+    with pytest.raises(PipelineError, match='remat="selective"'):
+        plan_recompute(gm, "full")
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_rewrite_recomputes_before_the_backward_and_keeps_results(policy):
+    gm, _ = _two_blocks()
+    x, w0, w1 = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8)
+    torch.manual_seed(0)
+    want = gm(x, w0, w1)
+    planned = _names(plan_recompute(gm, policy))
+    (record,) = run_pipeline(gm, context(), [Pass("remat", functools.partial(remat, policy=policy))], check_input=False)
+    out = record.gm
+    torch.manual_seed(0)
+    got = out(x, w0, w1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert count(out, aten.bernoulli.p) == 1, "a random op is never recomputed"
+    nodes = list(out.graph.nodes)
+    first_backward = min(i for i, node in enumerate(nodes) if node.meta.get(PHASE) == BACKWARD)
+    copies = [node for node in nodes if node.meta.get(MADE_BY) == "remat"]
+    assert len(copies) == len(planned)
+    for copy in copies:
+        assert copy.meta[PHASE] == BACKWARD and nodes.index(copy) >= first_backward
+        assert all(user.meta[PHASE] == BACKWARD for user in copy.users)
+    originals = {node.name: node for node in nodes if node.name in planned}
+    for node in originals.values():  # the forward originals are read by the forward only
+        assert all(user.meta.get(PHASE) != BACKWARD for user in node.users), node.name
+
+
+def test_remat_none_changes_nothing():
+    gm, _ = _two_blocks()
+    before = [node.target for node in gm.graph.nodes]
+    assert [node.target for node in remat(gm, context(), policy=None).graph.nodes] == before
+
+
+# ------------------------------------------------------------------------------------------------ the config
+def test_config_remat_values():
+    assert zgraph.Config(remat="full").remat == "full"
+    with pytest.raises(ValueError, match="Config.remat must be one of"):
+        zgraph.Config(remat="everything")
+    with pytest.raises(ValueError, match=r'Config.remat="auto" .* not implemented yet'):
+        zgraph.Config(remat="auto")
+    names = [p.name for p in zgraph.Config(remat="selective").pipeline()]
+    assert names.index("remat") < names.index("shard_params")
+
+
+# ------------------------------------------------------------------------------------------------ whole steps
+def _equal(got, want, what):
+    losses, state, _ = got
+    want_losses, want_state, _ = want
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), f"{what}: losses {losses} != {want_losses}"
+    for key, value in want_state.items():
+        assert torch.equal(state[key], value), f"{what}: parameter {key}"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from dist_harness import run_ranks
+
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            path = tmp_path_factory.mktemp(f"remat{world}") / "results.pt"
+            run_ranks(world, "remat_cases.run", str(path), STAGES, timeout=600)
+            cache[world] = torch.load(path, weights_only=False)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_remat_is_bitwise_equal_to_no_remat(ranks, world, stage, policy):
+    results = ranks(world)
+    for key in ((stage, None), (stage, policy)):
+        assert "error" not in results[key], results[key]["error"]
+    assert results[(stage, policy)][2] > 0, "the pass recomputed nothing"
+    _equal(results[(stage, policy)], results[(stage, None)], f"{policy}, stage {stage}, {world} rank(s)")
+
+
+def _split_run(policy):
+    """Split mode: zgraph's forward (its output carries the compiled backward), the loss and ``backward()``
+    outside it, zgraph's update."""
+    config = zgraph.Config(backend="eager", remat=policy)
+    forward = zgraph.distribute(config)(lambda model, x: model(x))
+
+    @zgraph.distribute(config)
+    def update(opt):
+        opt.step()
+        opt.zero_grad()
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for call, (x, y) in enumerate(batches()):
+        torch.manual_seed(10 + call)
+        loss = F.cross_entropy(forward(model, x), y)
+        loss.backward()
+        update(opt)
+        losses.append(loss.detach())
+    made = [n for n in forward.graphs["remat"].graph.nodes if n.meta.get(MADE_BY) == "remat"]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, len(made)
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_remat_in_split_mode_is_bitwise_equal(policy):
+    got = _split_run(policy)
+    assert got[2] > 0, "the pass recomputed nothing"
+    _equal(got, _split_run(None), f"split mode, {policy}")
+
+
+def test_full_remat_lowers_the_estimated_peak():
+    """Wide activations (a long batch through narrow blocks): keeping only each block's input and the masks holds
+    less at the peak than keeping everything the backward reads."""
+    model = Net(d_model=32, layers=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(64, 64, 8), torch.randint(0, 5, (64,))
+    peaks = {
+        policy: zgraph.distribute(zgraph.Config(backend="eager", remat=policy))(step)
+        .estimate(model, opt, x, y)
+        .peak_bytes
+        for policy in POLICIES
+    }
+    print(f"estimated peak bytes by Config.remat: {peaks}")
+    assert peaks["full"] < peaks[None]
+    assert peaks["selective"] < peaks[None]
+
+
+def test_single_process_parity_without_a_group():
+    """No process group (the step as a plain compiled function): every policy as without recomputation."""
+    want = train(zgraph.Config(backend="eager"))
+    for policy in ("selective", "full"):
+        got = train(zgraph.Config(backend="eager", remat=policy))
+        assert got[2] > 0
+        _equal(got, want, policy)
