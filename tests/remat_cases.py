@@ -78,17 +78,46 @@ def train(config: zgraph.Config, rank: int = 0, world: int = 1) -> tuple[list[Te
     return losses, zgraph.full_state_dict(model), len(made)
 
 
-def run(rank: int, world: int, out_path: str, stages: list[int]) -> None:
-    """Worker: every policy at every stage; rank 0 saves ``{(stage, policy): train(...) or {"error": ...}}``."""
+def train_split(config: zgraph.Config, rank: int = 0, world: int = 1) -> tuple[list[Tensor], dict[str, Tensor], int]:
+    """``train`` in split mode: zgraph's forward (its output carries the compiled backward), the loss and
+    ``backward()`` outside it, zgraph's update."""
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    forward, update = zgraph.distribute(config)(_forward), zgraph.distribute(config)(_update)
+    losses = []
+    for call, (x, y) in enumerate(batches()):
+        n = x.shape[0] // world
+        torch.manual_seed(10 + call)
+        loss = F.cross_entropy(forward(model, x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+        loss.backward()
+        update(opt)
+        losses.append(loss.detach())
+    made = [n for n in forward.graphs["remat"].graph.nodes if n.meta.get(MADE_BY) == "remat"]
+    return losses, zgraph.full_state_dict(model), len(made)
+
+
+def _forward(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x)
+
+
+def _update(opt: torch.optim.Optimizer) -> None:
+    opt.step()
+    opt.zero_grad()
+
+
+def run(rank: int, world: int, out_path: str, stages: list[int], split_stages: list[int]) -> None:
+    """Worker: every policy at every stage, and in split mode at ``split_stages``; rank 0 saves
+    ``{(mode, stage, policy): train(...) or {"error": ...}}`` (mode ``"step"`` or ``"split"``)."""
     import traceback
 
     results: dict = {}
-    for stage in stages:
+    runs = [("step", stage, train) for stage in stages] + [("split", stage, train_split) for stage in split_stages]
+    for mode, stage, fn in runs:
         for policy in POLICIES:
             config = zgraph.Config(stage=stage, backend="eager", remat=policy, param_persistence_threshold=0)
             try:
-                results[(stage, policy)] = train(config, rank, world)
+                results[(mode, stage, policy)] = fn(config, rank, world)
             except Exception:
-                results[(stage, policy)] = {"error": traceback.format_exc()}
+                results[(mode, stage, policy)] = {"error": traceback.format_exc()}
     if rank == 0:
         torch.save(results, out_path)

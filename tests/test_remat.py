@@ -12,9 +12,8 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from pass_graphs import Builder, aten, context, count
-from remat_cases import POLICIES, Net, batches, step, train
+from remat_cases import POLICIES, Net, step, train, train_split
 
 import zgraph
 from zgraph.errors import PipelineError
@@ -23,6 +22,7 @@ from zgraph.passes import Pass, run_pipeline
 from zgraph.passes.remat import plan_recompute, remat
 
 STAGES = [0, 1, 2, 3]
+SPLIT_STAGES = {1: [], 2: [3]}  # split mode: stage 3 on 2 ranks (and below, without a process group)
 
 
 # ------------------------------------------------------------------------------------------ synthetic graphs
@@ -143,53 +143,39 @@ def ranks(tmp_path_factory):
     def get(world: int) -> dict:
         if world not in cache:
             path = tmp_path_factory.mktemp(f"remat{world}") / "results.pt"
-            run_ranks(world, "remat_cases.run", str(path), STAGES, timeout=600)
+            run_ranks(world, "remat_cases.run", str(path), STAGES, SPLIT_STAGES[world], timeout=600)
             cache[world] = torch.load(path, weights_only=False)
         return cache[world]
 
     return get
 
 
+def _check(results: dict, mode: str, stage: int, policy: str, what: str) -> None:
+    for key in ((mode, stage, None), (mode, stage, policy)):
+        assert "error" not in results[key], results[key]["error"]
+    assert results[(mode, stage, policy)][2] > 0, "the pass recomputed nothing"
+    _equal(results[(mode, stage, policy)], results[(mode, stage, None)], what)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("policy", ["selective", "full"])
 def test_remat_is_bitwise_equal_to_no_remat(ranks, world, stage, policy):
-    results = ranks(world)
-    for key in ((stage, None), (stage, policy)):
-        assert "error" not in results[key], results[key]["error"]
-    assert results[(stage, policy)][2] > 0, "the pass recomputed nothing"
-    _equal(results[(stage, policy)], results[(stage, None)], f"{policy}, stage {stage}, {world} rank(s)")
-
-
-def _split_run(policy):
-    """Split mode: zgraph's forward (its output carries the compiled backward), the loss and ``backward()``
-    outside it, zgraph's update."""
-    config = zgraph.Config(backend="eager", remat=policy)
-    forward = zgraph.distribute(config)(lambda model, x: model(x))
-
-    @zgraph.distribute(config)
-    def update(opt):
-        opt.step()
-        opt.zero_grad()
-
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for call, (x, y) in enumerate(batches()):
-        torch.manual_seed(10 + call)
-        loss = F.cross_entropy(forward(model, x), y)
-        loss.backward()
-        update(opt)
-        losses.append(loss.detach())
-    made = [n for n in forward.graphs["remat"].graph.nodes if n.meta.get(MADE_BY) == "remat"]
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, len(made)
+    _check(ranks(world), "step", stage, policy, f"{policy}, stage {stage}, {world} rank(s)")
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_remat_in_split_mode_is_bitwise_equal(policy):
-    got = _split_run(policy)
+def test_remat_in_split_mode_is_bitwise_equal_on_two_ranks(ranks, policy):
+    """Split mode (the backward outside the step, partitioned after the passes), at stage 3: the recomputation
+    lands in the backward graph, which gathers the parameters it reads."""
+    _check(ranks(2), "split", 3, policy, f"split mode, {policy}, stage 3, 2 ranks")
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_remat_in_split_mode_without_a_group(policy):
+    got = train_split(zgraph.Config(backend="eager", remat=policy))
     assert got[2] > 0, "the pass recomputed nothing"
-    _equal(got, _split_run(None), f"split mode, {policy}")
+    _equal(got, train_split(zgraph.Config(backend="eager")), f"split mode, {policy}")
 
 
 def test_full_remat_lowers_the_estimated_peak():
