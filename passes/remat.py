@@ -9,7 +9,9 @@ use. Forward and optimizer readers keep reading the original.
 ``"selective"`` (torchtitan's default selective activation checkpointing policy): the outputs of matmul-like ops
 (``mm``, ``addmm``, ``bmm``, ``baddbmm``, the ``_scaled_dot_product_*`` attentions, ``convolution``) and of random
 ops are saved; every other forward value the backward reads (pointwise ops, norms, softmax, views, casts) is
-recomputed from saved values and graph inputs, and so, recursively, is every such value it is computed from.
+recomputed from saved values and graph inputs, and so, recursively, is every such value it is computed from, up to
+the values that cross a block's edge (its inputs and outputs, the residual stream between blocks): those are saved,
+so a chain never reaches back into earlier blocks.
 
 ``"full"`` (``torch.utils.checkpoint`` around every block): only each block's inputs are saved, and every value
 inside a block the backward reads is recomputed from them (matmuls included). Blocks are the model's repeated
@@ -79,8 +81,8 @@ def plan_recompute(gm: fx.GraphModule, policy: str = "selective") -> list[fx.Nod
     """The forward nodes ``policy`` recomputes in the backward, in graph order.
 
     From each forward value the backward reads, recomputable values are followed back through their inputs; the
-    first ones that are not are saved (for ``"full"``, also those outside the reader's block and those read outside
-    their own block: its inputs and outputs)."""
+    first ones that are not are saved, and so are those read outside their own block (a block's inputs and outputs);
+    for ``"full"``, also those outside the reader's block."""
     full = policy == "full"
     read = [n for n in gm.graph.nodes if _is_forward(n) and any(_is_backward(u) for u in n.users)]
     if full and read and not any(block_of(n) for n in gm.graph.nodes if _is_forward(n)):
@@ -100,14 +102,14 @@ def plan_recompute(gm: fx.GraphModule, policy: str = "selective") -> list[fx.Nod
 
 def _chosen_by(node: fx.Node, block: str | None, full: bool) -> bool:
     """Whether the policy recomputes ``node``, reached from a backward read of a value of ``block``."""
-    if not recomputable(node, saving_matmuls=not full):
+    if not recomputable(node, saving_matmuls=not full) or leaves_block(node):
         return False
-    return not full or (block is not None and block_of(node) == block and not leaves_block(node))
+    return not full or (block is not None and block_of(node) == block)
 
 
 def leaves_block(node: fx.Node) -> bool:
     """Whether a forward value is read in the forward outside the block that made it (the next block's input, or
-    the input of what follows the blocks): ``"full"`` saves it."""
+    the input of what follows the blocks): both policies save it."""
     return any(_is_forward(u) and block_of(u) != block_of(node) for u in node.users)
 
 

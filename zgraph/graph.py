@@ -6,8 +6,9 @@ A step graph is a ``torch.fx.GraphModule`` of aten ops (and ``zgraph.ops``) whos
 - every placeholder carries ``node.meta[INPUT]``, a ``GraphInput`` (what the runtime feeds it);
 - the output node carries ``node.meta[OUTPUTS]``, one ``GraphOutput`` per returned value (where it is written);
 - every op node carries ``node.meta[PHASE]``, one of ``PHASES``;
-- an op node a *block*'s forward made (a child of an ``nn.ModuleList`` / ``nn.Sequential`` whose children are all
-  of one class: a model's repeated layers) carries the block's name in ``node.meta[CUSTOM][BLOCK]``;
+- captured with ``Config.remat`` set, an op node a *block*'s forward made (a child of an ``nn.ModuleList`` /
+  ``nn.Sequential`` whose children are all of one class: a model's repeated layers) carries the block's name in
+  ``node.meta[CUSTOM][BLOCK]``;
 - a node a pass added carries ``node.meta[MADE_BY]``, the pass's name (``run_pass`` stamps it: a create-node hook
   on the module the pass edits);
 - collectives are counted and sized by ``collective_kind`` / ``collective_bytes``;
