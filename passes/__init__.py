@@ -9,6 +9,7 @@ Files::
     provenance.py            every node a pass creates is stamped with the pass's name, by a hook
     graph_utils.py           helpers the passes share: graph outputs and their roles, shard values
     cse.py                   ``cse``: merge nodes computing the same pure op on the same inputs
+    remat.py                 ``remat``: forward values recomputed in the backward instead of kept
     reduce_scatter_grads.py  ``reduce_scatter_grads``: local gradients become the global batch's
     shard_optimizer.py       ``shard_optimizer`` (stage >= 1): each rank updates only its shard
     shard_params.py          ``shard_params`` (stage 3): parameters enter and leave as this rank's shard

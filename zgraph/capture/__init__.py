@@ -17,6 +17,7 @@ Files::
     random_layout.py    random ops draw their numbers into the elements eager PyTorch gives them
     functionalize.py    from the traced (mutating) graph to the captured step graph
     joint.py            split mode: the step and the backward of its returned outputs, traced as one joint graph
+    blocks.py           the model's repeated blocks marked on the nodes they make (``Config.remat``)
     cuda_trace.py       tracing a step as CUDA would run it, on CPU fakes (estimates)
     fake_kernels.py     fake kernels wider than torch's
     model_hints.py      what to change, for capture failures from known third-party model patterns
