@@ -4,7 +4,11 @@ Compute nodes cost ``flops / flops_per_second + bytes / bytes_per_second`` (FLOP
 ``torch.utils.flop_counter``; bytes read and written; views are free). A collective starts when it is issued
 and the previous collective has finished, and takes ``latency + bytes / bandwidth`` from the cost model; its
 ``wait_tensor`` stalls compute until it has finished. What is left of a collective's time after the stalls
-is hidden behind compute. Used by ``explain()`` to show what the ``schedule`` pass is expected to gain.
+is hidden behind compute. Used by ``explain()`` to show what the ``schedule`` pass is expected to gain, and by
+``step.estimate`` (``Estimate.step_seconds``) and the memory planner to compare configs.
+
+Offload transfers (``zgraph::reload`` / ``write_back``) are priced apart by ``transfer_seconds``: their bytes over
+the tier's bandwidth, none of it hidden (a bound, where the runtime reads ahead and writes behind).
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from zgraph.graph import CostModel, collective_bytes, collective_kind, tensor_bytes
+from zgraph.graph import VAL, CostModel, collective_bytes, collective_kind, tensor_bytes
+from zgraph.ops import RELOAD, WRITE_BACK
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+# Bytes per second an offload tier moves, by the device whose state it holds: a GPU's state goes to pinned host
+# memory over PCIe (gen4 x16, as copies measure it); a CPU's to NVMe files (one data-centre drive).
+TIER_BYTES_PER_SECOND = {"cuda": 20e9, "cpu": 2e9}
 
 
 @dataclass(frozen=True)
@@ -94,3 +102,14 @@ def estimate(gm: fx.GraphModule, cost_model: CostModel) -> Timeline:
             compute += seconds
             now += seconds
     return Timeline(compute, communication, exposed)
+
+
+def transfer_seconds(gm: fx.GraphModule, device_type: str) -> float:
+    """Seconds the offload tier of a ``device_type`` step moves bytes for: every ``zgraph::reload`` and
+    ``write_back`` at ``TIER_BYTES_PER_SECOND``."""
+    moved = sum(
+        tensor_bytes(n.meta.get(VAL) if n.target is RELOAD else n.args[0].meta.get(VAL))
+        for n in gm.graph.nodes
+        if n.target in (RELOAD, WRITE_BACK)
+    )
+    return moved / TIER_BYTES_PER_SECOND.get(device_type, TIER_BYTES_PER_SECOND["cpu"])

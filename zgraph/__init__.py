@@ -33,6 +33,7 @@ from zgraph.deepspeed.optim import optimizer_from_deepspeed
 from zgraph.errors import (
     CaptureError,
     CheckpointError,
+    MemoryBudgetError,
     PipelineError,
     RankFailedError,
     RankMismatchError,
@@ -54,6 +55,7 @@ __all__ = [
     "DynamicLossScale",
     "Estimate",
     "EstimateError",
+    "MemoryBudgetError",
     "PipelineError",
     "RankFailedError",
     "RankMismatchError",

@@ -24,6 +24,7 @@ from zgraph.config_checks import (
     PassFunction,
     as_pass_tuple,
     as_str_tuple,
+    budget_bytes,
     check_bool,
     check_choice,
     check_float_dtype,
@@ -121,8 +122,18 @@ class Config:
     views, casts) is recomputed. Random draws (dropout masks) are never recomputed, so losses and parameters are
     bitwise those without it. ``"full"`` (``torch.utils.checkpoint`` around each of the model's repeated blocks: the
     children of an ``nn.ModuleList`` / ``nn.Sequential`` of modules of one class): only each block's inputs are kept,
-    everything inside a block the backward reads is recomputed; a model without such blocks is refused. ``"auto"``
-    (a planner under a memory budget) is not accepted yet."""
+    everything inside a block the backward reads is recomputed; a model without such blocks is refused. ``"auto"``:
+    chosen by the planner (needs ``memory_budget``; under a budget, None is chosen by it too)."""
+
+    memory_budget: int | str | None = None
+    """Bytes per rank the step may hold at its peak. On the first call zgraph plans (``zgraph.inspect.budget``):
+    of ``remat``, offload of optimizer states and stage-3 parameter shards (where a tier saves memory: pinned host
+    memory for a GPU model, NVMe files under ``offload_dir`` for a CPU one) and stage 3's ``max_reuse_distance``,
+    each left at its default, it picks the combination predicted fastest (``Estimate.step_seconds``) whose
+    estimated peak fits; ``explain()`` shows it. An int, a string with a unit (``"12GiB"``, ``"500MB"``), or
+    ``"auto"``: the device's free memory (on the CPU, available host memory shared by the node's ranks), the least
+    over the ranks. A budget nothing fits raises ``zgraph.MemoryBudgetError`` before anything changes. None
+    (default): no planning."""
 
     measure_collectives: bool = True
     """Fit the collective cost model (latency + bytes / bandwidth) by a short measurement on the first call, cached
@@ -232,7 +243,8 @@ class Config:
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
         check_size("max_reuse_distance", self.max_reuse_distance, allow_auto=False)
-        check_remat(self.remat)
+        check_remat(self.remat, self.memory_budget)
+        object.__setattr__(self, "memory_budget", budget_bytes(self.memory_budget))
         for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype", "autocast_dtype"):
             check_float_dtype(name, getattr(self, name))
         object.__setattr__(self, "keep_fp32_modules", module_classes("keep_fp32_modules", self.keep_fp32_modules))

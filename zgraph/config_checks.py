@@ -38,15 +38,44 @@ def check_choice(name: str, value: object, allowed: tuple[object, ...], typ: typ
         raise ValueError(f"Config.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def check_remat(value: object) -> None:
-    """``Config.remat``: None, ``"selective"`` or ``"full"``; ``"auto"`` (a planner) is not there yet."""
-    if value == "auto":
+def check_remat(value: object, memory_budget: object) -> None:
+    """``Config.remat``: None, ``"selective"``, ``"full"``, or ``"auto"`` (chosen by the planner: needs
+    ``memory_budget``)."""
+    if value == "auto" and memory_budget is None:
         raise ValueError(
-            'Config.remat="auto" (a planner choosing what to recompute under a memory budget) is not implemented '
-            'yet; use None, "selective" or "full"'
+            'Config.remat="auto" lets the memory planner choose what to recompute, and it plans for a budget: set '
+            'Config.memory_budget too (bytes per rank, "12GiB", or "auto"), or use None, "selective" or "full"'
         )
     if value is not None:
-        check_choice("remat", value, REMAT_POLICIES, str)
+        check_choice("remat", value, (*REMAT_POLICIES, "auto"), str)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def budget_bytes(value: object) -> int | str | None:
+    """``Config.memory_budget`` as bytes: an int stays, ``"12GiB"`` / ``"500MB"`` / ``"1.5 GB"`` become bytes;
+    ``"auto"`` and None stay. Raises ``ValueError`` naming the field for anything else."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        nbytes = value
+    elif isinstance(value, str):
+        number = value.strip().rstrip("BbIiKkMmGgTt ")
+        unit = value.strip()[len(number) :].strip().upper()
+        try:
+            nbytes = int(float(number) * _UNITS[unit]) if unit in _UNITS else -1
+        except ValueError:
+            nbytes = -1
+    else:
+        nbytes = -1
+    if nbytes <= 0:
+        raise ValueError(
+            f'Config.memory_budget must be a positive number of bytes per rank (an int, or a string like "12GiB" or '
+            f'"500MB"), "auto" (the device\'s free memory) or None; got {value!r}'
+        )
+    return nbytes
 
 
 def check_size(name: str, value: object, allow_auto: bool) -> None:

@@ -34,3 +34,8 @@ class ShardedParameterError(ZGraphError):
 
 class CheckpointError(ZGraphError):
     """A checkpoint cannot be saved or loaded: incomplete directory, or state that does not match the model."""
+
+
+class MemoryBudgetError(ZGraphError):
+    """No combination the memory planner may choose fits ``Config.memory_budget``: the message names the smallest
+    budget that fits and what fills it."""

@@ -23,7 +23,9 @@ import torch.fx as fx
 from zgraph.binding.arguments import StepCall
 from zgraph.compile.variant import CompiledStep
 from zgraph.config import Config
+from zgraph.config_checks import budget_bytes
 from zgraph.dispatch import Dispatcher
+from zgraph.inspect.budget import MemoryPlan, plan_memory
 from zgraph.inspect.estimate import Estimate, estimate_step
 from zgraph.inspect.explain import dump_graphs, explain_table
 
@@ -34,12 +36,15 @@ class DistributedStep:
     Attributes:
         config: the ``zgraph.Config`` it was built with.
         process_group: the group its collectives run on (None: the default group, or one process).
+        memory_plan: with ``Config.memory_budget``, what the planner chose on the first call (a
+            ``zgraph.inspect.budget.MemoryPlan``; its ``config(step.config)`` is the config that runs); else None.
     """
 
     def __init__(self, fn: Callable, config: Config, process_group: dist.ProcessGroup | None = None):
         functools.update_wrapper(self, fn)
         self.config = config
         self.process_group = process_group
+        self.memory_plan: MemoryPlan | None = None
         self._dispatch = Dispatcher(config, process_group)
 
     def __get__(self, instance: object, owner: type | None = None) -> DistributedStep | types.MethodType:
@@ -48,7 +53,13 @@ class DistributedStep:
         return types.MethodType(self, instance)
 
     def __call__(self, *args: object, **kwargs: object) -> object:
-        return self._dispatch(StepCall.of(self.__wrapped__, args, kwargs))
+        call = StepCall.of(self.__wrapped__, args, kwargs)
+        if self.config.memory_budget is not None and self.memory_plan is None:
+            world = dist.get_world_size(self.process_group) if dist.is_initialized() else None
+            plan = plan_memory(call, self.config, self.config.memory_budget, world, process_group=self.process_group)
+            self._dispatch = Dispatcher(plan.config(self.config), self.process_group)
+            self.memory_plan = plan
+        return self._dispatch(call)
 
     # ------------------------------------------------------------------------------------------ inspection
     def _compiled(self) -> CompiledStep:
@@ -63,7 +74,8 @@ class DistributedStep:
 
     def explain(self) -> str:
         """A table of the pipeline: per pass, node count, collectives (count and bytes by kind), time."""
-        return explain_table(self._compiled(), self.config)
+        table = explain_table(self._compiled(), self._dispatch.config)
+        return table if self.memory_plan is None else "\n".join([table, *self.memory_plan.lines()])
 
     def dump(self, directory: str | os.PathLike) -> list[str]:
         """Write every graph of the last variant as readable Python into ``directory``; returns the paths."""
@@ -74,15 +86,25 @@ class DistributedStep:
         *args: object,
         world_size: int | None = None,
         device: str | torch.device | None = None,
+        memory_budget: int | str | None = None,
         **kwargs: object,
-    ) -> Estimate:
+    ) -> Estimate | MemoryPlan:
         """Memory and communication per rank of calling the step with these arguments on ``world_size`` ranks
         (None: the current world) with the state on ``device`` (``"cpu"``, ``"cuda"``; None: the parameters'
         device), without running it: captured and transformed on meta stand-ins of the modules and optimizers
         among the arguments; the real ones, and this step's caches, stay as they are. ``world_size`` and
-        ``device`` are the estimate's own keywords, never passed to the step. See ``zgraph.Estimate``."""
+        ``device`` are the estimate's own keywords, never passed to the step. See ``zgraph.Estimate``.
+
+        ``memory_budget`` (bytes per rank, ``"12GiB"``, ``"auto"``): returns the ``MemoryPlan`` the planner makes
+        for that budget instead (``plan.chosen.estimate`` is the chosen config's estimate). Without it, a step whose
+        config has a ``memory_budget`` is estimated as planned."""
         call = StepCall.of(self.__wrapped__, args, kwargs)
-        return estimate_step(call, self.config, world_size, device=device)
+        config = self.config
+        if memory_budget is not None:
+            return plan_memory(call, config, budget_bytes(memory_budget), world_size, device)
+        if config.memory_budget is not None:
+            config = plan_memory(call, config, config.memory_budget, world_size, device).config(config)
+        return estimate_step(call, config, world_size, device=device)
 
 
 def distribute(

@@ -7,7 +7,8 @@ beside it: see ``zgraph.inspect.estimate``).
 ``--budget`` finds the largest micro-batch that fits: every node's live bytes is linear in the micro-batch (the
 graph is the same, activations scale with it), so two traces (micro-batch 1 and 2) give the exact line per node;
 the answer is checked by a third trace. When even micro-batch 1 does not fit it says which stage and precision
-settings would.
+settings would. ``--budget`` with ``--plan`` instead prints the memory plan ``Config(memory_budget=...)`` would run
+at ``--micro-batch`` (``zgraph.inspect.budget``: remat, offload, reuse), without running it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from zgraph.binding.arguments import StepCall
 from zgraph.config import Config
 from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
 from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.errors import MemoryBudgetError
+from zgraph.inspect.budget import MemoryPlan, plan_memory
 from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model
 
@@ -83,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in ("param-dtype", "master-dtype", "optimizer-state-dtype", "autocast"):
         parser.add_argument(f"--{flag}", choices=sorted(DTYPES), default=None)
     parser.add_argument("--budget", default=None, help="memory per rank, e.g. 80GiB: the largest micro-batch that fits")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="with --budget: the memory plan (remat, offload, reuse) Config(memory_budget=...) runs at --micro-batch",
+    )
     parser.add_argument("--plot", default=None, help="PNG of live bytes over the step's nodes (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -123,6 +131,21 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
     opt.step()
     opt.zero_grad()
     return loss.detach()
+
+
+def run_plan(setting: Setting, micro_batch: int, budget: int) -> MemoryPlan:
+    """The memory plan for one setting at one micro-batch under ``budget`` (the model on the meta device)."""
+    build, _, _ = MODELS[setting.model]
+    with torch.device("meta"):
+        model = build()
+        idx = torch.zeros(micro_batch, setting.seq, dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    call = StepCall.of(_train_step, (model, opt, idx, idx), {})
+    with _gc_paused():
+        try:
+            return plan_memory(call, setting.config(), budget, setting.world, setting.device)
+        except MemoryBudgetError as error:
+            raise EstimateInputError(str(error)) from error
 
 
 def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
@@ -278,6 +301,13 @@ def run(args: argparse.Namespace) -> str:
     input."""
     setting = setting_from_args(args)
     budget = parse_bytes(args.budget) if args.budget is not None else None
+    if args.plan:
+        if budget is None:
+            raise EstimateInputError("--plan needs --budget (the memory per rank to plan for)")
+        plan = run_plan(setting, args.micro_batch, budget)
+        chosen = {"changes": plan.chosen.changes, **plan.chosen.estimate.to_json()}
+        out = {"model": setting.model, "micro_batch": args.micro_batch, "budget_bytes": budget, "plan": chosen}
+        return json.dumps(out, indent=2) if args.json else "\n".join(plan.lines())
     e = run_estimate(setting, args.micro_batch)
     out: dict = {"model": setting.model, "micro_batch": args.micro_batch, "seq": setting.seq, **e.to_json()}
     lines = [table(setting, args.micro_batch, e)]

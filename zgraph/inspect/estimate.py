@@ -57,6 +57,7 @@ from zgraph.graph import (
     CostModel,
     collective_bytes,
     collective_kind,
+    copy_graph_module,
     output_node,
     placeholders,
     state_key,
@@ -68,6 +69,8 @@ from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
 from zgraph.runtime.devices import served_backend
 from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
 from zgraph.runtime.state import Binding
+from zgraph.runtime.timeline import estimate as timeline
+from zgraph.runtime.timeline import transfer_seconds
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
@@ -101,6 +104,9 @@ class Estimate:
         device: the device type the step was planned for, ``"cpu"`` or ``"cuda"``; on ``"cuda"`` every byte count
             above that is memory (model state, peak, live bytes) counts CUDA caching-allocator blocks
             (``zgraph.inspect.liveness.cuda_block_bytes``), as ``torch.cuda.max_memory_allocated`` does.
+        step_seconds: predicted seconds of one call: compute and the communication it waits for, from the cost
+            model (``zgraph.runtime.timeline``), plus the offload tier's transfers at the tier's bandwidth. A
+            figure to compare configs by, not a measurement.
     """
 
     world_size: int
@@ -118,6 +124,7 @@ class Estimate:
     live_bytes: tuple[int, ...] = field(default=(), repr=False)
     nodes: int = 0
     device: str = "cpu"
+    step_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
@@ -136,6 +143,7 @@ class Estimate:
             "comm_ops": dict(self.comm_ops),
             "nodes": self.nodes,
             "device": self.device,
+            "step_seconds": self.step_seconds,
         }
 
 
@@ -154,6 +162,28 @@ def estimate_step(
     planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None: the device of the model's
     parameters, else the CPU). ``cost_model``: prices collectives (default: the one the step would plan with for
     the backend that serves the device)."""
+    prepared = prepare(call, config, world_size, cost_model, device)
+    return estimate_variant(prepared, config, copy=False)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A step captured once on stand-ins, to estimate under configs that differ only in what the passes do."""
+
+    captured: CapturedGraph
+    binding: Binding
+    group: ProcessGroupInfo
+    device: torch.device
+
+
+def prepare(
+    call: StepCall,
+    config: Config,
+    world_size: int | None = None,
+    cost_model: CostModel | None = None,
+    device: str | torch.device | None = None,
+) -> Prepared:
+    """The step of ``config`` making ``call`` captured on stand-ins (``estimate_step``'s arguments)."""
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     shadow, found = _shadow(call)
@@ -161,16 +191,21 @@ def estimate_step(
     group = _group(world_size, device)
     modules, optimizers = discover(shadow)
     binding = plan_state(config, group, modules, optimizers, device, cost_model or _cost_model(config, group, device))
-    captured = _capture(shadow, binding, config, device)
+    return Prepared(_capture(shadow, binding, config, device), binding, group, device)
+
+
+def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
+    """The ``Estimate`` of the prepared step through ``config``'s passes (on a copy of its graph where ``copy``)."""
+    captured, binding, device = prepared.captured, prepared.binding, prepared.device
     ctx = pass_context(binding)
-    records = run_pipeline(captured.gm, ctx, config.pipeline(), keep=False)  # only the final graph is read
-    transformed = records[-1].gm if records else captured.gm
-    backend_records, _ = lower(transformed, ctx, "eager", keep=False)  # the eager backend's rewrites: what runs
+    gm = copy_graph_module(captured.gm) if copy else captured.gm
+    records = run_pipeline(gm, ctx, config.pipeline(), keep=False)  # only the final graph is read
+    backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
     live = liveness(final, device.type)
     counts, sent, seconds, ops = _collectives(final, binding.cost_model)
     return Estimate(
-        world_size=group.world_size,
+        world_size=prepared.group.world_size,
         stage=config.stage,
         params=sum(r.tensor.numel() for r in binding.params),
         model_state_bytes=_model_state(final, captured, binding, config, device.type),
@@ -185,6 +220,7 @@ def estimate_step(
         live_bytes=live.live_bytes,
         nodes=len(final.graph.nodes),
         device=device.type,
+        step_seconds=timeline(final, binding.cost_model).total + transfer_seconds(final, device.type),
     )
 
 

@@ -1,0 +1,159 @@
+"""``Config.memory_budget``: the planner (``zgraph.inspect.budget``) picks, of the combinations of ``remat``,
+offload and stage 3's ``max_reuse_distance`` the user left at their defaults, the fastest whose estimated peak fits;
+the step then runs it, bitwise as without a budget, its measured peak (live tensor bytes) within the budget. A
+budget nothing fits is refused before anything changes, naming the smallest that fits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zgraph
+from zgraph.inspect.budget import candidates
+
+sys.path.insert(0, str(Path(__file__).parent))
+from budget_cases import setup, train  # noqa: E402
+from remat_cases import step  # noqa: E402
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("given", "nbytes"),
+    [(12 * 2**30, 12 * 2**30), ("12GiB", 12 * 2**30), ("500MB", 500 * 10**6), ("1.5 GiB", 3 * 2**29), ("64", 64)],
+)
+def test_budget_sizes(given, nbytes):
+    assert zgraph.Config(memory_budget=given).memory_budget == nbytes
+
+
+@pytest.mark.parametrize("given", [0, -5, "12 parsecs", "GiB", True, 1.5, [1]])
+def test_bad_budgets_are_refused(given):
+    with pytest.raises(ValueError, match="memory_budget"):
+        zgraph.Config(memory_budget=given)
+
+
+def test_remat_auto_needs_a_budget():
+    with pytest.raises(ValueError, match="memory_budget"):
+        zgraph.Config(remat="auto")
+    assert zgraph.Config(remat="auto", memory_budget="auto").memory_budget == "auto"
+
+
+def test_candidates_change_only_what_the_user_left_at_its_default():
+    plain = candidates(zgraph.Config(stage=3), "cpu")
+    assert {c["remat"] for c in plain} == {None, "selective", "full"}
+    assert not any("offload_optimizer" in c or "offload_params" in c for c in plain), "no tier saves CPU memory"
+    assert {c.get("max_reuse_distance", 0) > 0 for c in plain} == {False, True}
+    nvme = candidates(zgraph.Config(stage=3, offload_dir="/tmp"), "cpu")
+    assert {c.get("offload_optimizer") for c in nvme} == {None, "nvme"}
+    assert {c.get("offload_params") for c in nvme} == {None, "nvme"}
+    assert len(nvme) == 3 * 2 * 3 * 2
+    gpu = candidates(zgraph.Config(stage=2), "cuda")
+    assert {c.get("offload_optimizer") for c in gpu} == {None, "cpu"} and not any("offload_params" in c for c in gpu)
+    fixed = candidates(zgraph.Config(stage=3, remat="full", max_reuse_distance=10, offload_optimizer="cpu"), "cuda")
+    assert {c["remat"] for c in fixed} == {"full"}
+    assert not any("max_reuse_distance" in c or "offload_optimizer" in c for c in fixed)
+    assert not any(c["remat"] == "full" for c in candidates(zgraph.Config(), "cpu", has_blocks=False))
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """Estimated peak of each remat policy on the case's model (the combinations a 1-process CPU plan has)."""
+    model, opt, batches = setup()
+    planned = zgraph.distribute(zgraph.Config(backend="eager"))(step)
+    plan = planned.estimate(model, opt, *batches[0], memory_budget=2**40)
+    got = {c.changes["remat"]: c.estimate.peak_bytes for c in (plan.chosen, *plan.nearest)}
+    assert got[None] > got["selective"] > got["full"], got
+    return got
+
+
+def test_the_plan_is_the_fastest_combination_that_fits(peaks):
+    model, opt, batches = setup()
+    planned = zgraph.distribute(zgraph.Config(backend="eager"))(step)
+    for budget, want in [(peaks[None], None), (peaks[None] - 1, "selective"), (peaks["selective"] - 1, "full")]:
+        plan = planned.estimate(model, opt, *batches[0], memory_budget=budget)
+        assert plan.chosen.changes["remat"] == want, (budget, plan.lines())
+        assert plan.chosen.estimate.peak_bytes <= budget
+        assert all(plan.chosen.estimate.step_seconds <= c.estimate.step_seconds for c in plan.nearest)
+        assert "memory plan" in "\n".join(plan.lines())
+
+
+def test_an_impossible_budget_is_refused_before_anything_changes(peaks):
+    model, opt, batches = setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    planned = zgraph.distribute(zgraph.Config(backend="eager", memory_budget=peaks["full"] - 1))(step)
+    with pytest.raises(zgraph.MemoryBudgetError, match=f"at least {peaks['full'] / MiB:.1f} MiB") as error:
+        planned(model, opt, *batches[0])
+    assert "remat='full'" in str(error.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    assert planned.memory_plan is None
+
+
+def test_a_budgeted_step_fits_and_trains_as_without_a_budget(peaks):
+    """One process: a budget between the selective and full peaks makes the step recompute whole blocks; its
+    measured peak is within the budget, and it trains bitwise as the step without one."""
+    budget = (peaks["selective"] + peaks["full"]) // 2
+    got = train(zgraph.Config(backend="eager", memory_budget=budget))
+    want = train(zgraph.Config(backend="eager"))
+    assert got["chosen"] == {"remat": "full"}
+    assert got["peak"] <= budget, (got["peak"], budget)
+    assert abs(got["peak"] - got["estimated_peak"]) <= 0.02 * got["estimated_peak"]
+    assert all(torch.equal(a, b) for a, b in zip(got["losses"], want["losses"]))
+    assert all(torch.equal(got["params"][k], v) for k, v in want["params"].items())
+    assert "memory plan" in got["explain"] and "remat='full'" in got["explain"]
+
+
+def test_estimate_of_a_budgeted_step_is_its_plan(peaks):
+    model, opt, batches = setup()
+    budget = (peaks["selective"] + peaks["full"]) // 2
+    planned = zgraph.distribute(zgraph.Config(backend="eager", memory_budget=budget))(step)
+    assert planned.estimate(model, opt, *batches[0]).peak_bytes == peaks["full"]
+
+
+def test_two_ranks_at_stage_3_with_nvme_offload_to_choose_from(tmp_path):
+    """Two ranks, stage 3, ``offload_dir`` set: the plan may offload optimizer states and parameter shards to NVMe
+    files too. Under a budget below the no-remat peak each rank's measured peak fits, and training is bitwise
+    as without a budget."""
+    from dist_harness import run_ranks
+
+    model, opt, batches = setup(0, 2)
+    config = zgraph.Config(stage=3, backend="eager", param_persistence_threshold=0, offload_dir=str(tmp_path))
+    budget = int(0.8 * zgraph.distribute(config)(step).estimate(model, opt, *batches[0], world_size=2).peak_bytes)
+    out = tmp_path / "results.pt"
+    run_ranks(2, "budget_cases.run", str(out), 3, budget, timeout=600)
+    results = torch.load(out, weights_only=False)
+    planned, plain = results["planned"], results["plain"]
+    assert planned["chosen"] not in (None, {"remat": None}), "the plan must change something to fit"
+    assert all(peak <= budget for peak in results["peaks"]), (results["peaks"], budget)
+    assert all(torch.equal(a, b) for a, b in zip(planned["losses"], plain["losses"]))
+    assert all(torch.equal(planned["params"][k], v) for k, v in plain["params"].items())
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "zgraph.cli", "estimate", "--model", "gpt-bench", "--world", "2", *argv]
+    return subprocess.run(command, capture_output=True, text=True, cwd=root, env=env)
+
+
+def test_cli_prints_the_plan_for_a_budget():
+    done = _cli("--micro-batch", "8", "--budget", "100MiB", "--plan", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)["plan"]
+    assert plan["peak_bytes"] <= 100 * MiB and plan["changes"]["remat"] in ("selective", "full")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["--plan"], "--plan needs --budget"), (["--budget", "1MiB", "--plan"], "cannot be met: the smallest estimated")],
+)
+def test_cli_plan_refusals_are_one_line(argv, says):
+    done = _cli(*argv)
+    assert done.returncode == 1 and not done.stdout
+    assert done.stderr.strip().splitlines()[-1].startswith("zgraph estimate: ") and says in done.stderr, done.stderr

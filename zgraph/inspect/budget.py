@@ -1,0 +1,185 @@
+"""The memory plan (``Config.memory_budget``): of the configs a budget may choose between, the one predicted
+fastest whose estimated peak fits.
+
+Choices (each only where the user left the field at its default, and where it changes anything):
+
+* ``remat``: None, ``"selective"``, ``"full"`` (``"full"`` only for a model with repeated blocks);
+* stage 3: ``max_reuse_distance`` 0 (gather for every use region) or every parameter (gathered once per step);
+* where an offload tier saves memory (a GPU model: pinned host memory; a CPU model: NVMe files, when
+  ``offload_dir`` is set): optimizer states (``offload_fraction`` 0, 0.5 or 1) at stage >= 1, and stage 3's
+  parameter shards.
+
+The step is captured once, on stand-ins (``zgraph.inspect.estimate.prepare``); every combination runs through its
+own passes and is estimated: peak bytes by liveness, time by ``Estimate.step_seconds`` (compute and exposed
+communication from the cost model, plus the tier's transfers). The fastest that fits wins; ties go to the smaller
+peak. Plain search, not a solver: a few dozen estimates of one captured graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zgraph.binding.arguments import StepCall
+from zgraph.config import Config
+from zgraph.errors import MemoryBudgetError
+from zgraph.graph import BLOCK, CUSTOM
+from zgraph.inspect.estimate import Estimate, estimate_variant, prepare
+
+_NEVER_REGATHER = 2**62  # max_reuse_distance that keeps every gathered parameter for the whole step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """One combination the planner estimated.
+
+    Attributes:
+        changes: the ``Config`` fields it sets (``{}``: the config as given).
+        estimate: its estimate (``peak_bytes``, ``step_seconds``...).
+    """
+
+    changes: dict[str, Any]
+    estimate: Estimate
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.changes.items() if k != "max_reuse_distance")
+        if self.changes.get("max_reuse_distance"):
+            shown += (", " if shown else "") + "max_reuse_distance=<all parameters>"
+        return shown or "the config as given"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """What ``Config.memory_budget`` chose for a step.
+
+    Attributes:
+        budget: the budget, in bytes per rank.
+        chosen: the combination that runs.
+        nearest: the two next-fastest combinations that also fit (fewer where fewer fit).
+        considered: how many combinations were estimated.
+    """
+
+    budget: int
+    chosen: Choice
+    nearest: tuple[Choice, ...]
+    considered: int
+
+    def config(self, base: Config) -> Config:
+        """``base`` with the plan's choices, and no budget left to plan for."""
+        return dataclasses.replace(base, memory_budget=None, **self.chosen.changes)
+
+    def lines(self) -> list[str]:
+        """The plan as ``explain()`` prints it."""
+        out = [f"memory plan: budget {_mib(self.budget)} per rank, {self.considered} combinations estimated"]
+        for label, choice in [("chosen", self.chosen), *(("next", c) for c in self.nearest)]:
+            e = choice.estimate
+            out.append(
+                f"  {label:<7} peak {_mib(e.peak_bytes):>11}  step {e.step_seconds * 1e3:9.3f} ms  {choice.describe()}"
+            )
+        return out
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def candidates(config: Config, device_type: str, has_blocks: bool = True) -> list[dict[str, Any]]:
+    """The combinations of choices the planner may make for ``config`` (module docstring), as field changes."""
+    remats = [None, "selective", "full"] if config.remat in (None, "auto") else [config.remat]
+    if not has_blocks:
+        remats = [r for r in remats if r != "full"]
+    reuse = [0, _NEVER_REGATHER] if config.stage == 3 and config.max_reuse_distance == 0 else [None]
+    tier = "cpu" if device_type != "cpu" else ("nvme" if config.offload_dir is not None else None)
+    optimizer = [0.0, 0.5, 1.0] if tier and config.stage >= 1 and config.offload_optimizer is None else [None]
+    params = [None, tier] if tier and config.stage == 3 and config.offload_params is None else [None]
+    out = []
+    for remat, distance, fraction, param_tier in itertools.product(remats, reuse, optimizer, params):
+        changes: dict[str, Any] = {"remat": remat}
+        if distance:
+            changes["max_reuse_distance"] = distance
+        if fraction:
+            changes.update(offload_optimizer=tier, offload_fraction=fraction)
+        if param_tier:
+            changes["offload_params"] = param_tier
+        out.append(changes)
+    return out
+
+
+def plan_memory(
+    call: StepCall,
+    config: Config,
+    budget: int | str,
+    world_size: int | None = None,
+    device: str | torch.device | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> MemoryPlan:
+    """The plan for ``call`` under ``budget`` (bytes per rank, or ``"auto"``). Raises ``MemoryBudgetError``, naming
+    the smallest budget that fits and what fills it, when nothing fits. ``"auto"`` takes the least free memory
+    over ``process_group`` (None: the default group)."""
+    capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)  # marks the blocks
+    prepared = prepare(call, capture_config, world_size, device=device)
+    nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
+    has_blocks = _has_blocks(prepared.captured.gm)
+    choices = []
+    for changes in candidates(config, prepared.device.type, has_blocks):
+        variant = dataclasses.replace(config, memory_budget=None, **changes)
+        choices.append(Choice(changes=changes, estimate=estimate_variant(prepared, variant)))
+    fits = sorted(
+        (c for c in choices if c.estimate.peak_bytes <= nbytes),
+        key=lambda c: (c.estimate.step_seconds, c.estimate.peak_bytes),
+    )
+    if not fits:
+        raise _impossible(nbytes, choices)
+    return MemoryPlan(budget=nbytes, chosen=fits[0], nearest=tuple(fits[1:3]), considered=len(choices))
+
+
+def _has_blocks(gm: torch.fx.GraphModule) -> bool:
+    return any((n.meta.get(CUSTOM) or {}).get(BLOCK) for n in gm.graph.nodes)
+
+
+def _impossible(nbytes: int, choices: list[Choice]) -> MemoryBudgetError:
+    """The error for a budget nothing fits: the smallest peak, its combination, and what is alive at it."""
+    least = min(choices, key=lambda c: c.estimate.peak_bytes)
+    e = least.estimate
+    state = ", ".join(f"{k} {_mib(v)}" for k, v in e.model_state_bytes.items() if v and k != "total")
+    largest = ", ".join(f"{name} {_mib(b)}" for name, b in e.alive_at_peak[:3])
+    return MemoryBudgetError(
+        f"Config.memory_budget={_mib(nbytes)} per rank cannot be met: the smallest estimated peak of the "
+        f"{len(choices)} combinations zgraph may choose is {_mib(e.peak_bytes)} ({least.describe()}), at node "
+        f"{e.peak_node}. Model state held between steps: {state or 'none'}; the largest tensors alive at the peak: "
+        f"{largest}. Raise the budget to at least {_mib(e.peak_bytes)}, shard more (a higher stage, more ranks), "
+        "set offload_dir (NVMe offload on a CPU model), or use a smaller batch."
+    )
+
+
+def free_bytes(device: torch.device, process_group: dist.ProcessGroup | None = None) -> int:
+    """``memory_budget="auto"``: the device's free memory — on CUDA what ``cudaMemGetInfo`` calls free plus what
+    this process's allocator holds; on the CPU the host's available memory over the node's ranks — the least over
+    the ranks of ``process_group`` (None: the default group)."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+    else:
+        free = _available_host_bytes() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        nccl = dist.get_backend(process_group) == "nccl"
+        held = torch.tensor([free], dtype=torch.int64, device=device if nccl else "cpu")
+        dist.all_reduce(held, op=dist.ReduceOp.MIN, group=process_group)
+        free = int(held.item())
+    return free
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
