@@ -19,8 +19,8 @@ Rewrite, for each planned value (``key``: its position in the plan):
 
 The pass runs after ``remat`` (a recomputed value is not saved, so it is not offloaded; the saved values that
 recomputations read are) and before the sharding passes (their gathers and reductions never see a stash). In split
-mode (a joint graph with tangent inputs, cut into a forward and a backward graph run in two calls) the saved values
-are autograd's, kept between the calls: the pass leaves that graph as it is. Training is bitwise the same: only
+mode (``ctx.split``: a joint graph cut into a forward and a backward graph run in two calls) the saved values are
+autograd's, kept between the calls: the pass leaves that graph as it is. Training is bitwise the same: only
 where values are kept changes, never an operation.
 
 Later passes may rely on: stash nodes are forward-phase, unstash nodes backward-phase; no other node changed.
@@ -33,7 +33,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import BACKWARD, FORWARD, INPUT, OPTIMIZER, PHASE, VAL, insert, offload_moves, placeholders
+from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, VAL, insert, offload_moves
 from zgraph.ops import STASH, UNSTASH
 from zgraph.passes.pipeline import PassContext
 
@@ -47,7 +47,7 @@ def offload_activations(
 
     ``tier``: ``Config.offload_activations`` (``"cpu"`` changes the graph only when ``ctx.device_type`` is not the
     CPU); ``min_bytes``: smaller values stay where they are."""
-    if not offload_moves(tier, ctx.device_type) or any(n.meta[INPUT].kind == "tangent" for n in placeholders(gm)):
+    if not offload_moves(tier, ctx.device_type) or ctx.split:
         return gm
     offload_values(gm, plan_offload_activations(gm, min_bytes=min_bytes, host_too=tier == "nvme"))
     return gm

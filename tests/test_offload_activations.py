@@ -15,7 +15,7 @@ import pytest
 import torch
 from offload_activations_cases import VARIANTS, train
 from pass_graphs import Builder, aten, context, count
-from remat_cases import Net, step
+from remat_cases import Net, step, train_split
 
 import zgraph
 from zgraph.graph import BACKWARD, FORWARD, PHASE, GraphOutput
@@ -178,6 +178,16 @@ def test_composes_with_offloaded_optimizer_states(tmp_path):
     got = train(config)
     assert got[2] > 0
     _equal(got, want, "with offload_optimizer")
+
+
+def test_split_mode_is_left_as_it_is(tmp_path):
+    """Split mode: the forward and the backward run in two calls and autograd keeps the saved values between them;
+    the pass leaves the joint graph unchanged, and training is as without offload."""
+    config = zgraph.Config(backend="eager", offload_activations="nvme", offload_dir=tmp_path)
+    got, want = train_split(config), train_split(zgraph.Config(backend="eager"))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    assert all(torch.equal(got[1][k], v) for k, v in want[1].items())
+    assert not any(os.listdir(os.path.join(tmp_path, d)) for d in os.listdir(tmp_path))
 
 
 @pytest.fixture(scope="module")

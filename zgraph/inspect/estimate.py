@@ -162,7 +162,7 @@ def estimate_step(
     modules, optimizers = discover(shadow)
     binding = plan_state(config, group, modules, optimizers, device, cost_model or _cost_model(config, group, device))
     captured = _capture(shadow, binding, config, device)
-    ctx = pass_context(binding)
+    ctx = pass_context(binding, split=captured.split is not None)
     records = run_pipeline(captured.gm, ctx, config.pipeline(), keep=False)  # only the final graph is read
     transformed = records[-1].gm if records else captured.gm
     backend_records, _ = lower(transformed, ctx, "eager", keep=False)  # the eager backend's rewrites: what runs
