@@ -4,14 +4,14 @@ the graph (activations live only within a step).
 
 * ``"nvme"``: one file per stashed value under a per-process subdirectory of ``offload_dir``
   (``zgraph-activations-<pid>-*``), written behind on an I/O thread of the tier's own (at most ``window`` bytes
-  of writes in flight; the value is held, not copied, until its write is done: nothing reads or reuses it after
-  its stash) and read ahead on the same thread. A value on a device is first copied to host memory (synchronously,
+  of writes in flight, each from a copy: a compiled graph may reuse a dead value's buffer) and read ahead on the
+  same thread. A value on a device is first copied to host memory (synchronously,
   for now). Each file is removed once read back; whatever is left (a step that failed) is removed after the step,
   and the directory when the tier is dropped or at exit.
 * ``"cpu"`` for a model on CUDA: a pinned host buffer per value, copied to and from the device on a copy stream of
-  the tier's own (the compute stream waits for a read only where ``unstash`` returns it; ``record_stream`` keeps
-  the device memory for the copies); elsewhere (the tests' stand-in device) synchronous copies to host memory.
-  Buffers are dropped once read back, and after the step.
+  the tier's own, from a device copy of the value (the compute stream waits for a read only where ``unstash``
+  returns it; ``record_stream`` keeps the device memory for the copies); elsewhere (the tests' stand-in device)
+  synchronous copies to host memory. Buffers are dropped once read back, and after the step.
 
 Reads ahead follow the order of the graph's unstash nodes: after each stash and each unstash, the next values to
 come back, already stashed, are read while their bytes fit ``window`` (``Config.prefetch_bytes``; one at least).
@@ -79,6 +79,8 @@ class ActivationFiles:
         if value.device.type != "cpu":
             with host_read("offload_activations: a saved activation copied to host memory for its file"):
                 value = value.to("cpu")
+        else:  # a copy: a compiled graph (inductor) may reuse a dead value's buffer while the thread writes it
+            value = value.clone(memory_format=torch.contiguous_format)
         value = value.contiguous()
         nbytes = value.numel() * value.element_size()
         self._reserve(key, nbytes)
@@ -148,7 +150,8 @@ class ActivationHost:
                 self._blocks[key] = value.to("cpu", copy=True).contiguous()
             return _Done()
         host = self._blocks[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        return self._copy(host, value.contiguous(), value)
+        # from a copy of its own: a compiled graph (inductor) may reuse a dead value's buffer on the compute stream
+        return self._copy(host, value.clone(memory_format=torch.contiguous_format), value)
 
     def get(self, key: int, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Any:
         host = self._blocks.pop(key)
