@@ -10,6 +10,7 @@ Files::
     graph_utils.py           helpers the passes share: graph outputs and their roles, shard values
     cse.py                   ``cse``: merge nodes computing the same pure op on the same inputs
     remat.py                 ``remat``: forward values recomputed in the backward instead of kept
+    offload_activations.py   ``offload_activations``: saved activations kept in a slower tier until the backward
     reduce_scatter_grads.py  ``reduce_scatter_grads``: local gradients become the global batch's
     shard_optimizer.py       ``shard_optimizer`` (stage >= 1): each rank updates only its shard
     shard_params.py          ``shard_params`` (stage 3): parameters enter and leave as this rank's shard
@@ -36,6 +37,7 @@ from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.offload import offload
+from zgraph.passes.offload_activations import offload_activations
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
     PROPERTY_CHECKS,
@@ -65,6 +67,7 @@ def default_pipeline(
     offload_fraction: float = 1.0,
     offload_params: str | None = None,
     remat_policy: str | None = None,
+    offload_activations_tier: str | None = None,
 ) -> list[Pass]:
     """The passes of a distributed step, in order, with their options bound (``functools.partial``).
 
@@ -74,6 +77,7 @@ def default_pipeline(
     return [
         Pass("cse", eliminate_common_subexpressions),
         Pass("remat", bind(remat, policy=remat_policy), requires={"phases"}),
+        Pass("offload_activations", bind(offload_activations, tier=offload_activations_tier), requires={"phases"}),
         Pass("shard_optimizer", bind(shard_optimizer, stage=stage), requires={"phases"}),
         Pass(
             "reduce_scatter_grads",

@@ -45,6 +45,8 @@ class PassContext:
         params: per-parameter information, indexed like the graph's parameter inputs.
         cost_model: collective latency and bandwidth, compute speed (``zgraph.runtime.cost_model.CostModel``),
             identical on every rank; None where planning must not depend on one.
+        split: the graph is a split step's joint graph (its tangents are inputs of kind ``input``), cut into a
+            forward and a backward graph after the passes, run in two calls.
     """
 
     world_size: int = 1
@@ -54,6 +56,7 @@ class PassContext:
     device_type: str = "cpu"
     params: tuple[ParamInfo, ...] = ()
     cost_model: CostModel | None = None
+    split: bool = False
 
     @property
     def distributed(self) -> bool:

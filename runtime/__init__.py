@@ -16,6 +16,7 @@ Files::
     offload_store.py   what every offload tier does around a graph
     offload_host.py    the ``"cpu"`` tier: device state kept in host memory
     offload_nvme.py    the ``"nvme"`` tier: state kept in files
+    offload_activations.py  the activation tier: saved activations between forward and backward, within a step
     host_memory.py     freed host memory kept for the next step
     reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
     executor.py        backends that turn the final graph into something to call

@@ -83,6 +83,8 @@ class Binding:
         self.device = torch.device("cpu")  # where the state lives (zgraph.runtime.devices.state_device)
         self.backend: str | None = None  # the group's backend for that device; None: the group's own name
         self.offload: Any = None  # the offload tier's store (zgraph.runtime.offload), set when the step binds
+        self.activations: Any = None  # the activation tier (zgraph.runtime.offload_activations), set likewise
+        self.activations_window = 0  # its read-ahead and write-behind bytes (Config.prefetch_bytes)
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}

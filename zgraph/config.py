@@ -30,6 +30,7 @@ from zgraph.config_checks import (
     check_float_dtype,
     check_max_grad_norm,
     check_offload,
+    check_offload_activations,
     check_precision,
     check_remat,
     check_size,
@@ -236,6 +237,15 @@ class Config:
     parameters first; 1.0 (default) moves all, 0.0 none. DeepSpeed's ``offload_optimizer.ratio``
     (ZeRO-Offload++)."""
 
+    offload_activations: str | None = field(default=None, metadata=_pass_option("offload_activations_tier"))
+    """Where saved activations (forward values the backward reads) live between their last forward use and their
+    first backward use: None (default), in memory. ``"cpu"``: host memory, for a model on a GPU (pinned, copied on a
+    stream of its own; on a CPU machine the identity). ``"nvme"``: files under ``offload_dir``. The
+    ``offload_activations`` pass puts a ``zgraph.stash`` node after each one's last forward use and a
+    ``zgraph.unstash`` node before its first backward use; the runtime reads them back ahead, within
+    ``prefetch_bytes``, and frees them after each step. Bitwise as without offload; combines with ``remat`` (what it
+    recomputes is not saved) and any stage. Split mode keeps autograd's saved values (unchanged)."""
+
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, _STAGES, int)
         check_choice("backend", self.backend, _BACKENDS, str)
@@ -268,6 +278,7 @@ class Config:
             offload_dir=self.offload_dir,
             offload_fraction=self.offload_fraction,
         )
+        check_offload_activations(self.offload_activations, self.offload_dir)
         object.__setattr__(self, "disable_passes", as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", as_pass_tuple(self.extra_passes))
 

@@ -192,6 +192,17 @@ def check_offload(
         )
 
 
+def check_offload_activations(tier: object, offload_dir: object) -> None:
+    """``Config.offload_activations``: None, ``"cpu"`` or ``"nvme"`` (which needs ``offload_dir``); any stage."""
+    if tier not in _OFFLOAD_TIERS or isinstance(tier, bool):
+        raise ValueError(f'Config.offload_activations must be None, "cpu" or "nvme"; got {tier!r}')
+    if tier == "nvme" and offload_dir is None:
+        raise ValueError(
+            'Config.offload_activations="nvme" needs offload_dir: the directory the saved activations\' files are '
+            "written in"
+        )
+
+
 def module_classes(name: str, value: object) -> tuple[type[nn.Module], ...]:
     """``value`` as a tuple of ``nn.Module`` subclasses (a list or a single class accepted), else a ValueError."""
     classes = (value,) if isinstance(value, type) else value

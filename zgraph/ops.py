@@ -253,13 +253,23 @@ def _flag_to_host_fake(flag: Tensor) -> Tensor:
 
 
 class OffloadTier:
-    """Where ``reload`` reads and ``write_back`` writes; the runtime's store implements it."""
+    """Where ``reload`` reads and ``write_back`` writes (the runtime's store), and where ``stash`` puts a saved
+    activation and ``unstash`` reads it back within one run of the graph (``zgraph.runtime.offload_activations``).
+    The ``offload_activations`` pass sends a forward value the backward reads to ``stash(value, key)`` right after
+    its last forward use (it may die there); its backward readers read ``unstash(token, key, ...)`` instead."""
 
     def read(self, slot: int, like: Tensor) -> Tensor:
         """A new tensor of ``like``'s shape and dtype holding the state of input ``slot``."""
         raise NotImplementedError
 
     def write(self, slot: int, value: Tensor) -> None:
+        raise NotImplementedError
+
+    def stash(self, key: int, value: Tensor) -> None:
+        raise NotImplementedError
+
+    def unstash(self, key: int, like: Tensor) -> Tensor:
+        """A new tensor of ``like``'s shape, strides and dtype (``like`` is on meta) holding ``stash``'s value."""
         raise NotImplementedError
 
 
@@ -304,6 +314,29 @@ def write_back(value: Tensor, slot: int) -> Tensor:
 @write_back.register_fake
 def _write_back_fake(value: Tensor, slot: int) -> Tensor:
     return value.new_empty(0)
+
+
+@torch.library.custom_op("zgraph::stash", mutates_args=())
+def stash(value: Tensor, key: int) -> Tensor:
+    """Send the saved activation ``key`` to the tier; returns an empty token (which ``unstash`` reads)."""
+    _tier().stash(key, value)
+    return value.new_empty(0)
+
+
+@stash.register_fake
+def _stash_fake(value: Tensor, key: int) -> Tensor:
+    return value.new_empty(0)
+
+
+@torch.library.custom_op("zgraph::unstash", mutates_args=())
+def unstash(token: Tensor, key: int, size: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
+    """The saved activation ``key`` back from the tier: a new tensor of ``size``, ``stride`` and ``dtype``."""
+    return _tier().unstash(key, torch.empty_strided(size, stride, dtype=dtype, device="meta"))
+
+
+@unstash.register_fake
+def _unstash_fake(token: Tensor, key: int, size: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=token.device)
 
 
 # ------------------------------------------------------------------------------------------ generator state
@@ -362,3 +395,6 @@ SET_RNG_STATE = torch.ops.zgraph.set_rng_state.default
 torch.fx.node.has_side_effect(SET_RNG_STATE)  # kept with its token unused, whatever the caller's DCE assumes
 RELOAD = torch.ops.zgraph.reload.default
 WRITE_BACK = torch.ops.zgraph.write_back.default
+STASH = torch.ops.zgraph.stash.default
+UNSTASH = torch.ops.zgraph.unstash.default
+torch.fx.node.has_side_effect(STASH)

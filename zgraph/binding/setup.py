@@ -40,6 +40,8 @@ from zgraph.runtime.meta_init import (
     swap_storage,
 )
 from zgraph.runtime.offload import check_offload_device, open_store
+from zgraph.runtime.offload_activations import open_activation_tier
+from zgraph.runtime.offload_store import DEFAULT_WINDOW
 from zgraph.runtime.process_group import ProcessGroupInfo, check_one_device_per_rank
 from zgraph.runtime.sharded_state import (
     apply_plan,
@@ -63,6 +65,8 @@ def bind_state(
     binding = lay_out(config, group, channel, Binding(modules, optimizers))
     device = binding.device
     binding.offload = open_store(config, device)
+    binding.activations = open_activation_tier(config, device)
+    binding.activations_window = config.prefetch_bytes if isinstance(config.prefetch_bytes, int) else DEFAULT_WINDOW
     if binding.offload is not None:
         binding.offload.watch([o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
     if config.keep_host_memory and device.type == "cpu":

@@ -19,7 +19,7 @@ def compile_step(
 ) -> CompiledStep:
     """Transform ``captured`` with ``pipeline`` and compile it for ``backend``."""
     assert captured.gm is not None
-    ctx = pass_context(binding)
+    ctx = pass_context(binding, split=captured.split is not None)
     records = run_pipeline(captured.gm, ctx, list(pipeline))
     transformed = records[-1].gm if records else captured.gm
     split = None
@@ -46,9 +46,9 @@ def compile_step(
     )
 
 
-def pass_context(binding: Binding) -> PassContext:
+def pass_context(binding: Binding, split: bool = False) -> PassContext:
     """What the passes know of a bound step: its parameters (shape, dtype, shard spec, persistence), its process
-    group and the cost model."""
+    group and the cost model; ``split``: a split step's joint graph."""
     plan = binding.plan
     params = tuple(
         ParamInfo(
@@ -71,4 +71,5 @@ def pass_context(binding: Binding) -> PassContext:
         device_type=binding.device.type,
         params=params,
         cost_model=binding.cost_model,
+        split=split,
     )

@@ -4,6 +4,7 @@ what the graph does not hold restored (None grads, Python state, LR schedulers s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from torch import Tensor
@@ -13,6 +14,7 @@ from zgraph.capture.captured import Returned
 from zgraph.compile.variant import CompiledStep
 from zgraph.graph import INPUT, OFFLOADED, VAL, placeholders, state_key, tensor_bytes
 from zgraph.ops import offload_tier
+from zgraph.runtime.offload_activations import ActivationStash, unstash_order
 from zgraph.runtime.offload_store import TierStore
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
@@ -32,8 +34,7 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list[tuple[str, 
             kernel = zopt.kernel_for(opt)
             hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
     inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
-    outputs = _run_offloaded(compiled, store, inputs) if store is not None else compiled.executable.run(inputs)
-    outputs = list(outputs)
+    outputs = list(_run_graph(compiled, binding, store, inputs))
     unalias(outputs, inputs, compiled.executable.updated_inputs)
     user_values = []
     for value, role in zip(outputs, compiled.output_roles):
@@ -42,6 +43,30 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list[tuple[str, 
         elif role.kind != OFFLOADED:  # the graph wrote those to the offload tier itself
             io.write(role, value, user_tensors)
     return finish_call(compiled, binding, user_tensors, user_values)
+
+
+def _run_graph(compiled: CompiledStep, binding: Binding, store: TierStore | None, inputs: list) -> Sequence:
+    """Run the graph, with the offload tier serving its reload / write_back nodes and the activation tier its
+    stash / unstash nodes (``Config.offload_activations``), where it has them."""
+    tier = getattr(binding, "activations", None)
+    order = unstash_order(compiled.final) if tier is not None else []
+    graph = lambda: compiled.executable.run(inputs)
+    if order:
+        window = binding.activations_window
+        graph = functools.partial(run_stashed, ActivationStash(tier, order, window, store), graph)
+    return _run_offloaded(compiled, store, inputs, graph) if store is not None else graph()
+
+
+def run_stashed(stashes: ActivationStash, run_graph: Callable) -> Sequence:
+    """``run_graph()`` with ``stashes`` serving the graph's stash / unstash nodes; freed after it, or its failure."""
+    try:
+        with offload_tier(stashes):
+            outputs = run_graph()
+    except BaseException:
+        stashes.finish(raise_error=False)
+        raise
+    stashes.finish()
+    return outputs
 
 
 def reserve_offload(compiled: CompiledStep, store: TierStore) -> None:
@@ -55,7 +80,7 @@ def reserve_offload(compiled: CompiledStep, store: TierStore) -> None:
     )
 
 
-def _run_offloaded(compiled: CompiledStep, store: TierStore, inputs: list) -> Sequence:
+def _run_offloaded(compiled: CompiledStep, store: TierStore, inputs: list, graph: Callable) -> Sequence:
     """Run the graph with the offload tier serving its reload / write_back nodes (``run_offloaded``)."""
     specs = compiled.input_specs
     for attribute, kind, layout in (("bytes_total", "opt_state", None), ("param_bytes_total", "param", "shard")):
@@ -64,7 +89,7 @@ def _run_offloaded(compiled: CompiledStep, store: TierStore, inputs: list) -> Se
             setattr(store, attribute, sum(t.numel() * t.element_size() for t in mine))
     order = compiled.offloaded_inputs
     slots = {i: (state_key(specs[i]), inputs[i]) for i in order}
-    return run_offloaded(store, order, slots, inputs, lambda: compiled.executable.run(inputs))
+    return run_offloaded(store, order, slots, inputs, graph)
 
 
 def run_offloaded(

@@ -197,7 +197,7 @@ def prepare(
 def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
     """The ``Estimate`` of the prepared step through ``config``'s passes (on a copy of its graph where ``copy``)."""
     captured, binding, device = prepared.captured, prepared.binding, prepared.device
-    ctx = pass_context(binding)
+    ctx = pass_context(binding, split=captured.split is not None)
     gm = copy_graph_module(captured.gm) if copy else captured.gm
     records = run_pipeline(gm, ctx, config.pipeline(), keep=False)  # only the final graph is read
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
