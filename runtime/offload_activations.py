@@ -34,7 +34,7 @@ from torch import Tensor
 
 from zgraph.graph import offload_moves
 from zgraph.ops import UNSTASH, OffloadTier, host_read
-from zgraph.runtime.offload_nvme import _LIVE_DIRS, _load_file, _write
+from zgraph.runtime.offload_nvme import LIVE_DIRS, load_file, write_file
 from zgraph.runtime.offload_store import DEFAULT_WINDOW, OffloadError, State
 
 
@@ -67,7 +67,7 @@ class ActivationFiles:
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
             raise OffloadError(f"zgraph offload: Config.offload_dir {directory!r} is not a writable directory")
         self.path = tempfile.mkdtemp(prefix=f"zgraph-activations-{os.getpid()}-", dir=directory)
-        _LIVE_DIRS[self.path] = None
+        LIVE_DIRS[self.path] = None
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zgraph-activations")
         self._finalizer = weakref.finalize(self, _remove, self.path, self._io)
         self._finalizer.atexit = False  # at exit offload_nvme removes the live directories
@@ -84,7 +84,7 @@ class ActivationFiles:
         value = value.contiguous()
         nbytes = value.numel() * value.element_size()
         self._reserve(key, nbytes)
-        return self._io.submit(_write, self._file(key), value, nbytes, True)
+        return self._io.submit(write_file, self._file(key), value, nbytes, True)
 
     def get(self, key: int, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> _Moved:
         return _Moved(self._io.submit(_read_file, self._file(key), shape, dtype), device)
@@ -111,7 +111,7 @@ class ActivationFiles:
 def _read_file(path: str, shape: torch.Size, dtype: torch.dtype) -> Tensor:
     out = torch.empty(shape, dtype=dtype)
     state = State((), out.numel() * out.element_size(), (path,))
-    _load_file(state, out)
+    load_file(state, out)
     os.unlink(path)
     return out
 
@@ -119,7 +119,7 @@ def _read_file(path: str, shape: torch.Size, dtype: torch.dtype) -> Tensor:
 def _remove(path: str, io: ThreadPoolExecutor) -> None:
     io.shutdown(wait=True)
     shutil.rmtree(path, ignore_errors=True)
-    _LIVE_DIRS.pop(path, None)
+    LIVE_DIRS.pop(path, None)
 
 
 class _Copied:

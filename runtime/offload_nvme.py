@@ -32,14 +32,14 @@ from torch import Tensor
 from zgraph.runtime.host_memory import return_freed_host_memory
 from zgraph.runtime.offload_store import DEFAULT_WINDOW, OffloadError, State, TierStore, restore
 
-_LIVE_DIRS: dict[str, None] = {}
+LIVE_DIRS: dict[str, None] = {}
 
 
 @atexit.register
 def _remove_all() -> None:
-    for path in list(_LIVE_DIRS):
+    for path in list(LIVE_DIRS):
         shutil.rmtree(path, ignore_errors=True)
-    _LIVE_DIRS.clear()
+    LIVE_DIRS.clear()
 
 
 def _bytes_of(t: Tensor) -> memoryview:
@@ -71,7 +71,7 @@ class NvmeStore(TierStore):
         except OSError as error:
             raise OffloadError(f"zgraph offload: cannot create a directory in {directory!r}: {error}") from error
         super().__init__(window)
-        _LIVE_DIRS[self.path] = None
+        LIVE_DIRS[self.path] = None
         self.trim = trim  # after each graph, give the freed host memory back (not with Config.keep_host_memory)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zgraph-offload")
         self._finalizer = weakref.finalize(self, _release, self.released, self.path, self._io)
@@ -110,10 +110,10 @@ class NvmeStore(TierStore):
         return blocks
 
     def _store(self, state: State, tensor: Tensor) -> None:
-        _write(state.block[state.current], tensor, state.nbytes)
+        write_file(state.block[state.current], tensor, state.nbytes)
 
     def _load(self, state: State, into: Tensor) -> None:
-        _load_file(state, into)
+        load_file(state, into)
 
     def _read_async(self, state: State, like: Tensor) -> Future:
         return self._io.submit(_read_new, state, like)
@@ -130,11 +130,11 @@ class NvmeStore(TierStore):
 
 def _read_new(state: State, like: Tensor) -> Tensor:
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    _load_file(state, out)
+    load_file(state, out)
     return out
 
 
-def _load_file(state: State, into: Tensor) -> None:
+def load_file(state: State, into: Tensor) -> None:
     """Read the state's current file into the host tensor ``into``."""
     path = state.block[state.current]
     view = _bytes_of(into)
@@ -147,7 +147,7 @@ def _load_file(state: State, into: Tensor) -> None:
             done += n
 
 
-def _write(path: str, value: Tensor, nbytes: int, during_graph: bool = False) -> None:
+def write_file(path: str, value: Tensor, nbytes: int, during_graph: bool = False) -> None:
     try:
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -169,15 +169,15 @@ def _write(path: str, value: Tensor, nbytes: int, during_graph: bool = False) ->
 
 
 def _write_handed(path: str, handed: list[Tensor], nbytes: int) -> None:
-    """``_write`` during the graph of the one tensor in ``handed``, taken out of it first."""
-    _write(path, handed.pop(), nbytes, during_graph=True)
+    """``write_file`` during the graph of the one tensor in ``handed``, taken out of it first."""
+    write_file(path, handed.pop(), nbytes, during_graph=True)
 
 
 def _release(released: dict, path: str, io: ThreadPoolExecutor) -> None:
     """When the store is dropped: give the states their memory back, then remove the files."""
     io.shutdown(wait=True)
     try:
-        restore(released, _load_file)
+        restore(released, load_file)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-        _LIVE_DIRS.pop(path, None)
+        LIVE_DIRS.pop(path, None)

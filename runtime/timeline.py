@@ -7,8 +7,9 @@ and the previous collective has finished, and takes ``latency + bytes / bandwidt
 is hidden behind compute. Used by ``explain()`` to show what the ``schedule`` pass is expected to gain, and by
 ``step.estimate`` (``Estimate.step_seconds``) and the memory planner to compare configs.
 
-Offload transfers (``zgraph::reload`` / ``write_back``) are priced apart by ``transfer_seconds``: their bytes over
-the tier's bandwidth, none of it hidden (a bound, where the runtime reads ahead and writes behind).
+Offload transfers (``zgraph::reload`` / ``write_back``, ``stash`` / ``unstash``) are priced apart by
+``transfer_seconds``: their bytes over the tier's bandwidth, none of it hidden (a bound, where the runtime reads
+ahead and writes behind).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from zgraph.graph import VAL, CostModel, collective_bytes, collective_kind, tensor_bytes
-from zgraph.ops import RELOAD, WRITE_BACK
+from zgraph.ops import RELOAD, STASH, UNSTASH, WRITE_BACK
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Bytes per second an offload tier moves, by the device whose state it holds: a GPU's state goes to pinned host
@@ -105,11 +106,11 @@ def estimate(gm: fx.GraphModule, cost_model: CostModel) -> Timeline:
 
 
 def transfer_seconds(gm: fx.GraphModule, device_type: str) -> float:
-    """Seconds the offload tier of a ``device_type`` step moves bytes for: every ``zgraph::reload`` and
-    ``write_back`` at ``TIER_BYTES_PER_SECOND``."""
+    """Seconds the offload tier of a ``device_type`` step moves bytes for: every ``zgraph::reload`` and ``unstash``
+    (the value read back) and ``write_back`` and ``stash`` (the value written) at ``TIER_BYTES_PER_SECOND``."""
     moved = sum(
-        tensor_bytes(n.meta.get(VAL) if n.target is RELOAD else n.args[0].meta.get(VAL))
+        tensor_bytes(n.meta.get(VAL) if n.target in (RELOAD, UNSTASH) else n.args[0].meta.get(VAL))
         for n in gm.graph.nodes
-        if n.target in (RELOAD, WRITE_BACK)
+        if n.target in (RELOAD, UNSTASH, WRITE_BACK, STASH)
     )
     return moved / TIER_BYTES_PER_SECOND.get(device_type, TIER_BYTES_PER_SECOND["cpu"])

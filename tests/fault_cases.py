@@ -145,7 +145,7 @@ def offload_rank_dies(rank: int, world: int, out: str, directory: str) -> None:
     model, opt, step, data, record = offload_run(rank, world, directory)
     _save(out, rank, record)
     if rank == 1:
-        offload_nvme._write = _torn_write
+        offload_nvme.write_file = _torn_write
     record["step"] = _attempt(step, model, opt, *data[0])  # rank 0 may finish it: no collective after the kill
     record["again"] = _attempt(step, model, opt, *data[1])
     record["copies_after"] = current_copies(step)

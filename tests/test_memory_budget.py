@@ -47,12 +47,14 @@ def test_remat_auto_needs_a_budget():
 def test_candidates_change_only_what_the_user_left_at_its_default():
     plain = candidates(zgraph.Config(stage=3), "cpu")
     assert {c["remat"] for c in plain} == {None, "selective", "full"}
-    assert not any("offload_optimizer" in c or "offload_params" in c for c in plain), "no tier saves CPU memory"
+    moved = ("offload_optimizer", "offload_params", "offload_activations")
+    assert not any(k in c for c in plain for k in moved), "no tier saves CPU memory"
     assert {c.get("max_reuse_distance", 0) > 0 for c in plain} == {False, True}
     nvme = candidates(zgraph.Config(stage=3, offload_dir="/tmp"), "cpu")
     assert {c.get("offload_optimizer") for c in nvme} == {None, "nvme"}
     assert {c.get("offload_params") for c in nvme} == {None, "nvme"}
-    assert len(nvme) == 3 * 2 * 3 * 2
+    assert {c.get("offload_activations") for c in nvme} == {None, "nvme"}
+    assert len(nvme) == 3 * 2 * 3 * 2 * 2
     gpu = candidates(zgraph.Config(stage=2), "cuda")
     assert {c.get("offload_optimizer") for c in gpu} == {None, "cpu"} and not any("offload_params" in c for c in gpu)
     fixed = candidates(zgraph.Config(stage=3, remat="full", max_reuse_distance=10, offload_optimizer="cpu"), "cuda")

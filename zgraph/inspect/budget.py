@@ -6,8 +6,8 @@ Choices (each only where the user left the field at its default, and where it ch
 * ``remat``: None, ``"selective"``, ``"full"`` (``"full"`` only for a model with repeated blocks);
 * stage 3: ``max_reuse_distance`` 0 (gather for every use region) or every parameter (gathered once per step);
 * where an offload tier saves memory (a GPU model: pinned host memory; a CPU model: NVMe files, when
-  ``offload_dir`` is set): optimizer states (``offload_fraction`` 0, 0.5 or 1) at stage >= 1, and stage 3's
-  parameter shards.
+  ``offload_dir`` is set): optimizer states (``offload_fraction`` 0, 0.5 or 1) at stage >= 1, stage 3's
+  parameter shards, and saved activations (``offload_activations``).
 
 The step is captured once, on stand-ins (``zgraph.inspect.estimate.prepare``); every combination runs through its
 own passes and is estimated: peak bytes by liveness, time by ``Estimate.step_seconds`` (compute and exposed
@@ -98,9 +98,14 @@ def candidates(config: Config, device_type: str, has_blocks: bool = True) -> lis
     tier = "cpu" if device_type != "cpu" else ("nvme" if config.offload_dir is not None else None)
     optimizer = [0.0, 0.5, 1.0] if tier and config.stage >= 1 and config.offload_optimizer is None else [None]
     params = [None, tier] if tier and config.stage == 3 and config.offload_params is None else [None]
+    activations = [None, tier] if tier and config.offload_activations is None else [None]
     out = []
-    for remat, distance, fraction, param_tier in itertools.product(remats, reuse, optimizer, params):
+    for remat, distance, fraction, param_tier, stash in itertools.product(
+        remats, reuse, optimizer, params, activations
+    ):
         changes: dict[str, Any] = {"remat": remat}
+        if stash:
+            changes["offload_activations"] = stash
         if distance:
             changes["max_reuse_distance"] = distance
         if fraction:
