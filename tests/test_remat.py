@@ -120,8 +120,9 @@ def test_config_remat_values():
     assert zgraph.Config(remat="full").remat == "full"
     with pytest.raises(ValueError, match="Config.remat must be one of"):
         zgraph.Config(remat="everything")
-    with pytest.raises(ValueError, match=r'Config.remat="auto" .* not implemented yet'):
+    with pytest.raises(ValueError, match=r'Config.remat="auto" .* set Config.memory_budget too'):
         zgraph.Config(remat="auto")
+    assert zgraph.Config(remat="auto", memory_budget="1GiB").remat == "auto"
     names = [p.name for p in zgraph.Config(remat="selective").pipeline()]
     assert names.index("remat") < names.index("shard_params")
 
