@@ -19,9 +19,11 @@ from zgraph.runtime.memory import LiveTensorBytes
 STEPS = 3
 
 
-def setup(rank: int = 0, world: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[tuple[Tensor, Tensor]]]:
+def setup(
+    rank: int = 0, world: int = 1, layers: int = 4
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[tuple[Tensor, Tensor]]]:
     """The model, its optimizer, and this rank's share of ``STEPS`` global batches (the same on every world size)."""
-    model = Net(d_model=32, layers=4)
+    model = Net(d_model=32, layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(64, 64, 8, generator=g), torch.randint(0, 5, (64,), generator=g)) for _ in range(STEPS)]
@@ -33,10 +35,10 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def train(config: zgraph.Config, rank: int = 0, world: int = 1) -> dict[str, Any]:
+def train(config: zgraph.Config, rank: int = 0, world: int = 1, layers: int = 4) -> dict[str, Any]:
     """``STEPS`` calls; the last one measured: every tensor the rank holds before it tracked, and everything the call
     allocates (``LiveTensorBytes``). Returns losses, whole parameters, the measured peak, the plan (if any)."""
-    model, opt, batches = setup(rank, world)
+    model, opt, batches = setup(rank, world, layers)
     compiled = zgraph.distribute(config)(step)
     losses = []
     for call, (x, y) in enumerate(batches):
@@ -64,13 +66,13 @@ def train(config: zgraph.Config, rank: int = 0, world: int = 1) -> dict[str, Any
     }
 
 
-def run(rank: int, world: int, out_path: str, stage: int, budget: int) -> None:
+def run(rank: int, world: int, out_path: str, stage: int, budget: int, layers: int) -> None:
     """Worker: the step at ``stage`` with NVMe offload possible (``offload_dir``), under ``budget`` and without one;
     rank 0 saves both runs and every rank's measured peak."""
     offload_dir = tempfile.mkdtemp(prefix=f"zgraph-budget-{rank}-")
     base = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0, offload_dir=offload_dir)
-    planned = train(base.replace(memory_budget=budget), rank, world)
-    plain = train(base, rank, world)
+    planned = train(base.replace(memory_budget=budget), rank, world, layers)
+    plain = train(base, rank, world, layers)
     peaks = all_gather_values(planned["peak"])
     if rank == 0:
         torch.save({"planned": planned, "plain": plain, "peaks": peaks}, out_path)

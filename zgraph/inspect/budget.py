@@ -27,10 +27,12 @@ import torch
 import torch.distributed as dist
 
 from zgraph.binding.arguments import StepCall
+from zgraph.compile.build import pass_context
 from zgraph.config import Config
 from zgraph.errors import MemoryBudgetError
 from zgraph.graph import BLOCK, CUSTOM
-from zgraph.inspect.estimate import Estimate, estimate_variant, prepare
+from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant, prepare
+from zgraph.passes import run_pipeline
 
 _NEVER_REGATHER = 2**62  # max_reuse_distance that keeps every gathered parameter for the whole step
 
@@ -127,12 +129,32 @@ def plan_memory(
     """The plan for ``call`` under ``budget`` (bytes per rank, or ``"auto"``). Raises ``MemoryBudgetError``, naming
     the smallest budget that fits and what fills it, when nothing fits. ``"auto"`` takes the least free memory
     over ``process_group`` (None: the default group)."""
-    capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)  # marks the blocks
-    prepared = prepare(call, capture_config, world_size, device=device)
+    prepared = prepare_plan(call, config, world_size, device)
     nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
-    has_blocks = _has_blocks(prepared.captured.gm)
+    return plan_prepared(prepared, config, nbytes)
+
+
+def prepare_plan(
+    call: StepCall, config: Config, world_size: int | None = None, device: str | torch.device | None = None
+) -> Prepared:
+    """The step captured once for planning (its repeated blocks marked), with the passes every combination
+    shares (those before ``remat``) already run on it."""
+    capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)
+    prepared = prepare(call, capture_config, world_size, device=device)
+    passes = capture_config.pipeline()
+    shared = next((i for i, p in enumerate(passes) if p.name == "remat"), 0)
+    if not shared:
+        return prepared
+    ctx = pass_context(prepared.binding, split=prepared.captured.split is not None)
+    records = run_pipeline(prepared.captured.gm, ctx, passes[:shared], keep=False)
+    captured = dataclasses.replace(prepared.captured, gm=records[-1].gm)
+    return dataclasses.replace(prepared, captured=captured, ran=shared)
+
+
+def plan_prepared(prepared: Prepared, config: Config, nbytes: int) -> MemoryPlan:
+    """The plan for a step ``prepare_plan`` made ready, under ``nbytes`` per rank (``plan_memory``)."""
     choices = []
-    for changes in candidates(config, prepared.device.type, has_blocks):
+    for changes in candidates(config, prepared.device.type, _has_blocks(prepared.captured.gm)):
         variant = dataclasses.replace(config, memory_budget=None, **changes)
         choices.append(Choice(changes=changes, estimate=estimate_variant(prepared, variant)))
     fits = sorted(

@@ -128,23 +128,9 @@ class Estimate:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
-        return {
-            "world_size": self.world_size,
-            "stage": self.stage,
-            "params": self.params,
-            "model_state_bytes": dict(self.model_state_bytes),
-            "peak_bytes": self.peak_bytes,
-            "peak_node": self.peak_node,
-            "alive_at_peak": [list(item) for item in self.alive_at_peak[:10]],
-            "comm_bytes": dict(self.comm_bytes),
-            "comm_count": dict(self.comm_count),
-            "comm_seconds": dict(self.comm_seconds),
-            "cost_model_source": self.cost_model_source,
-            "comm_ops": dict(self.comm_ops),
-            "nodes": self.nodes,
-            "device": self.device,
-            "step_seconds": self.step_seconds,
-        }
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "live_bytes"}
+        out["alive_at_peak"] = [list(item) for item in self.alive_at_peak[:10]]
+        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
 
 class EstimateError(CaptureError):
@@ -168,12 +154,14 @@ def estimate_step(
 
 @dataclass(frozen=True)
 class Prepared:
-    """A step captured once on stand-ins, to estimate under configs that differ only in what the passes do."""
+    """A step captured once on stand-ins, to estimate under configs that differ only in what the passes do;
+    ``ran``: how many leading passes of every such config's pipeline already ran on ``captured.gm``."""
 
     captured: CapturedGraph
     binding: Binding
     group: ProcessGroupInfo
     device: torch.device
+    ran: int = 0
 
 
 def prepare(
@@ -199,7 +187,7 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
     captured, binding, device = prepared.captured, prepared.binding, prepared.device
     ctx = pass_context(binding, split=captured.split is not None)
     gm = copy_graph_module(captured.gm) if copy else captured.gm
-    records = run_pipeline(gm, ctx, config.pipeline(), keep=False)  # only the final graph is read
+    records = run_pipeline(gm, ctx, config.pipeline()[prepared.ran :], check_input=not prepared.ran, keep=False)
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
     live = liveness(final, device.type)
