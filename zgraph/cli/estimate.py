@@ -133,14 +133,19 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
     return loss.detach()
 
 
-def run_plan(setting: Setting, micro_batch: int, budget: int) -> MemoryPlan:
-    """The memory plan for one setting at one micro-batch under ``budget`` (the model on the meta device)."""
+def _meta_call(setting: Setting, micro_batch: int) -> StepCall:
+    """A call of the plain AdamW step on the setting's model built on the meta device, at ``micro_batch``."""
     build, _, _ = MODELS[setting.model]
     with torch.device("meta"):
         model = build()
         idx = torch.zeros(micro_batch, setting.seq, dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    call = StepCall.of(_train_step, (model, opt, idx, idx), {})
+    return StepCall.of(_train_step, (model, opt, idx, idx), {})
+
+
+def run_plan(setting: Setting, micro_batch: int, budget: int) -> MemoryPlan:
+    """The memory plan for one setting at one micro-batch under ``budget`` (the model on the meta device)."""
+    call = _meta_call(setting, micro_batch)
     with _gc_paused():
         try:
             return plan_memory(call, setting.config(), budget, setting.world, setting.device)
@@ -151,12 +156,7 @@ def run_plan(setting: Setting, micro_batch: int, budget: int) -> MemoryPlan:
 def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
     """Estimate one setting at one micro-batch (the model on the meta device; collectives priced as NCCL's: on
     ``cuda`` by this machine's NCCL measurement when it has one, else analytically)."""
-    build, vocab, _ = MODELS[setting.model]
-    with torch.device("meta"):
-        model = build()
-        idx = torch.zeros(micro_batch, setting.seq, dtype=torch.long)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    call = StepCall.of(_train_step, (model, opt, idx, idx), {})
+    call = _meta_call(setting, micro_batch)
     with _gc_paused():
         return estimate_step(call, setting.config(), setting.world, _cost_model(setting), setting.device)
 
