@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 from dist_harness import all_gather_values
+from estimate_cases import holding
 from remat_cases import Net, step
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 import zgraph
-from zgraph.runtime.memory import LiveTensorBytes
 
 STEPS = 3
 
@@ -31,10 +30,6 @@ def setup(
     return model, opt, [(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]) for x, y in batches]
 
 
-def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def train(config: zgraph.Config, rank: int = 0, world: int = 1, layers: int = 4) -> dict[str, Any]:
     """``STEPS`` calls; the last one measured: every tensor the rank holds before it tracked, and everything the call
     allocates (``LiveTensorBytes``). Returns losses, whole parameters, the measured peak, the plan (if any)."""
@@ -47,12 +42,7 @@ def train(config: zgraph.Config, rank: int = 0, world: int = 1, layers: int = 4)
             losses.append(compiled(model, opt, x, y).clone())
             continue
         gc.collect()
-        tracker = LiveTensorBytes()
-        held = [*model.parameters(), *model.buffers(), x, y]
-        held += [p.grad for p in model.parameters() if p.grad is not None]
-        held += [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
-        for t in held:
-            tracker.track(_local(t))
+        tracker = holding(model, opt, x, y)
         with tracker:
             losses.append(compiled(model, opt, x, y).clone())
     plan = compiled.memory_plan

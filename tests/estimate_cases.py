@@ -85,6 +85,18 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def holding(model: torch.nn.Module, opt: torch.optim.Optimizer, *batch: Tensor) -> LiveTensorBytes:
+    """A ``LiveTensorBytes`` already counting what the rank holds before a call: the model's parameters, buffers
+    and ``.grad``, the optimizer's state and the batch (each DTensor's local shard)."""
+    tracker = LiveTensorBytes()
+    state = [*model.parameters(), *model.buffers(), *batch]
+    state += [p.grad for p in model.parameters() if p.grad is not None]
+    state += [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    for t in state:
+        tracker.track(_local(t))
+    return tracker
+
+
 def compare(
     stage: int, recipe: str, rank: int = 0, batch: int = 2, estimate: bool = True, model_name: str = "gpt-bench"
 ) -> dict:
@@ -96,12 +108,7 @@ def compare(
     estimated = step.estimate(model, opt, idx, targets).to_json() if estimate else None
     gc.collect()
     held = state_bytes(model, opt)
-    tracker = LiveTensorBytes()
-    state = [*model.parameters(), *model.buffers(), idx, targets]
-    state += [p.grad for p in model.parameters() if p.grad is not None]
-    state += [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
-    for t in state:
-        tracker.track(_local(t))
+    tracker = holding(model, opt, idx, targets)
     counter = CountCollectives()
     executable = step._dispatch.last.executable
     graph_run = executable.run
