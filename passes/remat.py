@@ -19,6 +19,10 @@ modules, as capture marks them (``node.meta[CUSTOM][BLOCK]``, see ``zgraph.graph
 saved as without recomputation. A graph whose backward reads forward values but that has no blocks is refused
 (``PipelineError``): ``"selective"`` needs none.
 
+A mapping from block names to policies (``{"layers.0": "full", "layers.1": "selective"}``, what the memory
+planner chooses) applies each policy to the values of its block; blocks it leaves out, and values outside every
+block, are saved. A name that is not one of the graph's blocks is refused (``PipelineError``).
+
 Random ops (``nondeterministic_seeded``: dropout's ``bernoulli`` / ``native_dropout``, ``rand*``, the generator
 state) and ops whose output is undefined memory (``empty*``) are never recomputed: their outputs are saved, so the
 step's results stay bitwise those of the step without recomputation (a deterministic op run again on the same
@@ -34,6 +38,7 @@ of its readers; no forward node has a new reader; random draws are where they we
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -45,6 +50,8 @@ from zgraph.passes.pipeline import PassContext
 aten = torch.ops.aten
 
 POLICIES = ("full", "selective")
+
+Policy = str | Mapping[str, str | None]
 
 # Ops whose outputs "selective" saves (torchtitan's _save_list, by overload packet).
 SAVED_OPS = frozenset(
@@ -65,39 +72,68 @@ SAVED_OPS = frozenset(
 _UNDEFINED = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided})
 
 
-def remat(gm: fx.GraphModule, ctx: PassContext, *, policy: str | None = None) -> fx.GraphModule:
+def remat(gm: fx.GraphModule, ctx: PassContext, *, policy: Policy | None = None) -> fx.GraphModule:
     """Recompute forward values in the backward instead of saving them (``Config.remat``).
 
-    ``policy``: None (the pass does nothing), ``"selective"`` or ``"full"`` (see the module's docstring)."""
+    ``policy``: None (the pass does nothing), ``"selective"``, ``"full"``, or a mapping from block names to either
+    (see the module's docstring)."""
     if policy is None:
         return gm
-    if policy not in POLICIES:
-        raise ValueError(f"remat policy must be one of {POLICIES} or None; got {policy!r}")
+    if isinstance(policy, Mapping):
+        for value in policy.values():
+            _check_policy(value, allow_none=True)
+    else:
+        _check_policy(policy, allow_none=False)
     recompute(gm, plan_recompute(gm, policy))
     return gm
 
 
-def plan_recompute(gm: fx.GraphModule, policy: str = "selective") -> list[fx.Node]:
+def _check_policy(policy: object, *, allow_none: bool) -> None:
+    if not (policy in POLICIES or (allow_none and policy is None)):
+        raise ValueError(f"remat policy must be one of {POLICIES}{' or None' if allow_none else ''}; got {policy!r}")
+
+
+def blocks_in(gm: fx.GraphModule) -> list[str]:
+    """The names of the blocks whose forward made nodes of ``gm``, in forward order."""
+    return list(dict.fromkeys(b for n in gm.graph.nodes if _is_forward(n) and (b := block_of(n)) is not None))
+
+
+def plan_recompute(gm: fx.GraphModule, policy: Policy = "selective") -> list[fx.Node]:
     """The forward nodes ``policy`` recomputes in the backward, in graph order.
 
     From each forward value the backward reads, recomputable values are followed back through their inputs; the
     first ones that are not are saved, and so are those read outside their own block (a block's inputs and outputs);
     for ``"full"``, also those outside the reader's block."""
-    full = policy == "full"
     read = [n for n in gm.graph.nodes if _is_forward(n) and any(_is_backward(u) for u in n.users)]
-    if full and read and not any(block_of(n) for n in gm.graph.nodes if _is_forward(n)):
+    policy_of = _policy_of(gm, policy, bool(read))
+    chosen: set[fx.Node] = set()
+    stack = [(n, block_of(n)) for n in read if policy_of(block_of(n)) is not None]
+    while stack:
+        node, block = stack.pop()
+        if node not in chosen and _chosen_by(node, block, policy_of(block) == "full"):
+            chosen.add(node)
+            stack.extend((a, block) for a in node.all_input_nodes if _is_forward(a))
+    return [n for n in gm.graph.nodes if n in chosen]
+
+
+def _policy_of(gm: fx.GraphModule, policy: Policy, reads: bool) -> Callable[[str | None], str | None]:
+    """The policy for the values of a block (None: values outside every block). Refuses ``"full"`` for a graph
+    without blocks whose backward reads forward values, and a mapping naming blocks the graph lacks."""
+    blocks = blocks_in(gm)
+    if isinstance(policy, Mapping):
+        unknown = [name for name in policy if name not in blocks]
+        if unknown:
+            raise PipelineError(
+                f"Config.remat names blocks this step's models lack: {', '.join(map(repr, unknown))}; its blocks "
+                f"are {', '.join(map(repr, blocks)) or 'none'}"
+            )
+        return lambda block: policy.get(block) if block is not None else None
+    if policy == "full" and reads and not blocks:
         raise PipelineError(
             'Config.remat="full" recomputes each of the model\'s repeated blocks (the children of an nn.ModuleList '
             'or nn.Sequential of modules of one class), and this step\'s models have none; use remat="selective"'
         )
-    chosen: set[fx.Node] = set()
-    stack = [(n, block_of(n)) for n in read]
-    while stack:
-        node, block = stack.pop()
-        if node not in chosen and _chosen_by(node, block, full):
-            chosen.add(node)
-            stack.extend((a, block) for a in node.all_input_nodes if _is_forward(a))
-    return [n for n in gm.graph.nodes if n in chosen]
+    return lambda block: policy
 
 
 def _chosen_by(node: fx.Node, block: str | None, full: bool) -> bool:

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 from pass_graphs import Builder, aten, context, count
-from remat_cases import POLICIES, Net, step, train, train_split
+from remat_cases import POLICIES, Net, batches, step, train, train_split
 
 import zgraph
 from zgraph.errors import PipelineError
@@ -78,6 +78,15 @@ def test_full_recomputes_inside_each_block_from_its_inputs():
     assert _names(plan_recompute(gm, "full")) == _names([n["t"], n["h0"], n["a0"], n["h1"], n["a1"]])
 
 
+def test_a_mapping_gives_each_block_its_own_policy():
+    gm, n = _two_blocks()
+    assert _names(plan_recompute(gm, {"b0": "full", "b1": None})) == _names([n["t"], n["h0"], n["a0"]])
+    assert _names(plan_recompute(gm, {"b0": None, "b1": "selective"})) == _names([n["a1"]])
+    assert _names(plan_recompute(gm, {"b1": "full"})) == _names([n["h1"], n["a1"]]), "blocks left out are saved"
+    with pytest.raises(PipelineError, match=r"lack: 'b7'; its blocks are 'b0', 'b1'"):
+        plan_recompute(gm, {"b7": "full"})
+
+
 def test_full_refuses_a_graph_without_blocks():
     gm, _ = _two_blocks(blocks=False)
     with pytest.raises(PipelineError, match='remat="selective"'):
@@ -123,11 +132,37 @@ def test_config_remat_values():
     with pytest.raises(ValueError, match=r'Config.remat="auto" .* set Config.memory_budget too'):
         zgraph.Config(remat="auto")
     assert zgraph.Config(remat="auto", memory_budget="1GiB").remat == "auto"
+    given = {"layers.0": "full", "layers.1": None}
+    assert zgraph.Config(remat=given).remat == given and zgraph.Config(remat=given).remat is not given
+    with pytest.raises(ValueError, match=r"block names \(str\) to None, 'selective' or 'full'; got 'layers.0': 'all'"):
+        zgraph.Config(remat={"layers.0": "all"})
     names = [p.name for p in zgraph.Config(remat="selective").pipeline()]
     assert names.index("remat") < names.index("shard_params")
 
 
 # ------------------------------------------------------------------------------------------------ whole steps
+def test_a_mapping_naming_no_block_is_refused_and_leaves_the_state_as_it_was():
+    """The pass refuses the graph after capture made the optimizer's first state: that state goes again (a bug:
+    AdamW's zeroed moments were left behind), parameters and grads untouched."""
+    model, (x, y) = Net(), batches()[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", remat={"model.blocks.7": "full"}))(step)
+    with pytest.raises(PipelineError, match=r"lack: 'model.blocks.7'; its blocks are 'model.blocks.0', 'model.b"):
+        compiled(model, opt, x, y)
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    mapped = zgraph.distribute(zgraph.Config(backend="eager", remat={"model.blocks.1": "full"}))(step)
+    plain = zgraph.distribute(zgraph.Config(backend="eager"))(step)
+    torch.manual_seed(3)
+    got = mapped(model, opt, x, y)
+    model2 = Net()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    torch.manual_seed(3)
+    assert torch.equal(got, plain(model2, opt2, x, y))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
 def _equal(got, want, what):
     losses, state, _ = got
     want_losses, want_state, _ = want

@@ -115,7 +115,7 @@ class Config:
     parameters it passes, zgraph each other parameter once); ``from_deepspeed`` maps it, and a DeepSpeed config
     that leaves it out gets DeepSpeed's default, 1e9."""
 
-    remat: str | None = field(default=None, metadata=_pass_option("remat_policy"))
+    remat: str | Mapping[str, str | None] | None = field(default=None, metadata=_pass_option("remat_policy"))
     """Activation recomputation (the ``remat`` pass): forward values the backward reads are recomputed in the
     backward instead of being kept from the forward. None (default): none. ``"selective"`` (torchtitan's default
     selective activation checkpointing): outputs of matmul-like ops (``mm``, ``addmm``, ``bmm``, attention,
@@ -124,7 +124,9 @@ class Config:
     bitwise those without it. ``"full"`` (``torch.utils.checkpoint`` around each of the model's repeated blocks: the
     children of an ``nn.ModuleList`` / ``nn.Sequential`` of modules of one class): only each block's inputs are kept,
     everything inside a block the backward reads is recomputed; a model without such blocks is refused. ``"auto"``:
-    chosen by the planner (needs ``memory_budget``; under a budget, None is chosen by it too)."""
+    chosen by the planner (needs ``memory_budget``; under a budget, None is chosen by it too). A mapping from block
+    names (as ``explain()`` lists them) to None / ``"selective"`` / ``"full"``: each block its own policy, the
+    others and values outside blocks kept (what the planner picks to recompute only as many blocks as it must)."""
 
     memory_budget: int | str | None = None
     """Bytes per rank the step may hold at its peak. On the first call zgraph plans (``zgraph.inspect.budget``):
@@ -253,7 +255,7 @@ class Config:
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
         check_size("max_reuse_distance", self.max_reuse_distance, allow_auto=False)
-        check_remat(self.remat, self.memory_budget)
+        object.__setattr__(self, "remat", check_remat(self.remat, self.memory_budget))
         object.__setattr__(self, "memory_budget", budget_bytes(self.memory_budget))
         for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype", "autocast_dtype"):
             check_float_dtype(name, getattr(self, name))

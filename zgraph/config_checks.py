@@ -7,7 +7,7 @@ which fields it reads.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -38,16 +38,26 @@ def check_choice(name: str, value: object, allowed: tuple[object, ...], typ: typ
         raise ValueError(f"Config.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def check_remat(value: object, memory_budget: object) -> None:
-    """``Config.remat``: None, ``"selective"``, ``"full"``, or ``"auto"`` (chosen by the planner: needs
-    ``memory_budget``)."""
+def check_remat(value: object, memory_budget: object) -> object:
+    """``Config.remat``: None, ``"selective"``, ``"full"``, ``"auto"`` (chosen by the planner: needs
+    ``memory_budget``), or a mapping from block names to None, ``"selective"`` or ``"full"`` (returned as a dict
+    of its own). Returns the value."""
     if value == "auto" and memory_budget is None:
         raise ValueError(
             'Config.remat="auto" lets the memory planner choose what to recompute, and it plans for a budget: set '
             'Config.memory_budget too (bytes per rank, "12GiB", or "auto"), or use None, "selective" or "full"'
         )
+    if isinstance(value, Mapping):
+        for name, policy in value.items():
+            if not isinstance(name, str) or not (policy is None or policy in REMAT_POLICIES):
+                raise ValueError(
+                    "Config.remat as a mapping takes block names (str) to None, 'selective' or 'full'; got "
+                    f"{name!r}: {policy!r}"
+                )
+        return dict(value)
     if value is not None:
         check_choice("remat", value, (*REMAT_POLICIES, "auto"), str)
+    return value
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

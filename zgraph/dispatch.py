@@ -19,6 +19,7 @@ from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
 from zgraph.capture import update_rules as zopt
 from zgraph.capture.environment import traced_arguments
+from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.compile.build import compile_step
 from zgraph.compile.run import reserve_offload, run
@@ -132,6 +133,7 @@ class Dispatcher:
     def _compile(self, bound: Bound) -> CompiledStep | Rebind:
         """Capture, transform and compile the call's step; or what the trace found to bind first."""
         start = time.perf_counter()
+        fresh = stateless_pairs(bound.binding)
         captured = capture(bound.request(self.config), self.session.more_to_bind(bound))
         if isinstance(captured, Rebind):
             return captured
@@ -146,7 +148,11 @@ class Dispatcher:
                 RuntimeWarning,
                 stacklevel=6,
             )
-        return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+        try:
+            return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+        except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
+            drop_state(bound.binding, fresh)
+            raise
 
     def _warn_if_recaptured_often(self, key: tuple, call: StepCall) -> None:
         """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what

@@ -293,6 +293,17 @@ def first_state_candidates(binding: Binding) -> list[tuple[int, int]]:
     return pairs
 
 
+def stateless_pairs(binding: Binding) -> list[tuple[int, int]]:
+    """Every ``(optimizer, param)`` pair whose parameter has no optimizer state yet (what a failed first compile
+    drops again: ``drop_state``)."""
+    return [
+        (o.index, i)
+        for o in binding.optimizers
+        for i in sorted({i for indices in o.group_params for i in indices})
+        if not binding.optimizer_state(o.index, i)
+    ]
+
+
 def drop_state(binding: Binding, pairs: list[tuple[int, int]]) -> None:
     """Remove the optimizer state of the ``(optimizer, param)`` pairs (and what the offload tier holds of it)."""
     dropped = []

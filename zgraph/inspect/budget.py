@@ -3,7 +3,9 @@ fastest whose estimated peak fits.
 
 Choices (each only where the user left the field at its default, and where it changes anything):
 
-* ``remat``: None, ``"selective"``, ``"full"`` (``"full"`` only for a model with repeated blocks);
+* ``remat``: None, ``"selective"``, ``"full"`` (``"full"`` only for a model with repeated blocks), then, for the
+  fastest combination that fits and recomputes, the same with its policy on only the first k blocks and a lighter
+  one (``"selective"`` or None) on the rest, k the fewest that fits (a bisection: peak falls as k grows);
 * stage 3: ``max_reuse_distance`` 0 (gather for every use region) or every parameter (gathered once per step);
 * where an offload tier saves memory (a GPU model: pinned host memory; a CPU model: NVMe files, when
   ``offload_dir`` is set): optimizer states (``offload_fraction`` 0, 0.5 or 1) at stage >= 1, stage 3's
@@ -17,6 +19,7 @@ peak. Plain search, not a solver: a few dozen estimates of one captured graph.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -30,9 +33,9 @@ from zgraph.binding.arguments import StepCall
 from zgraph.compile.build import pass_context
 from zgraph.config import Config
 from zgraph.errors import MemoryBudgetError
-from zgraph.graph import BLOCK, CUSTOM
 from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant, prepare
 from zgraph.passes import run_pipeline
+from zgraph.passes.remat import blocks_in
 
 _NEVER_REGATHER = 2**62  # max_reuse_distance that keeps every gathered parameter for the whole step
 
@@ -50,7 +53,11 @@ class Choice:
     estimate: Estimate
 
     def describe(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.changes.items() if k != "max_reuse_distance")
+        shown = ", ".join(
+            f"{k}={_blocks(v) if isinstance(v, dict) else repr(v)}"
+            for k, v in self.changes.items()
+            if k != "max_reuse_distance"
+        )
         if self.changes.get("max_reuse_distance"):
             shown += (", " if shown else "") + "max_reuse_distance=<all parameters>"
         return shown or "the config as given"
@@ -85,6 +92,12 @@ class MemoryPlan:
                 f"  {label:<7} peak {_mib(e.peak_bytes):>11}  step {e.step_seconds * 1e3:9.3f} ms  {choice.describe()}"
             )
         return out
+
+
+def _blocks(policies: dict[str, str | None]) -> str:
+    """A per-block remat mapping in short: how many blocks get each policy."""
+    counts = collections.Counter(policies.values())
+    return "{" + ", ".join(f"{policy!r}: {n} block{'s' if n > 1 else ''}" for policy, n in counts.items()) + "}"
 
 
 def _mib(nbytes: int) -> str:
@@ -153,21 +166,48 @@ def prepare_plan(
 
 def plan_prepared(prepared: Prepared, config: Config, nbytes: int) -> MemoryPlan:
     """The plan for a step ``prepare_plan`` made ready, under ``nbytes`` per rank (``plan_memory``)."""
-    choices = []
-    for changes in candidates(config, prepared.device.type, _has_blocks(prepared.captured.gm)):
-        variant = dataclasses.replace(config, memory_budget=None, **changes)
-        choices.append(Choice(changes=changes, estimate=estimate_variant(prepared, variant)))
-    fits = sorted(
-        (c for c in choices if c.estimate.peak_bytes <= nbytes),
-        key=lambda c: (c.estimate.step_seconds, c.estimate.peak_bytes),
-    )
-    if not fits:
+    blocks = blocks_in(prepared.captured.gm)
+    choices = [_choice(prepared, config, changes) for changes in candidates(config, prepared.device.type, bool(blocks))]
+    if not any(c.estimate.peak_bytes <= nbytes for c in choices):
         raise _impossible(nbytes, choices)
+    choices += _fewer_blocks(prepared, config, _fastest(choices, nbytes), blocks, nbytes)
+    fits = _fitting(choices, nbytes)
     return MemoryPlan(budget=nbytes, chosen=fits[0], nearest=tuple(fits[1:3]), considered=len(choices))
 
 
-def _has_blocks(gm: torch.fx.GraphModule) -> bool:
-    return any((n.meta.get(CUSTOM) or {}).get(BLOCK) for n in gm.graph.nodes)
+def _choice(prepared: Prepared, config: Config, changes: dict[str, Any]) -> Choice:
+    variant = dataclasses.replace(config, memory_budget=None, **changes)
+    return Choice(changes=changes, estimate=estimate_variant(prepared, variant))
+
+
+def _fitting(choices: list[Choice], nbytes: int) -> list[Choice]:
+    """The choices that fit, fastest first (ties: the smaller peak)."""
+    fits = [c for c in choices if c.estimate.peak_bytes <= nbytes]
+    return sorted(fits, key=lambda c: (c.estimate.step_seconds, c.estimate.peak_bytes))
+
+
+def _fastest(choices: list[Choice], nbytes: int) -> Choice:
+    return _fitting(choices, nbytes)[0]
+
+
+def _fewer_blocks(prepared: Prepared, config: Config, best: Choice, blocks: list[str], nbytes: int) -> list[Choice]:
+    """``best`` with its remat policy on only the first k blocks and a lighter one on the others, for each lighter
+    policy the fewest k that fits (bisection); every combination estimated on the way."""
+    policy = best.changes.get("remat")
+    if config.remat not in (None, "auto") or policy not in ("full", "selective") or len(blocks) < 2:
+        return []
+    tried: list[Choice] = []
+    for lighter in ("selective", None)[("full", "selective").index(policy) :]:
+        low, high = 1, len(blocks) - 1  # the fewest k that fits lies in [low, high + 1]
+        while low <= high:
+            k = (low + high) // 2
+            mapping = {name: policy if i < k else lighter for i, name in enumerate(blocks)}
+            tried.append(_choice(prepared, config, {**best.changes, "remat": mapping}))
+            if tried[-1].estimate.peak_bytes <= nbytes:
+                high = k - 1
+            else:
+                low = k + 1
+    return tried
 
 
 def _impossible(nbytes: int, choices: list[Choice]) -> MemoryBudgetError:

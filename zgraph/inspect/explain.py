@@ -17,11 +17,13 @@ from zgraph.graph import (
     COLLECTIVE_KINDS,
     MADE_BY,
     PHASE,
+    VAL,
     ParamInfo,
     collective_bytes,
     collective_kind,
+    tensor_bytes,
 )
-from zgraph.ops import UNSHARD
+from zgraph.ops import STASH, UNSHARD
 from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import estimate
 
@@ -89,6 +91,7 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines += _bucket_lines(compiled.final)
     lines += _sharding_lines(compiled.params, config)
     lines += _reuse_lines(compiled, config)
+    lines += _activation_lines(compiled, config)
     lines += _timeline_lines(compiled)
     lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
     return "\n".join(lines)
@@ -119,6 +122,28 @@ def _reuse_lines(compiled: CompiledStep, config: Config) -> list[str]:
         f"max_reuse_distance={config.max_reuse_distance} elements: {len(kept)} of "
         f"{len({g.args[0] for g in gathers})} sharded parameters stay gathered from one phase into the next"
     ]
+
+
+def _activation_lines(compiled: CompiledStep, config: Config) -> list[str]:
+    """What ``remat`` recomputed and ``offload_activations`` stashed: how many forward values, how many bytes."""
+    graphs = {r.name: r.gm for r in compiled.records}
+    lines = []
+    if "remat" in graphs and config.remat is not None:
+        made = [n for n in graphs["remat"].graph.nodes if n.meta.get(MADE_BY) == "remat"]
+        policy = config.remat
+        if isinstance(policy, Mapping):
+            counts = Counter(policy.values())
+            policy = "per block (" + ", ".join(f"{p or 'none'} on {n}" for p, n in counts.items()) + ")"
+        size = human_bytes(sum(tensor_bytes(n.meta.get(VAL)) for n in made))
+        lines.append(f"remat {policy}: {len(made)} forward values ({size}) recomputed in the backward")
+    if "offload_activations" in graphs and config.offload_activations is not None:
+        stashed = [n.args[0] for n in graphs["offload_activations"].graph.nodes if n.target is STASH]
+        size = human_bytes(sum(tensor_bytes(v.meta.get(VAL)) for v in stashed if isinstance(v, fx.Node)))
+        lines.append(
+            f"offload_activations={config.offload_activations!r}: {len(stashed)} saved activations ({size}) stashed "
+            "after their last forward use, read back ahead of the backward within prefetch_bytes"
+        )
+    return lines
 
 
 def _reader_phases(node: fx.Node) -> set[str]:
