@@ -16,7 +16,7 @@ import torch
 
 import zgraph
 from zgraph.binding.arguments import StepCall
-from zgraph.inspect.budget import candidates, plan_prepared, prepare_plan
+from zgraph.inspect.budget import _choice, _less_prefetch, candidates, plan_prepared, prepare_plan
 from zgraph.inspect.estimate import estimate_variant
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -95,6 +95,26 @@ def test_the_plan_is_the_fastest_combination_that_fits(peaks):
         assert isinstance(chosen.changes["remat"], dict) and heavy in chosen.changes["remat"].values(), plan.lines()
         everywhere = estimate_variant(prepared, config.replace(**{**chosen.changes, "remat": heavy}))
         assert chosen.estimate.step_seconds < everywhere.step_seconds, plan.lines()
+
+
+def test_stage_3_retries_faster_combinations_gathering_just_in_time():
+    """Where a faster combination misses the budget, stage 3 estimates it again with ``prefetch_bytes=1`` (each
+    parameter gathered just before its use), which never needs more memory; not where prefetch_bytes is set."""
+    model, opt, batches = setup(0, 2, layers=2)
+    config = zgraph.Config(stage=3, backend="eager", param_persistence_threshold=0)
+    prepared = prepare_plan(StepCall.of(step, (model, opt, *batches[0]), {}), config, world_size=2)
+    choices = [_choice(prepared, config, changes) for changes in candidates(config, "cpu")]
+    fastest = min(choices, key=lambda c: c.estimate.step_seconds)
+    budget = fastest.estimate.peak_bytes - 1
+    retried = _less_prefetch(prepared, config, choices, budget)
+    assert retried and all(c.changes["prefetch_bytes"] == 1 for c in retried)
+    assert {c.changes["remat"] for c in retried} >= {fastest.changes["remat"]}
+    for again in retried:
+        before = next(
+            c for c in choices if c.changes == {k: v for k, v in again.changes.items() if k != "prefetch_bytes"}
+        )
+        assert again.estimate.peak_bytes <= before.estimate.peak_bytes
+    assert not _less_prefetch(prepared, config.replace(prefetch_bytes=2**20), choices, budget)
 
 
 def test_an_impossible_budget_is_refused_before_anything_changes(peaks):

@@ -7,6 +7,8 @@ Choices (each only where the user left the field at its default, and where it ch
   fastest combination that fits and recomputes, the same with its policy on only the first k blocks and a lighter
   one (``"selective"`` or None) on the rest, k the fewest that fits (a bisection: peak falls as k grows);
 * stage 3: ``max_reuse_distance`` 0 (gather for every use region) or every parameter (gathered once per step);
+  and, for the three fastest combinations that do not fit but would beat the fastest that does, parameters gathered
+  just before their use (``prefetch_bytes=1``, where it was ``"auto"``);
 * where an offload tier saves memory (a GPU model: pinned host memory; a CPU model: NVMe files, when
   ``offload_dir`` is set): optimizer states (``offload_fraction`` 0, 0.5 or 1) at stage >= 1, stage 3's
   parameter shards, and saved activations (``offload_activations``).
@@ -170,6 +172,7 @@ def plan_prepared(prepared: Prepared, config: Config, nbytes: int) -> MemoryPlan
     choices = [_choice(prepared, config, changes) for changes in candidates(config, prepared.device.type, bool(blocks))]
     if not any(c.estimate.peak_bytes <= nbytes for c in choices):
         raise _impossible(nbytes, choices)
+    choices += _less_prefetch(prepared, config, choices, nbytes)
     choices += _fewer_blocks(prepared, config, _fastest(choices, nbytes), blocks, nbytes)
     fits = _fitting(choices, nbytes)
     return MemoryPlan(budget=nbytes, chosen=fits[0], nearest=tuple(fits[1:3]), considered=len(choices))
@@ -188,6 +191,18 @@ def _fitting(choices: list[Choice], nbytes: int) -> list[Choice]:
 
 def _fastest(choices: list[Choice], nbytes: int) -> Choice:
     return _fitting(choices, nbytes)[0]
+
+
+def _less_prefetch(prepared: Prepared, config: Config, choices: list[Choice], nbytes: int) -> list[Choice]:
+    """Stage 3 with ``prefetch_bytes`` left at ``"auto"``: the (at most three) fastest combinations that are faster
+    than the fastest that fits but do not fit themselves, again with each parameter gathered just before its use
+    (``prefetch_bytes=1``): fewer gathered bytes in flight, more exposed communication."""
+    if config.stage != 3 or config.prefetch_bytes != "auto" or prepared.group.world_size < 2:
+        return []
+    best = _fastest(choices, nbytes).estimate.step_seconds
+    faster = [c for c in choices if c.estimate.peak_bytes > nbytes and c.estimate.step_seconds < best]
+    faster.sort(key=lambda c: c.estimate.step_seconds)
+    return [_choice(prepared, config, {**c.changes, "prefetch_bytes": 1}) for c in faster[:3]]
 
 
 def _fewer_blocks(prepared: Prepared, config: Config, best: Choice, blocks: list[str], nbytes: int) -> list[Choice]:
