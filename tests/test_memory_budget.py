@@ -97,6 +97,18 @@ def test_the_plan_is_the_fastest_combination_that_fits(peaks):
         assert chosen.estimate.step_seconds < everywhere.step_seconds, plan.lines()
 
 
+def test_offload_is_estimated_only_where_it_may_win(peaks, tmp_path):
+    """Offload adds transfers and saves no compute: where a combination without offload fits, only those whose
+    twin without offload is faster are estimated with it (none, when no remat fits); all, where none fits."""
+    model, opt, batches = setup()
+    config = zgraph.Config(backend="eager", offload_dir=str(tmp_path))
+    prepared = prepare_plan(StepCall.of(step, (model, opt, *batches[0]), {}), config)
+    assert len(candidates(config, "cpu")) == 3 * 2  # remat x activation offload (stage 0: no optimizer offload)
+    assert plan_prepared(prepared, config, peaks[None]).considered == 3
+    tight = plan_prepared(prepared, config, peaks["full"] - 1)  # only offloading activations fits now
+    assert tight.considered >= 3 * 2 and tight.chosen.changes.get("offload_activations") == "nvme"
+
+
 def test_stage_3_retries_faster_combinations_gathering_just_in_time():
     """Where a faster combination misses the budget, stage 3 estimates it again with ``prefetch_bytes=1`` (each
     parameter gathered just before its use), which never needs more memory; not where prefetch_bytes is set."""

@@ -16,7 +16,9 @@ Choices (each only where the user left the field at its default, and where it ch
 The step is captured once, on stand-ins (``zgraph.inspect.estimate.prepare``); every combination runs through its
 own passes and is estimated: peak bytes by liveness, time by ``Estimate.step_seconds`` (compute and exposed
 communication from the cost model, plus the tier's transfers). The fastest that fits wins; ties go to the smaller
-peak. Plain search, not a solver: a few dozen estimates of one captured graph.
+peak. Plain search, not a solver: a few dozen estimates of one captured graph, fewer where a combination without
+offload fits (offload adds transfers, never saves compute: only combinations whose twin without offload is faster
+than the fastest that fits are estimated with it).
 """
 
 from __future__ import annotations
@@ -169,13 +171,31 @@ def prepare_plan(
 def plan_prepared(prepared: Prepared, config: Config, nbytes: int) -> MemoryPlan:
     """The plan for a step ``prepare_plan`` made ready, under ``nbytes`` per rank (``plan_memory``)."""
     blocks = blocks_in(prepared.captured.gm)
-    choices = [_choice(prepared, config, changes) for changes in candidates(config, prepared.device.type, bool(blocks))]
+    choices = _estimated(prepared, config, candidates(config, prepared.device.type, bool(blocks)), nbytes)
     if not any(c.estimate.peak_bytes <= nbytes for c in choices):
         raise _impossible(nbytes, choices)
     choices += _less_prefetch(prepared, config, choices, nbytes)
     choices += _fewer_blocks(prepared, config, _fastest(choices, nbytes), blocks, nbytes)
     fits = _fitting(choices, nbytes)
     return MemoryPlan(budget=nbytes, chosen=fits[0], nearest=tuple(fits[1:3]), considered=len(choices))
+
+
+_OFFLOADS = ("offload_activations", "offload_optimizer", "offload_fraction", "offload_params")
+
+
+def _estimated(prepared: Prepared, config: Config, combos: list[dict[str, Any]], nbytes: int) -> list[Choice]:
+    """``combos`` estimated, those that offload only where they may win: offloading adds transfers and never
+    compute, so a combination is estimated only if its twin without offload is faster than the fastest combination
+    without offload that fits (all of them where none fits)."""
+    twins = {tuple(c.items()): c for c in combos if not any(k in c for k in _OFFLOADS)}
+    choices = [_choice(prepared, config, changes) for changes in twins.values()]
+    seconds = {tuple(c.changes.items()): c.estimate.step_seconds for c in choices}
+    bound = min((c.estimate.step_seconds for c in choices if c.estimate.peak_bytes <= nbytes), default=float("inf"))
+    for changes in combos:
+        twin = tuple((k, v) for k, v in changes.items() if k not in _OFFLOADS)
+        if tuple(changes.items()) not in twins and seconds[twin] < bound:
+            choices.append(_choice(prepared, config, changes))
+    return choices
 
 
 def _choice(prepared: Prepared, config: Config, changes: dict[str, Any]) -> Choice:
