@@ -35,6 +35,7 @@ _FAILED = b"\x01"  # first byte of a posted exchange value that reports a failur
 _SEQUENCE: dict[str, int] = {}  # per group: how many exchanges this process has made
 _BROKEN: dict[str, str] = {}  # per group: why its collectives cannot be used anymore
 _RECORDED: set[str] = set()  # groups in which this process has a failure record standing
+_UNREACHABLE = (dist.DistError, RuntimeError)  # what a store raises when the process serving it is gone
 _GRACE = 2.0  # seconds to wait for a failing rank's record once a collective has failed
 
 
@@ -52,12 +53,21 @@ class Channel:
     def enter(self, label: str) -> None:
         """Say which zgraph call this rank is in (read by ranks that time out waiting for it)."""
         self.check_usable(label)
-        self._store.set(f"pos/{self.rank}", label.encode())
+        self._set(label, f"pos/{self.rank}", label.encode())
 
     def positions(self) -> dict[int, str]:
         """The label each rank last entered (ranks that never entered one are left out)."""
         keys = [f"pos/{r}" for r in range(self.world_size)]
         return {r: self._store.get(k).decode(errors="replace") for r, k in enumerate(keys) if self._store.check([k])}
+
+    def reachable(self) -> bool:
+        """Whether the group's store answers (it is gone when the process serving it died: rank 0, or under
+        torchrun the agent of the node with ``GROUP_RANK`` 0)."""
+        try:
+            self._store.check(["pos/0"])
+        except _UNREACHABLE:
+            return False
+        return True
 
     # ------------------------------------------------------------------------------------------ exchanges
     def exchange(self, label: str, payload: bytes = b"") -> list[bytes]:
@@ -69,11 +79,13 @@ class Channel:
         """
         self.enter(label)
         seq = self._next()
-        self._store.set(f"x/{seq}/{self.rank}", label.encode() + b"\x00" + payload)
+        self._set(label, f"x/{seq}/{self.rank}", label.encode() + b"\x00" + payload)
         keys = [f"x/{seq}/{r}" for r in range(self.world_size)]
         try:
             self._store.wait(keys, timedelta(seconds=self.timeout))
         except dist.DistError as error:
+            if not self.reachable():
+                raise RankFailedError(self._unreachable_message(label, error)) from error
             missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
             raise RankFailedError(self._timeout_message(label, missing)) from error
         values = self._store.multi_get(keys)
@@ -125,7 +137,12 @@ class Channel:
         keys = {r: f"failed/{r}" for r in range(self.world_size) if r != self.rank}
         deadline = time.monotonic() + wait
         while True:
-            found = {r: self._store.get(k).decode(errors="replace") for r, k in keys.items() if self._store.check([k])}
+            try:
+                found = {
+                    r: self._store.get(k).decode(errors="replace") for r, k in keys.items() if self._store.check([k])
+                }
+            except _UNREACHABLE:
+                return {}  # the store is gone with the process serving it: no record can be read
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.05)
@@ -138,6 +155,8 @@ class Channel:
         if failures:
             named = "; ".join(f"rank {r} failed {text}" for r, text in sorted(failures.items()))
             message = f"zgraph: {label} on rank {self.rank} could not complete: {named}."
+        elif not self.reachable():
+            message = self._unreachable_message(label, error)
         else:
             message = (
                 f"zgraph: a collective of {label} on rank {self.rank} failed ({type(error).__name__}: {error}), and "
@@ -164,6 +183,12 @@ class Channel:
             )
 
     # -------------------------------------------------------------------------------------------- helpers
+    def _set(self, label: str, key: str, value: bytes) -> None:
+        try:
+            self._store.set(key, value)
+        except _UNREACHABLE as error:
+            raise RankFailedError(self._unreachable_message(label, error)) from error
+
     def _next(self) -> int:
         name = self.group.group_name or ""
         seq = _SEQUENCE.get(name, 0)
@@ -179,6 +204,13 @@ class Channel:
         return (
             f"zgraph: rank {self.rank} waited {self.timeout:g} s (Config.collective_timeout) in {label} for rank(s) "
             f"{who}, which did not arrive. {self._where()}"
+        )
+
+    def _unreachable_message(self, label: str, error: BaseException) -> str:
+        return (
+            f"zgraph: {label} on rank {self.rank} could not complete ({type(error).__name__}: {error}), and the "
+            "process group's store cannot be reached: the process serving it ended (rank 0, or under torchrun the "
+            "agent of the node with GROUP_RANK 0), so no rank's failure record can be read. Restart every rank."
         )
 
     def _where(self) -> str:

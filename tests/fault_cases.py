@@ -99,6 +99,31 @@ def split_outputs_dropped(rank: int, world: int, out: str) -> None:
     _leave_together(rank, world)
 
 
+# ---------------------------------------------------------------------------------------- the store's host
+def store_host_dies(rank: int, world: int, out: str) -> None:
+    """Rank 0, whose process serves the default group's store, dies after a step (as the agent of a torchrun
+    node with ``GROUP_RANK`` 0 does when that machine dies); rank 1 steps on twice."""
+    model = _encoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @zgraph.distribute(stage=3, backend="eager", param_persistence_threshold=0, collective_timeout=TIMEOUT)
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    _start_together()
+    step(model, opt, _rows(rank))
+    dist.barrier()  # both ranks are done with the first step
+    if rank == 0:
+        _die()
+    record = {"step": _attempt(step, model, opt, _rows(rank)), "again": _attempt(step, model, opt, _rows(rank))}
+    _save(out, rank, record)
+    end_finished_rank()
+
+
 # ----------------------------------------------------------------------------------------------- NVMe tier
 def current_copies(step: object) -> dict[str, str]:
     """The tier's current copy of every offloaded state of ``step``'s last call: path to sha256."""

@@ -84,6 +84,17 @@ def test_dropped_outputs_then_one_rank_out_of_step(tmp_path):
         _named(record["mismatch"], "RankMismatchError", "backward of call 3 of step", "call 4 of step")
 
 
+# ---------------------------------------------------------------------------------------- the store's host
+def test_the_rank_serving_the_store_dying_ends_the_others_with_zgraphs_error(tmp_path):
+    # the failure records cannot be read from a store that is gone: the error says so instead of the store's
+    # own DistNetworkError escaping from zgraph's failure handling
+    codes, (_, rank1) = _records(tmp_path, "store_host_dies")
+    assert codes == [KILLED, 0]
+    _named(rank1["step"], "RankFailedError", "call 1 of step", "store cannot be reached")
+    _named(rank1["again"], "RankFailedError", "call 2 of step")
+    assert rank1["again"]["seconds"] < 1
+
+
 # ----------------------------------------------------------------------------------------------- NVMe tier
 def _checkpoint_loads_as_saved(directory, saved: dict) -> None:
     """The checkpoint the ranks saved before the fault loads, in one process, as the state they saved."""
