@@ -30,7 +30,7 @@ from test_zero_parity import assert_rel, expected
 from zero_cases import CASES
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command, whatever the PATH
 NODES, PER_NODE = 2, 2
 DEADLINE = 120.0  # seconds a whole launch may take (torchrun's start-up is a few seconds on two cores)
 MARGIN = 10.0  # seconds past the collective timeout a surviving rank may take to raise
@@ -45,7 +45,7 @@ def _launch(mode: str, out, agents: list[subprocess.Popen]) -> list[subprocess.P
     endpoint, job = f"127.0.0.1:{port}", f"zgraph-{uuid.uuid4().hex[:12]}"
     path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    command = [TORCHRUN, f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d"]
+    command = [*TORCHRUN, f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d"]
     command += [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", os.path.join(TESTS, "multinode_program.py")]
     for node in range(NODES):
         with open(out / f"agent{node}.log", "w") as log:
