@@ -34,7 +34,7 @@ from torch import Tensor
 
 from zgraph.graph import offload_moves
 from zgraph.ops import UNSTASH, OffloadTier, host_read
-from zgraph.runtime.offload_nvme import LIVE_DIRS, load_file, write_file
+from zgraph.runtime.offload_nvme import LIVE_DIRS, handed, load_file, write_file
 from zgraph.runtime.offload_store import DEFAULT_WINDOW, OffloadError, State
 
 
@@ -87,7 +87,7 @@ class ActivationFiles:
         return self._io.submit(write_file, self._file(key), value, nbytes, True)
 
     def get(self, key: int, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> _Moved:
-        return _Moved(self._io.submit(_read_file, self._file(key), shape, dtype), device)
+        return _Moved(handed(self._io, _read_file, self._file(key), shape, dtype), device)
 
     def clear(self) -> None:
         """Remove the files a step left (the directory stays, for the next step)."""

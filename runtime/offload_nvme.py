@@ -24,7 +24,9 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -115,8 +117,8 @@ class NvmeStore(TierStore):
     def _load(self, state: State, into: Tensor) -> None:
         load_file(state, into)
 
-    def _read_async(self, state: State, like: Tensor) -> Future:
-        return self._io.submit(_read_new, state, like)
+    def _read_async(self, state: State, like: Tensor) -> Handed:
+        return handed(self._io, _read_new, state, like)
 
     def _write_async(self, state: State, value: Tensor) -> Future:
         # copied: the graph may reuse the value's memory while the I/O thread writes it; handed over in a list the
@@ -126,6 +128,28 @@ class NvmeStore(TierStore):
 
     def _committed(self, state: State) -> None:
         state.current ^= 1
+
+
+class Handed:
+    """A task on an I/O thread whose tensor result is handed over in a list that ``result()`` empties: once taken,
+    the task no longer holds it (the pool's worker keeps a finished task, and its future with the future's
+    result, a moment after the future is done: under load, a reloaded state seemed still alive after the step)."""
+
+    def __init__(self, future: Future, box: list[Tensor]):
+        self.future, self.box = future, box
+
+    def result(self) -> Tensor:
+        self.future.result()
+        return self.box.pop()
+
+    def exception(self) -> BaseException | None:
+        return self.future.exception()
+
+
+def handed(io: ThreadPoolExecutor, fn: Callable[..., Tensor], *args: Any) -> Handed:
+    """``fn(*args)`` on ``io``, its result handed over (``Handed``)."""
+    box: list[Tensor] = []
+    return Handed(io.submit(lambda: box.append(fn(*args))), box)
 
 
 def _read_new(state: State, like: Tensor) -> Tensor:

@@ -310,3 +310,22 @@ def test_a_first_step_moves_each_new_state_to_the_tier_before_making_the_next(tm
     assert max(resident) <= 2 * largest < sum(2 * p.numel() * 4 for p in model.parameters())
     expected = train(BASE)
     assert losses == expected[0] and same(zgraph.full_state_dict(model, opt), expected[1:])
+
+
+def test_a_read_hands_its_tensor_over_and_keeps_no_reference():
+    """A bug: the I/O pool's worker keeps a finished task (and its future's result) a moment after the future is
+    done, so under load a reloaded state was still alive after the step (the soak's tensor bytes grew once). The
+    tensor now goes through a list the consumer empties; the future carries nothing."""
+    import weakref
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zgraph.runtime.offload_nvme import handed
+
+    with ThreadPoolExecutor(max_workers=1) as io:
+        pending = handed(io, torch.ones, 1000)
+        value = pending.result()
+        assert torch.equal(value, torch.ones(1000)) and pending.exception() is None
+        assert pending.future.result() is None and not pending.box
+        alive = weakref.ref(value)
+        del value
+        assert alive() is None
