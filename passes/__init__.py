@@ -18,6 +18,7 @@ Files::
     loss_scale.py            ``loss_scale``: the fp16 overflow check sees every rank's gradients
     cast.py                  ``cast``: dtype casts moved to where they save the most
     offload.py               ``offload``: optimizer states and parameter shards moved to a slower tier
+    secondary_shards.py      ``secondary_shards`` (hpZ): the backward re-gathers within a group, from the forward
     bucket.py                ``bucket``: layout operators of one kind merged into buckets
     lower_collectives.py     ``lower_collectives``: layout operators become functional collectives
     schedule.py              ``schedule``: the lowered graph ordered so communication overlaps compute
@@ -51,6 +52,7 @@ from zgraph.passes.pipeline import (
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
 from zgraph.passes.remat import remat
 from zgraph.passes.schedule import schedule
+from zgraph.passes.secondary_shards import secondary_shards
 from zgraph.passes.shard_optimizer import shard_optimizer
 from zgraph.passes.shard_params import shard_params
 
@@ -63,6 +65,7 @@ def default_pipeline(
     reduce_bucket_bytes: int | str = "auto",
     prefetch_bytes: int | str = "auto",
     reduce_dtype: torch.dtype | None = None,
+    cross_group_dtype: torch.dtype | None = None,
     offload_optimizer: str | None = None,
     offload_fraction: float = 1.0,
     offload_params: str | None = None,
@@ -73,7 +76,7 @@ def default_pipeline(
 
     The options are ``zgraph.Config``'s (``Config.pipeline_options()``; the defaults are ``Config()``'s), except
     ``reduce_dtype``: the dtype gradients are reduced in (``Config.reduce_dtype``, else ``param_dtype``)."""
-    bind = functools.partial
+    bind, reduced = functools.partial, {"grads_reduced"}
     return [
         Pass("cse", eliminate_common_subexpressions),
         Pass("remat", bind(remat, policy=remat_policy), requires={"phases"}),
@@ -90,7 +93,7 @@ def default_pipeline(
             bind(shard_params, stage=stage, max_reuse_distance=max_reuse_distance),
             requires={"phases"},
         ),
-        Pass("cast", bind(cast, reduce_dtype=reduce_dtype), requires={"grads_reduced"}),
+        Pass("cast", bind(cast, reduce_dtype=reduce_dtype, cross_group_dtype=cross_group_dtype), requires=reduced),
         Pass("clip_grad", clip_grad, requires={"grads_reduced"}),
         Pass("loss_scale", loss_scale, requires={"grads_reduced"}),
         Pass(
@@ -98,6 +101,7 @@ def default_pipeline(
             bind(offload, tier=offload_optimizer, fraction=offload_fraction, params=offload_params),
             requires={"grads_reduced"},
         ),
+        Pass("secondary_shards", bind(secondary_shards, stage=stage), requires={"phases"}),
         Pass(
             "bucket",
             bind(bucket, allgather_bytes=allgather_bucket_bytes, reduce_bytes=reduce_bucket_bytes),

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
-from zgraph.ops import COMBINE, GRAD_NORM, REDUCE_SHARD, UNSHARD
+from zgraph.ops import COMBINE, GRAD_NORM, REDUCE, REDUCE_SHARD, UNSHARD
 from zgraph.passes.pipeline import PassContext
 
 aten = torch.ops.aten
@@ -30,8 +30,8 @@ def sharded_gradient(node: fx.Node) -> fx.Node | None:
         return None
     shard = node.args[0]
     source = shard
-    while source.target is aten._to_copy.default and set(source.kwargs) == {"dtype"}:
-        source = source.args[0]
+    while (source.target is aten._to_copy.default and set(source.kwargs) == {"dtype"}) or source.target is REDUCE:
+        source = source.args[0]  # a cast, or hybrid sharding's all-reduce of the shard across groups
     return shard if source.target is REDUCE_SHARD else None
 
 
@@ -40,13 +40,14 @@ def clip_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.distributed:
         return gm
     mode = fake_mode(gm)
-    by_order: dict[float, list[tuple[fx.Node, fx.Node]]] = {}
+    by_order: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
     for node in gm.graph.nodes:
         if node.target is GRAD_NORM and sharded_gradient(node.args[0]) is not None:
-            by_order.setdefault(node.args[1], []).append((node, sharded_gradient(node.args[0])))
-    for order, norms in by_order.items():
+            gathered_over = tuple(node.args[0].args[2:])  # (world size, group) the shards are combined over
+            by_order.setdefault((node.args[1], gathered_over), []).append((node, sharded_gradient(node.args[0])))
+    for (order, group), norms in by_order.items():
         partials = [_partial(gm, node, shard, order, mode) for node, shard in norms]
-        combined = _combine_all(gm, partials, [n for n, _ in norms], order, ctx, mode)
+        combined = _combine_all(gm, partials, [n for n, _ in norms], order, group, mode)
         for (node, _), value in zip(norms, combined):
             if not math.isinf(order):
                 value = insert(gm, aten.pow.Tensor_Scalar, (value, 1.0 / order), after=value, mode=mode)
@@ -71,12 +72,13 @@ def _partial(gm: fx.GraphModule, node: fx.Node, shard: fx.Node, order: float, mo
 
 
 def _combine_all(
-    gm: fx.GraphModule, partials: list[fx.Node], norms: list[fx.Node], order: float, ctx: PassContext, mode: object
+    gm: fx.GraphModule, partials: list[fx.Node], norms: list[fx.Node], order: float, group: tuple, mode: object
 ) -> list[fx.Node]:
-    """Every rank's partials combined (sum, or max for the infinity norm): one all-reduce of them all, placed
-    after the last partial, when that is before every reader of the norms; else one per norm."""
+    """The partials of the ranks of ``group`` (world size, name: those the shards are cut across; with hybrid
+    sharding the shard group, whose shards every group holds alike) combined (sum, or max for the infinity norm):
+    one all-reduce of them all, placed after the last partial, when that is before every reader of the norms;
+    else one per norm."""
     op = "max" if math.isinf(order) else "sum"
-    group = (ctx.world_size, ctx.group_name)
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     last = max(partials, key=position.__getitem__)
     first_reader = min((u for n in norms for u in n.users), key=position.__getitem__)

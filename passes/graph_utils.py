@@ -173,7 +173,7 @@ def push_shards(gm: fx.GraphModule) -> None:
 
     Rules, applied until nothing changes:
 
-    - ``shard(unshard(y))`` is ``y``;
+    - ``shard(unshard(y))`` is ``y`` (both cut across the same ranks);
     - ``shard(f(x1, ..., xn))`` becomes ``f(shard(x1), ..., shard(xn))`` when ``f`` is element-wise
       (``is_elementwise``) and every user of ``f`` is a ``shard``: the work is then done on 1/N of the
       elements, and nothing whole is computed that no one reads. 0-d and scalar arguments stay as they are.
@@ -200,7 +200,7 @@ def push_shards(gm: fx.GraphModule) -> None:
         if node._erased or node.target is not SHARD:
             continue
         source, world_size, rank = node.args
-        if source.target is UNSHARD:
+        if source.target is UNSHARD and source.args[2] == world_size:  # not hpZ's secondary shard of a gather
             replace(node, source.args[0])
             continue
         if source in returned or not is_elementwise(source) or any(u.target is not SHARD for u in source.users):

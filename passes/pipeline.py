@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PipelineError
-from zgraph.graph import PHASE, PHASES, CostModel, ParamInfo, copy_graph_module
+from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 from zgraph.passes.provenance import run_pass
 
@@ -47,6 +47,11 @@ class PassContext:
             identical on every rank; None where planning must not depend on one.
         split: the graph is a split step's joint graph (its tangents are inputs of kind ``input``), cut into a
             forward and a backward graph after the passes, run in two calls.
+        shard_group: hybrid sharding (``Config.shard_group_size``): the ranks state is sharded across; None: all.
+        replicate_group: hybrid sharding: the ranks holding the same shards as this one (one per shard group),
+            across which sharded gradients are all-reduced; None without hybrid sharding.
+        secondary_group: hpZ (``Config.secondary_shard_group_size``): the ranks the backward re-gathers stage-3
+            parameters from, out of a secondary shard kept from the forward's gather; None without hpZ.
     """
 
     world_size: int = 1
@@ -57,11 +62,21 @@ class PassContext:
     params: tuple[ParamInfo, ...] = ()
     cost_model: CostModel | None = None
     split: bool = False
+    shard_group: Axis | None = None
+    replicate_group: Axis | None = None
+    secondary_group: Axis | None = None
 
     @property
     def distributed(self) -> bool:
         """True when collectives are inserted (a process group exists, even of size 1)."""
         return self.group_name is not None
+
+    @property
+    def shard(self) -> Axis:
+        """The ranks a parameter's state is split across: hybrid sharding's shard group, else every rank."""
+        if self.shard_group is not None:
+            return self.shard_group
+        return Axis(size=self.world_size, rank=self.rank, name=self.group_name or "")
 
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]

@@ -13,6 +13,11 @@ micro-batch, the gradient of the global-batch mean loss:
   ``.grad`` a step leaves on a parameter, and one it finds there on entry, are shards. A reader that needs
   the whole gradient gets ``unshard`` of the reduced shard.
 
+Hybrid sharding (``Config.shard_group_size``): the reduce-scatter runs within the shard group and its shard is
+then all-reduced across the groups (``ctx.replicate_group``): cross-group traffic is one shard per rank. The
+other order (all-reduce the whole gradient across groups, then reduce-scatter) moves the whole gradient over the
+slower links, so it is never the cheaper one. Whole gradients (stage <= 1) are all-reduced over every rank.
+
 Without a process group (one process) every marker is removed (the average over one rank is the identity).
 
 Provides ``grads_reduced``: no marker is left; later passes may rely on every gradient in the graph being the
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from zgraph.graph import BACKWARD, INPUT, fake_mode, insert, placeholders
+from zgraph.graph import BACKWARD, INPUT, Axis, fake_mode, insert, placeholders
 from zgraph.ops import GRAD_CONTRIBUTION, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
 from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_input, shard_output
 from zgraph.passes.pipeline import PassContext
@@ -41,7 +46,7 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0
             graph.erase_node(node)
         return gm
     mode = fake_mode(gm)
-    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    world, rank, group = ctx.shard.size, ctx.shard.rank, ctx.shard.name
     sharded_grads = stage >= 2
     if sharded_grads:
         _shard_grad_boundaries(gm, ctx, mode)
@@ -52,6 +57,7 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0
         only_shards_read = len(readers_of_shard) == len(node.users)
         if info.shard is not None and (sharded_grads or only_shards_read):
             reduced = insert(gm, REDUCE_SHARD, (local, world, rank, group), after=node, phase=BACKWARD, mode=mode)
+            reduced = _across_groups(gm, reduced, ctx.replicate_group, mode)
             for user in readers_of_shard:
                 user.replace_all_uses_with(reduced)
                 graph.erase_node(user)
@@ -59,15 +65,23 @@ def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0
                 whole = insert(gm, UNSHARD, (reduced, info.shape[0], world, group), after=reduced, mode=mode)
                 node.replace_all_uses_with(whole)
         else:
-            reduced = insert(gm, REDUCE, (local, world, group), after=node, phase=BACKWARD, mode=mode)
+            reduced = insert(gm, REDUCE, (local, ctx.world_size, ctx.group_name), after=node, phase=BACKWARD, mode=mode)
             node.replace_all_uses_with(reduced)
         graph.erase_node(node)
     return gm
 
 
+def _across_groups(gm: fx.GraphModule, reduced: fx.Node, replicate: Axis | None, mode: object) -> fx.Node:
+    """Hybrid sharding: the shard averaged within the shard group, averaged again across the groups (an
+    all-reduce among the ranks holding the same shard; equal groups make it the average over every rank)."""
+    if replicate is None:
+        return reduced
+    return insert(gm, REDUCE, (reduced, replicate.size, replicate.name), after=reduced, phase=BACKWARD, mode=mode)
+
+
 def _shard_grad_boundaries(gm: fx.GraphModule, ctx: PassContext, mode: object) -> None:
     """Stage >= 2: the ``.grad`` a parameter has on entry and the one the step leaves are shards."""
-    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    world, rank, group = ctx.shard.size, ctx.shard.rank, ctx.shard.name
     for node in placeholders(gm):
         spec = node.meta[INPUT]
         info = ctx.params[spec.index] if spec.kind == "grad" else None

@@ -29,7 +29,7 @@ def shard_optimizer(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> 
     if stage < 1 or not ctx.distributed:
         return gm
     mode = fake_mode(gm)
-    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    world, rank, group = ctx.shard.size, ctx.shard.rank, ctx.shard.name  # hybrid: within the shard group
     for node in placeholders(gm):
         spec = node.meta[INPUT]
         info = ctx.params[spec.index] if spec.kind == "opt_state" else None

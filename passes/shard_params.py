@@ -82,7 +82,7 @@ def shard_params(
     if stage < 3 or not ctx.distributed:
         return gm
     mode = fake_mode(gm)
-    world, rank, group = ctx.world_size, ctx.rank, ctx.group_name
+    world, rank, group = ctx.shard.size, ctx.shard.rank, ctx.shard.name  # hybrid: within the shard group
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     sharded = set()
     for node in placeholders(gm):

@@ -3,6 +3,7 @@
 Files::
 
     process_group.py   process groups: from torchrun's environment, an existing default group, or none
+    hybrid.py          hybrid sharding's shard and replicate groups, hpZ's secondary group
     devices.py         where a step's state lives, which backend serves it, how the host reads from it
     agreement.py       what crosses ranks besides the graph's tensors, as bytes (never pickled)
     consistency.py     all ranks run the same graph: a cheap check each call, an error instead of a hang

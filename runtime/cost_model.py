@@ -14,24 +14,38 @@ launches). The result is cached per machine, device type, the backend that serve
 first run on a machine pays the second or so it takes. Rank 0's numbers are broadcast, so every rank plans
 identically.
 ``analytical_cost_model`` gives fixed defaults where measuring is off or impossible.
+
+Two link classes: within a node (``collectives``: what is measured, or the analytical defaults) and across nodes
+(``inter_node``). The across-node class is never measured: on one machine every rank shares its loopback or NVLink,
+so a measurement would price it as the within-node class. It comes from arguments (``inter_node_costs``: the
+link's Gbit/s per rank and a latency), else from ``INTER_NODE`` defaults — round guesses, not measurements.
+Whether a collective's group crosses nodes is known from its ranks and the ranks per node
+(``crossing_groups``); ``collective_seconds(kind, nbytes, crosses_nodes=True)`` prices it on the slower class.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.fx as fx
 
 from zgraph.graph import reduce_scatter_by_all_to_all
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.devices import served_backend, synchronize
+from zgraph.runtime.hybrid import crosses_nodes
 from zgraph.runtime.process_group import ProcessGroupInfo
 
 KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+LINK_CLASSES = ("intra_node", "inter_node")
+# across-node defaults per backend: (Gbit/s of each rank's link, seconds of latency); guesses, pass your own
+INTER_NODE = {"nccl": (100.0, 30e-6), None: (4.0, 300e-6)}
 
 
 @dataclass(frozen=True)
@@ -47,20 +61,28 @@ class CollectiveCost:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Costs the planning passes use. ``source``: ``measured``, ``cached`` or ``analytical``."""
+    """Costs the planning passes use. ``source``: ``measured``, ``cached`` or ``analytical`` (of ``collectives``,
+    the within-node class). ``inter_node``: collective costs across nodes (never measured: ``inter_node_costs``);
+    None prices them as within a node."""
 
     collectives: dict[str, CollectiveCost]
     flops_per_second: float
     bytes_per_second: float
     source: str
+    inter_node: dict[str, CollectiveCost] | None = None
 
-    def collective_seconds(self, kind: str, nbytes: int) -> float:
-        return self.collectives[kind].seconds(nbytes)
+    def collective_seconds(self, kind: str, nbytes: int, crosses_nodes: bool = False) -> float:
+        """Seconds of collective ``kind`` on ``nbytes`` (the whole tensor), on the across-node link class where
+        its group ``crosses_nodes``."""
+        return self._link(crosses_nodes)[kind].seconds(nbytes)
 
-    def bucket_bytes(self, kind: str, latency_share: float = 0.1) -> int:
+    def bucket_bytes(self, kind: str, latency_share: float = 0.1, crosses_nodes: bool = False) -> int:
         """Smallest bucket whose latency is at most ``latency_share`` of its transfer time."""
-        cost = self.collectives[kind]
+        cost = self._link(crosses_nodes)[kind]
         return int(cost.latency * cost.bandwidth / latency_share)
+
+    def _link(self, crosses_nodes: bool) -> dict[str, CollectiveCost]:
+        return self.inter_node if crosses_nodes and self.inter_node is not None else self.collectives
 
     def to_json(self) -> dict:
         return {
@@ -94,12 +116,71 @@ def _positive(value: object) -> float:
 
 def analytical_cost_model(backend: str | None) -> CostModel:
     """Defaults: NCCL on one node (20 us, 100 GB/s; 100 TFLOP/s), or gloo over loopback TCP (150 us, 1 GB/s; a
-    CPU core's 50 GFLOP/s)."""
+    CPU core's 50 GFLOP/s); across nodes, ``INTER_NODE``'s (``inter_node_costs``)."""
+    inter = inter_node_costs(backend)
     if backend == "nccl":
         link = CollectiveCost(20e-6, 100e9)
-        return CostModel(dict.fromkeys(KINDS, link), 100e12, 1e12, "analytical")
+        return CostModel(dict.fromkeys(KINDS, link), 100e12, 1e12, "analytical", inter)
     link = CollectiveCost(150e-6, 1e9)
-    return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical")
+    return CostModel(dict.fromkeys(KINDS, link), 50e9, 5e9, "analytical", inter)
+
+
+def inter_node_costs(
+    backend: str | None, gbps: float | None = None, latency: float | None = None
+) -> dict[str, CollectiveCost]:
+    """Collective costs across nodes: ``gbps``, each rank's across-node link in Gbit/s, and ``latency``, seconds
+    per collective (defaults: ``INTER_NODE[backend]``, else gloo's over TCP). A ring collective moves about the
+    whole tensor through each rank's link, an all-reduce twice (a reduce-scatter, then an all-gather): its
+    bandwidth is half the link's. ``ValueError`` unless ``gbps`` is positive and ``latency`` not negative."""
+    default_gbps, default_latency = INTER_NODE.get(backend, INTER_NODE[None])
+    gbps = default_gbps if gbps is None else gbps
+    latency = default_latency if latency is None else latency
+    if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < float("inf"):
+        raise ValueError(f"inter_node_gbps must be a positive number of Gbit/s, got {gbps!r}")
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < float("inf"):
+        raise ValueError(f"the inter-node latency must be a non-negative number of seconds, got {latency!r}")
+    link = gbps * 1e9 / 8
+    return {kind: CollectiveCost(float(latency), link / 2 if kind == "all_reduce" else link) for kind in KINDS}
+
+
+def with_inter_node(
+    model: CostModel, backend: str | None, gbps: float | None = None, latency: float | None = None
+) -> CostModel:
+    """``model`` with its across-node class from ``inter_node_costs`` (kept where it has one and neither
+    ``gbps`` nor ``latency`` is given)."""
+    if model.inter_node is not None and gbps is None and latency is None:
+        return model
+    return dataclasses.replace(model, inter_node=inter_node_costs(backend, gbps, latency))
+
+
+def collective_group(node: fx.Node) -> str | None:
+    """The group a functional collective names: its last ``str`` argument."""
+    names = [a for a in node.args if isinstance(a, str)]
+    return names[-1] if names else None
+
+
+def crossing_groups(group: ProcessGroupInfo, ranks_per_node: int | None = None) -> dict[str, bool]:
+    """Whether each group a step on ``group`` names crosses nodes, by name: ``group`` itself (its ranks lie on more
+    than one node of ``ranks_per_node`` consecutive ranks; ``hybrid.crosses_nodes``) and its axes."""
+    ranks = list(group.ranks) if group.ranks is not None else list(range(group.world_size))
+    crossing = {group.group_name: crosses_nodes(ranks, ranks_per_node)}
+    for axis in (group.shard, group.replicate, group.secondary):
+        if axis is not None:
+            crossing[axis.name] = axis.crosses_nodes
+    return crossing
+
+
+def link_seconds(cost_model: object, kind: str, nbytes: int, crosses: bool) -> float:
+    """``cost_model.collective_seconds`` on the link class ``crosses`` names (a model without link classes, any
+    ``zgraph.graph.CostModel``, prices both alike)."""
+    if crosses and isinstance(cost_model, CostModel):
+        return cost_model.collective_seconds(kind, nbytes, crosses_nodes=True)
+    return cost_model.collective_seconds(kind, nbytes)  # type: ignore[attr-defined]
+
+
+def crosses(node: fx.Node, crossing: Mapping[str, bool] | None) -> bool:
+    """Whether collective ``node``'s group crosses nodes per ``crossing`` (unknown groups: False)."""
+    return bool(crossing) and bool(crossing.get(collective_group(node) or "", False))
 
 
 _CACHE_VERSION = 5  # bumped when the measurement changes: older files are not read
@@ -206,6 +287,7 @@ def fit_cost_model(
                 with open(path + ".tmp", "w") as f:
                     json.dump(model.to_json(), f)
                 os.replace(path + ".tmp", path)
+    model = with_inter_node(model, backend)
     _FITTED[key] = model
     return model
 
@@ -223,7 +305,8 @@ def _read_cache(path: str) -> CostModel | None:
 def known_cost_model(backend: str, device_type: str, world_size: int) -> CostModel:
     """The cost model a step on ``world_size`` ranks of ``backend`` would use on this machine, without measuring:
     the cached measurement when one exists, else the analytical model (for estimates)."""
-    return _read_cache(_cache_path(backend, device_type, world_size)) or analytical_cost_model(backend)
+    cached = _read_cache(_cache_path(backend, device_type, world_size))
+    return with_inter_node(cached, backend) if cached else analytical_cost_model(backend)
 
 
 def _encode(model: CostModel | None) -> bytes:

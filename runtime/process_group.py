@@ -27,22 +27,34 @@ import torch
 import torch.distributed as dist
 
 from zgraph.errors import ZGraphError
+from zgraph.graph import Axis
 from zgraph.runtime.devices import default_backend, served_backend
 
 
 @dataclass(frozen=True)
 class ProcessGroupInfo:
-    """The group a step's collectives run on (``group_name`` None: no group, one process)."""
+    """The group a step's collectives run on (``group_name`` None: no group, one process).
+
+    ``shard`` / ``replicate``: hybrid sharding's groups within it (``zgraph.runtime.hybrid``), ``secondary``:
+    hpZ's; None without them."""
 
     rank: int
     world_size: int
     group_name: str | None
     backend: str | None
     ranks: tuple[int, ...] | None = None  # global ranks of a group smaller than the world; None: the whole world
+    shard: Axis | None = None
+    replicate: Axis | None = None
+    secondary: Axis | None = None
 
     @property
     def distributed(self) -> bool:
         return self.group_name is not None
+
+    @property
+    def shard_axis(self) -> Axis:
+        """The ranks state is sharded across: hybrid sharding's shard group, else the whole group."""
+        return self.shard or Axis(size=self.world_size, rank=self.rank, name=self.group_name or "")
 
 
 SINGLE_PROCESS = ProcessGroupInfo(rank=0, world_size=1, group_name=None, backend=None)
@@ -113,16 +125,25 @@ def timed_group(
     if found is None:
         if before_creating is not None:
             before_creating()
-        group = dist.new_group(
-            ranks=list(parent.ranks) if parent.ranks is not None else None,
-            backend=one_worker_gloo() if parent.backend == "gloo" else parent.backend,
-            timeout=timedelta(seconds=timeout),
-            use_local_synchronization=parent.ranks is not None,  # the ranks outside it are not calling
-        )
+        ranks = list(parent.ranks) if parent.ranks is not None else None
+        group = new_timed_group(ranks, parent.backend, timeout, local=parent.ranks is not None)
         found = ProcessGroupInfo(parent.rank, parent.world_size, group.group_name, parent.backend, parent.ranks)
         _TIMED_GROUPS[key] = found
-        _destroy_at_exit(group)
     return found
+
+
+def new_timed_group(ranks: list[int] | None, backend: str | None, timeout: float, local: bool) -> dist.ProcessGroup:
+    """A new group of zgraph's over ``ranks`` (global ranks; None: all) whose collectives raise after ``timeout``
+    seconds, destroyed at exit; on gloo with one worker thread (``one_worker_gloo``). ``local``: only the ranks
+    in it call (``use_local_synchronization``); else every rank of the world does."""
+    group = dist.new_group(
+        ranks=ranks,
+        backend=one_worker_gloo() if backend == "gloo" else backend,
+        timeout=timedelta(seconds=timeout),
+        use_local_synchronization=local,
+    )
+    _destroy_at_exit(group)
+    return group
 
 
 _OWN_GROUPS: list[weakref.ref] = []  # the groups zgraph started (its timed groups, a default group), oldest first
@@ -202,6 +223,29 @@ def device_mesh(device_type: str, world_size: int, subgroup: str | None = None) 
             mesh = init_device_mesh(device_type, (world_size,))
         else:
             mesh = DeviceMesh.from_group(dist.distributed_c10d._resolve_process_group(subgroup), device_type)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def hybrid_mesh(device_type: str, group: ProcessGroupInfo) -> object:
+    """The 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of hybrid sharding over ``group``: its rows are the
+    shard groups. Its tensors are ``(Replicate(), Shard(0))`` DTensors, as FSDP2's HSDP makes them. Held weakly,
+    as ``device_mesh``'s."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert group.shard is not None and group.replicate is not None
+    key = (device_type, group.world_size, group.shard.name, group.replicate.name)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        ranks = list(group.ranks) if group.ranks is not None else list(range(group.world_size))
+        layout = torch.tensor(ranks, dtype=torch.int).view(group.replicate.size, group.shard.size)
+        resolve = dist.distributed_c10d._resolve_process_group
+        mesh = DeviceMesh.from_group(
+            [resolve(group.replicate.name), resolve(group.shard.name)],
+            device_type,
+            layout,
+            mesh_dim_names=("replicate", "shard"),
+        )
         _MESHES[key] = mesh
     return mesh
 

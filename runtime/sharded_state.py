@@ -1,11 +1,12 @@
 """Sharded training state: where each parameter, gradient and optimizer-state tensor lives on each rank.
 
 Layout (``ShardSpec``): a tensor of a parameter's shape ``(d0, ...)`` is cut along dim 0 into ``world_size``
-shards of ``ceil(d0 / world_size)`` rows; rank ``r`` holds rows ``[r * rows, (r + 1) * rows)`` of the tensor
-padded with zero rows. The graph reads and writes that padded shard (same shape on every rank); the user sees a
-``DTensor`` with placement ``Shard(0)`` whose local tensor is the unpadded part, a view of the padded shard —
-the same cut ``torch.chunk`` and DTensor make, so ``model.state_dict()`` and ``optimizer.state_dict()`` are
-ready for ``torch.distributed.checkpoint``.
+shards (hybrid sharding: ``shard_group_size``, every shard group holding the same ones) of ``ceil(d0 /
+world_size)`` rows; rank ``r`` holds rows ``[r * rows, (r + 1) * rows)`` of the tensor padded with zero rows. The
+graph reads and writes that padded shard (same shape on every rank); the user sees a ``DTensor`` with placement
+``Shard(0)`` (hybrid: ``(Replicate(), Shard(0))`` on a 2-D mesh) whose local tensor is the unpadded part, a view
+of the padded shard — the same cut ``torch.chunk`` and DTensor make, so ``model.state_dict()`` and
+``optimizer.state_dict()`` are ready for ``torch.distributed.checkpoint``.
 
 What is sharded, by ZeRO stage: stage ≥ 1 optimizer state of a parameter's shape; stage ≥ 2 gradients left
 in ``.grad``; stage 3 the parameters themselves (replaced, on the modules and in the optimizer, by ``DTensor``
@@ -22,13 +23,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
 from zgraph.ops import host_read
 from zgraph.runtime.meta_init import release
-from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh
+from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh, hybrid_mesh
 from zgraph.runtime.state import Binding
 from zgraph.runtime.storage_guard import refuse_storage_access
 
@@ -65,7 +67,14 @@ class ShardingPlan:
 
     @property
     def rank(self) -> int:
-        return self.group.rank
+        """This rank's position among the ranks state is cut across (hybrid sharding: in its shard group)."""
+        return self.group.shard_axis.rank
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """The user-facing DTensors' placements: ``Shard(0)``; with hybrid sharding ``(Replicate(), Shard(0))``
+        on the 2-D mesh (replicate, shard), as FSDP2's HSDP."""
+        return (Replicate(), Shard(0)) if self.group.replicate is not None else (Shard(0),)
 
     def params_sharded(self, index: int) -> bool:
         return self.stage >= 3 and self.specs[index] is not None and not self.persistent[index]
@@ -83,7 +92,7 @@ class ShardingPlan:
         local = padded[: spec.local_rows(self.rank)]
         stride = torch.empty(spec.shape, device="meta").stride()
         dt = DTensor.from_local(
-            local, self.mesh, [Shard(0)], run_check=False, shape=torch.Size(spec.shape), stride=stride
+            local, self.mesh, self.placements, run_check=False, shape=torch.Size(spec.shape), stride=stride
         )
         if requires_grad:
             dt = nn.Parameter(dt, requires_grad=True)
@@ -120,7 +129,7 @@ class ShardingPlan:
         """Whether ``t`` is zgraph's DTensor for ``spec``, or one laid out the same way (same mesh, rows)."""
         if getattr(t, _PADDED, None) is not None:
             return True
-        return t.device_mesh == self.mesh and tuple(t.placements) == (Shard(0),) and tuple(t.shape) == spec.shape
+        return t.device_mesh == self.mesh and tuple(t.placements) == self.placements and tuple(t.shape) == spec.shape
 
 
 def make_plan(
@@ -131,11 +140,14 @@ def make_plan(
     (an estimate's), with no device mesh, so it cannot shard tensors (``apply_plan``) and needs no process group."""
     plan = ShardingPlan(stage, group)
     if group.distributed and mesh:
-        plan.mesh = device_mesh(binding.device.type, group.world_size, group.group_name if group.ranks else None)
+        if group.replicate is not None:
+            plan.mesh = hybrid_mesh(binding.device.type, group)
+        else:
+            plan.mesh = device_mesh(binding.device.type, group.world_size, group.group_name if group.ranks else None)
         refuse_storage_access()
     for record in binding.params:
         t = record.tensor
-        spec = ShardSpec(tuple(t.shape), group.world_size) if group.distributed and t.dim() > 0 else None
+        spec = ShardSpec(tuple(t.shape), group.shard_axis.size) if group.distributed and t.dim() > 0 else None
         plan.specs.append(spec)
         already_sharded = getattr(t, _PADDED, None) is not None  # by another step's plan (e.g. fwd/bwd only)
         plan.persistent.append(not already_sharded and (not record.slots or t.numel() <= persistence_threshold))

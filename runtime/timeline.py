@@ -2,7 +2,8 @@
 
 Compute nodes cost ``flops / flops_per_second + bytes / bytes_per_second`` (FLOPs of matmuls and attention from
 ``torch.utils.flop_counter``; bytes read and written; views are free). A collective starts when it is issued
-and the previous collective has finished, and takes ``latency + bytes / bandwidth`` from the cost model; its
+and the previous collective has finished, and takes ``latency + bytes / bandwidth`` from the cost model (on the
+across-node link class where its group crosses nodes: ``crossing``, ``cost_model.crossing_groups``); its
 ``wait_tensor`` stalls compute until it has finished. What is left of a collective's time after the stalls
 is hidden behind compute. Used by ``explain()`` to show what the ``schedule`` pass is expected to gain, and by
 ``step.estimate`` (``Estimate.step_seconds``) and the memory planner to compare configs.
@@ -15,6 +16,7 @@ ahead and writes behind).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ from torch.utils.flop_counter import flop_registry
 
 from zgraph.graph import VAL, CostModel, collective_bytes, collective_kind, tensor_bytes
 from zgraph.ops import RELOAD, STASH, UNSTASH, WRITE_BACK
+from zgraph.runtime.cost_model import LINK_CLASSES, crosses, link_seconds
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Bytes per second an offload tier moves, by the device whose state it holds: a GPU's state goes to pinned host
@@ -83,14 +86,15 @@ def _collective_of(node: fx.Node) -> fx.Node:
     return node.args[0] if node.target is operator.getitem else node
 
 
-def estimate(gm: fx.GraphModule, cost_model: CostModel) -> Timeline:
-    """Simulate the graph's order on one compute and one communication stream."""
+def estimate(gm: fx.GraphModule, cost_model: CostModel, crossing: Mapping[str, bool] | None = None) -> Timeline:
+    """Simulate the graph's order on one compute and one communication stream; ``crossing``: whether each group
+    (by name) crosses nodes (None: none does)."""
     now = comm_free = compute = communication = exposed = 0.0
     finish: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is not None and node.target.namespace == "_c10d_functional":
-            seconds = cost_model.collective_seconds(kind, collective_bytes(node))
+            seconds = link_seconds(cost_model, kind, collective_bytes(node), crosses(node, crossing))
             begin = max(now, comm_free)
             finish[node] = comm_free = begin + seconds
             communication += seconds
@@ -114,3 +118,34 @@ def transfer_seconds(gm: fx.GraphModule, device_type: str) -> float:
         if n.target in (RELOAD, UNSTASH, WRITE_BACK, STASH)
     )
     return moved / TIER_BYTES_PER_SECOND.get(device_type, TIER_BYTES_PER_SECOND["cpu"])
+
+
+@dataclass(frozen=True)
+class CollectiveTotals:
+    """Per step: per collective kind, count, bytes (the whole tensor) and seconds (on each one's link class); per
+    op name, count; per link class (``LINK_CLASSES``), bytes."""
+
+    counts: dict[str, int]
+    sent: dict[str, int]
+    seconds: dict[str, float]
+    ops: dict[str, int]
+    link_bytes: dict[str, int]
+
+
+def collective_totals(
+    gm: fx.GraphModule, cost_model: CostModel, crossing: Mapping[str, bool] | None = None
+) -> CollectiveTotals:
+    """The collectives of ``gm`` summed (``crossing`` as ``estimate``'s)."""
+    totals = CollectiveTotals({}, {}, {}, {}, dict.fromkeys(LINK_CLASSES, 0))
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None:
+            continue
+        nbytes, across = collective_bytes(node), crosses(node, crossing)
+        totals.counts[kind] = totals.counts.get(kind, 0) + 1
+        totals.sent[kind] = totals.sent.get(kind, 0) + nbytes
+        seconds = link_seconds(cost_model, kind, nbytes, across)
+        totals.seconds[kind] = totals.seconds.get(kind, 0.0) + seconds
+        totals.ops[node.target._opname] = totals.ops.get(node.target._opname, 0) + 1
+        totals.link_bytes[LINK_CLASSES[across]] += nbytes
+    return totals

@@ -60,7 +60,7 @@ def run_case(name: str, stage: int, rank: int, world: int) -> dict:
         d = {k: _slice(v, rank, world) for k, v in d.items()}
     else:
         world, scale = 1, None  # eager: gradients of the global batch, scaled per case below
-    config = zgraph.Config(stage=stage, param_persistence_threshold=0)  # stage 3 shards every parameter
+    config = zgraph.Config(stage=stage, param_persistence_threshold=0, **FIELDS)  # stage 3 shards every parameter
     opt = torch.optim.SGD(enc.parameters(), lr=0.1)
     head_opt = torch.optim.SGD(head.parameters(), lr=0.1)
 
@@ -161,6 +161,7 @@ def _seeds(enc, head, opt, head_opt, d, scale, steps):
 
 
 _WORLD = [1]
+FIELDS: dict = {}  # more Config fields for every zgraph step (hybrid sharding's, say)
 SAVED: list[tuple[int, ...]] = []
 
 

@@ -95,14 +95,15 @@ def test_issue_keys_once_unknown_are_accepted(key):
     zgraph.Config.from_deepspeed({"zero_optimization": {"stage": 3, key: 1000}})
 
 
-def test_top_level_compile_and_hpz_off_are_accepted_and_amp_says_why():
+def test_top_level_compile_and_hpz_are_accepted_and_amp_says_why():
     zgraph.Config.from_deepspeed(
         {"compile": {"deepcompile": False}, "zero_optimization": {"zero_hpz_partition_size": 1}}
     )
     zgraph.Config.from_deepspeed({"amp": {"enabled": False}})
     with pytest.raises(ValueError, match=r"'amp': removed in DeepSpeed 0.19.8 \(NVIDIA Apex AMP"):
         zgraph.Config.from_deepspeed({"amp": {"enabled": True}})
-    with pytest.raises(ValueError, match="zero_hpz_partition_size=8: ZeRO\\+\\+ hierarchical"):
+    # hpZ is mapped (Config.secondary_shard_group_size), and needs stage 3 (DeepSpeed's default stage is 0)
+    with pytest.raises(ValueError, match="secondary_shard_group_size=8 .DeepSpeed's zero_hpz_partition_size. needs"):
         zgraph.Config.from_deepspeed({"zero_optimization": {"zero_hpz_partition_size": 8}})
 
 

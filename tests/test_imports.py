@@ -7,7 +7,7 @@ Floors, bottom to top (a module imports its own layer and layers on lower floors
 1. ``zgraph.runtime`` and ``zgraph.passes`` (never each other);
 2. ``zgraph.deepspeed`` (plain values; never ``Config``) and ``zgraph.checkpoint`` (which imports only the
    runtime and the contract);
-3. ``zgraph.config`` (with ``zgraph.config_checks``);
+3. ``zgraph.config`` (with ``zgraph.config_checks`` and ``zgraph.config_docs``);
 4. ``zgraph.capture``;
 5. ``zgraph.binding`` and ``zgraph.compile`` (never each other);
 6. ``zgraph.inspect`` and ``zgraph.weights`` (never each other);
@@ -52,6 +52,7 @@ LAYER_OF = {
     "zgraph.version": "contract",
     "zgraph.config": "config",
     "zgraph.config_checks": "config",
+    "zgraph.config_docs": "config",
     "zgraph.step": "step",
     "zgraph.dispatch": "step",
     "zgraph": "face",

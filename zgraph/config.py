@@ -8,11 +8,8 @@ metadata (``PASS_OPTION``), and ``Config.pipeline_options()`` is derived from th
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import os
-import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +25,7 @@ from zgraph.config_checks import (
     check_bool,
     check_choice,
     check_float_dtype,
+    check_groups,
     check_max_grad_norm,
     check_offload,
     check_offload_activations,
@@ -37,6 +35,7 @@ from zgraph.config_checks import (
     check_timeout,
     module_classes,
 )
+from zgraph.config_docs import doc_with_attributes, field_docs
 from zgraph.deepspeed.config import config_fields_from_deepspeed
 from zgraph.passes import Pass, build_pipeline, default_pipeline
 from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
@@ -73,6 +72,23 @@ class Config:
     """ZeRO stage, with DeepSpeed's meaning. 0: data parallel (gradients all-reduced, everything replicated). 1:
     optimizer state sharded across ranks. 2: gradients sharded too (reduce-scattered). 3: parameters sharded too
     (all-gathered around their uses). Default 0."""
+
+    shard_group_size: int | None = None
+    """Hybrid sharding (FSDP2's HSDP, a 2-D mesh): ranks per shard group. State is sharded, as the stage says,
+    within groups of this many consecutive ranks (a node's, typically) and replicated across the groups:
+    gradients are reduce-scattered within the group and their shards all-reduced across groups; parameters are
+    all-gathered within the group only. It must divide the world size. None (default): one group of every rank."""
+
+    secondary_shard_group_size: int | None = None
+    """Stage 3: ZeRO++'s hierarchical partitioning (hpZ; DeepSpeed's ``zero_hpz_partition_size``). Parameters stay
+    sharded across every rank; each forward all-gather leaves a secondary shard cut across groups of this many
+    consecutive ranks, which the backward re-gathers within the group (the ``secondary_shards`` pass). It must
+    divide the world size; not with ``shard_group_size``. None (default): off."""
+
+    cross_group_dtype: torch.dtype | None = field(default=None, metadata=_pass_option("cross_group_dtype"))
+    """``torch.bfloat16`` or ``torch.float16``: collectives between groups run in it (ZeRO++'s qgZ / qwZ in spirit):
+    with ``shard_group_size`` the all-reduce of gradient shards across groups, with hpZ the forward's parameter
+    gathers and the gradients' reduce-scatters. It rounds what crosses. None (default): their own dtype."""
 
     backend: str = "inductor"
     """``"inductor"`` compiles the transformed graph with inductor; ``"eager"`` runs the transformed FX GraphModule
@@ -251,6 +267,7 @@ class Config:
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, _STAGES, int)
         check_choice("backend", self.backend, _BACKENDS, str)
+        check_groups(self.stage, self.shard_group_size, self.secondary_shard_group_size, self.cross_group_dtype)
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
@@ -367,33 +384,4 @@ class DynamicLossScale:
                 raise ValueError(f"DynamicLossScale.{name} is out of range: {getattr(self, name)!r}")
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each annotated field of the dataclass ``cls``, read from its source (empty when the
-    source cannot be read)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
-    docs: dict[str, str] = {}
-    for stmt, after in zip(body, body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
-def _doc_with_attributes(summary: str, docs: Mapping[str, str]) -> str:
-    """``summary`` followed by an ``Attributes:`` section (Google style) listing ``docs``."""
-    lines = [summary, "", "Attributes:"]
-    for name, doc in docs.items():
-        lines.append(textwrap.fill(f"{name}: {doc}", width=116, initial_indent="    ", subsequent_indent="        "))
-    return "\n".join(lines) + "\n"
-
-
-Config.__doc__ = _doc_with_attributes(Config.__doc__ or "", _field_docs(Config))
+Config.__doc__ = doc_with_attributes(Config.__doc__ or "", field_docs(Config))

@@ -10,11 +10,13 @@ import os
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from zgraph.passes import Pass, PassContext
 from zgraph.passes.remat import POLICIES as REMAT_POLICIES
+from zgraph.runtime.hybrid import check_group_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
@@ -252,3 +254,43 @@ def as_pass_tuple(value: object) -> tuple[Pass, ...]:
                 f"got {item!r} ({type_name(item)})"
             )
     return tuple(passes)
+
+
+def check_groups(stage: int, shard: object, secondary: object, cross_dtype: object) -> None:
+    """``shard_group_size`` / ``secondary_shard_group_size`` (positive ints or None; hpZ needs stage 3 and not
+    both), ``cross_group_dtype`` (a 16-bit float dtype, with one of them); each group size must divide the
+    world size where it is known already (torchrun's ``WORLD_SIZE``, or a started default group). Checked again
+    against the step's group on its first call."""
+    for name, value in (("shard_group_size", shard), ("secondary_shard_group_size", secondary)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"Config.{name} must be None or a positive int (ranks per group); got {value!r}")
+    if secondary is not None and stage != 3:
+        raise ValueError(
+            f"Config.secondary_shard_group_size={secondary} (DeepSpeed's zero_hpz_partition_size) needs stage=3 "
+            f"(hpZ keeps a secondary shard of the parameters stage 3 shards); got stage={stage}"
+        )
+    if secondary is not None and shard is not None:
+        raise ValueError(
+            "Config.secondary_shard_group_size (hpZ) and Config.shard_group_size (hybrid sharding) cannot be "
+            "combined: hpZ shards parameters across every rank, hybrid sharding within groups; pick one"
+        )
+    if cross_dtype is not None:
+        if cross_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"Config.cross_group_dtype must be torch.bfloat16 or torch.float16; got {cross_dtype!r}")
+        if shard is None and secondary is None:
+            raise ValueError(
+                "Config.cross_group_dtype needs groups to cross: set shard_group_size or secondary_shard_group_size"
+            )
+    world = known_world_size()
+    if world is not None:
+        check_group_size("shard_group_size", shard, world)
+        check_group_size("secondary_shard_group_size", secondary, world)
+
+
+def known_world_size() -> int | None:
+    """The world size, where known before any step runs: a started default group's, else torchrun's
+    ``WORLD_SIZE``; None otherwise."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None

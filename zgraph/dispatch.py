@@ -17,6 +17,7 @@ import torch.distributed as dist
 from zgraph.binding.arguments import StepCall
 from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
+from zgraph.binding.setup import step_groups
 from zgraph.capture import update_rules as zopt
 from zgraph.capture.environment import traced_arguments
 from zgraph.capture.optimizers import drop_state, stateless_pairs
@@ -75,6 +76,7 @@ class Dispatcher:
         if channel is not None:
             channel.enter(label)
             group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
+            group = step_groups(group, self.config)
         try:
             compiled, bound = self._prepare(call, group, channel)
         except Exception as error:

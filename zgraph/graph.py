@@ -12,7 +12,8 @@ A step graph is a ``torch.fx.GraphModule`` of aten ops (and ``zgraph.ops``) whos
 - a node a pass added carries ``node.meta[MADE_BY]``, the pass's name (``run_pass`` stamps it: a create-node hook
   on the module the pass edits);
 - collectives are counted and sized by ``collective_kind`` / ``collective_bytes``;
-- a tensor of a parameter's shape is sharded along dim 0 by ``ShardSpec`` (``shard_rows`` rows per rank).
+- a tensor of a parameter's shape is sharded along dim 0 by ``ShardSpec`` (``shard_rows`` rows per rank), over
+  the ranks of an ``Axis`` (all of them, or hybrid sharding's shard group).
 
 This module depends on torch only: passes, runtime and the user surface all build on it.
 """
@@ -102,6 +103,25 @@ def state_key(spec: GraphInput | GraphOutput) -> tuple:
 def shard_rows(d0: int, world_size: int) -> int:
     """Rows of each rank's dim-0 shard of a tensor with ``d0`` rows: ``ceil(d0 / world_size)``."""
     return -(-d0 // world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Axis:
+    """A set of ranks one collective spans, as a rank sees it: hybrid sharding's shard group (the ranks that
+    split a parameter between them) or its replicate group (one rank of each shard group: they hold the same
+    shard), or hpZ's secondary group.
+
+    Attributes:
+        size: ranks in it.
+        rank: this rank's position in it.
+        name: its process group's name (what collectives take).
+        crosses_nodes: it spans more than one node (its collectives use the slower links), as far as is known.
+    """
+
+    size: int
+    rank: int
+    name: str
+    crosses_nodes: bool = False
 
 
 @dataclass(frozen=True)

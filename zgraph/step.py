@@ -87,13 +87,20 @@ class DistributedStep:
         world_size: int | None = None,
         device: str | torch.device | None = None,
         memory_budget: int | str | None = None,
+        ranks_per_node: int | None = None,
+        inter_node_gbps: float | None = None,
         **kwargs: object,
     ) -> Estimate | MemoryPlan:
         """Memory and communication per rank of calling the step with these arguments on ``world_size`` ranks
         (None: the current world) with the state on ``device`` (``"cpu"``, ``"cuda"``; None: the parameters'
         device), without running it: captured and transformed on meta stand-ins of the modules and optimizers
-        among the arguments; the real ones, and this step's caches, stay as they are. ``world_size`` and
-        ``device`` are the estimate's own keywords, never passed to the step. See ``zgraph.Estimate``.
+        among the arguments; the real ones, and this step's caches, stay as they are. ``world_size``, ``device``,
+        ``memory_budget``, ``ranks_per_node`` and ``inter_node_gbps`` are the estimate's own keywords, never passed
+        to the step. See ``zgraph.Estimate``.
+
+        ``ranks_per_node`` (consecutive ranks per node; None: torchrun's ``LOCAL_WORLD_SIZE``, else one node) says
+        which groups cross nodes: their collectives are priced at ``inter_node_gbps`` (Gbit/s per rank; None: the
+        cost model's default) and counted in ``Estimate.link_bytes["inter_node"]``.
 
         ``memory_budget`` (bytes per rank, ``"12GiB"``, ``"auto"``): returns the ``MemoryPlan`` the planner makes
         for that budget instead (``plan.chosen.estimate`` is the chosen config's estimate). Without it, a step whose
@@ -104,7 +111,8 @@ class DistributedStep:
             return plan_memory(call, config, budget_bytes(memory_budget), world_size, device)
         if config.memory_budget is not None:
             config = plan_memory(call, config, config.memory_budget, world_size, device).config(config)
-        return estimate_step(call, config, world_size, device=device)
+        links = {"ranks_per_node": ranks_per_node, "inter_node_gbps": inter_node_gbps}
+        return estimate_step(call, config, world_size, device=device, **links)
 
 
 def distribute(

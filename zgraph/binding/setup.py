@@ -26,6 +26,7 @@ from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.devices import allocation_device, check_served, served_backend, state_device
 from zgraph.runtime.host_memory import keep_freed_host_memory
+from zgraph.runtime.hybrid import hybrid_group
 from zgraph.runtime.meta_init import (
     MetaInitError,
     Routes,
@@ -99,6 +100,17 @@ def lay_out(
     make_real(binding, channel, source, routes, values)
     apply_plan(binding.plan, binding)  # may replace parameters (stage 3)
     return binding
+
+
+def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:
+    """``group`` with the groups ``config`` shards within (hybrid sharding, hpZ) made: collective, on every rank
+    of ``group`` at the same point (right after ``timed_group``)."""
+    return hybrid_group(
+        group,
+        shard_group_size=config.shard_group_size,
+        secondary_group_size=config.secondary_shard_group_size,
+        timeout=config.collective_timeout,
+    )
 
 
 def meta_source(binding: Binding, group: ProcessGroupInfo, channel: Channel | None) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zgraph.ops import host_read
 from zgraph.runtime.offload import materialize
@@ -169,12 +169,18 @@ _NOT_SHARD0: Any = object()
 
 
 def _gathered_to_rank0(t: DTensor) -> Tensor | None:
-    """``t`` whole on global rank 0 (None elsewhere), by a gather of the ranks' row blocks padded to equal size;
+    """``t`` whole on global rank 0 (None elsewhere), by a gather of the ranks' row blocks padded to equal size
+    (hybrid sharding's ``(Replicate(), Shard(0))``: within rank 0's shard group; the other groups hold copies);
     ``_NOT_SHARD0`` when ``t`` is not cut that way (not ``Shard(0)`` on a 1-D mesh holding rank 0)."""
     mesh = t.device_mesh
-    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+    if mesh.ndim == 2 and tuple(t.placements) == (Replicate(), Shard(0)):
+        group = mesh.get_group(1)
+        if 0 not in dist.get_process_group_ranks(group):
+            return None  # a copy of what rank 0's shard group gathers
+    elif mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
         return _NOT_SHARD0
-    group = mesh.get_group()
+    else:
+        group = mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     if 0 not in ranks:
         return _NOT_SHARD0

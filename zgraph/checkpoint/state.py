@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from zgraph.checkpoint.data import Encoder, rng_state
@@ -341,7 +341,7 @@ def state_targets(
             if plan.group.distributed and plan.stage >= 1 and spec is not None and spec.shape == size:
                 padded = torch.zeros(spec.shard_shape, dtype=dtype)
                 local = padded[: spec.local_rows(plan.rank)]
-                host = _host_dtensor(local, plan.mesh, [Shard(0)], spec.shape)
+                host = _host_dtensor(local, plan.mesh, plan.placements, spec.shape)
                 staged = Staged(host, device, plan, spec, padded)
         if staged is None and isinstance(param, DTensor) and size == tuple(param.shape):
             local = torch.zeros(param._local_tensor.shape, dtype=dtype)

@@ -9,6 +9,10 @@ graph is the same, activations scale with it), so two traces (micro-batch 1 and 
 the answer is checked by a third trace. When even micro-batch 1 does not fit it says which stage and precision
 settings would. ``--budget`` with ``--plan`` instead prints the memory plan ``Config(memory_budget=...)`` would run
 at ``--micro-batch`` (``zgraph.inspect.budget``: remat, offload, reuse), without running it.
+``--ranks-per-node`` says which collectives cross nodes (their groups' ranks lie on more than one node): they are
+priced at ``--inter-node-gbps`` and ``--inter-node-latency-us`` (defaults: ``zgraph.runtime.cost_model.INTER_NODE``)
+and their bytes are printed apart from those within a node; ``--shard-group-size`` (hybrid sharding) and
+``--secondary-shard-group-size`` (hpZ) set the ``Config`` fields of those names.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.budget import MemoryPlan, plan_memory
 from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
-from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model
+from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model, with_inter_node
+from zgraph.runtime.hybrid import check_group_size
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {  # name: (builder, vocab, default sequence)
     "gpt-bench": (lambda: GPT(BENCH_GPT), BENCH_GPT.vocab, BENCH_GPT.seq),
@@ -85,6 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for flag in ("param-dtype", "master-dtype", "optimizer-state-dtype", "autocast"):
         parser.add_argument(f"--{flag}", choices=sorted(DTYPES), default=None)
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=None, help="consecutive ranks per node (default: one node)"
+    )
+    parser.add_argument("--inter-node-gbps", type=float, default=None, help="each rank's link across nodes, Gbit/s")
+    parser.add_argument("--inter-node-latency-us", type=float, default=None, help="latency across nodes, microseconds")
+    parser.add_argument("--shard-group-size", type=int, default=None, help="Config.shard_group_size (hybrid sharding)")
+    parser.add_argument(
+        "--secondary-shard-group-size", type=int, default=None, help="Config.secondary_shard_group_size (hpZ, stage 3)"
+    )
     parser.add_argument("--budget", default=None, help="memory per rank, e.g. 80GiB: the largest micro-batch that fits")
     parser.add_argument(
         "--plan",
@@ -106,6 +120,9 @@ class Setting:
     dtypes: tuple[tuple[str, str | None], ...]
     max_reuse_distance: int = 0
     device: str = "cpu"
+    groups: tuple[int | None, int | None] = (None, None)  # Config.shard_group_size, secondary_shard_group_size
+    ranks_per_node: int | None = None
+    inter_node: tuple[float | None, float | None] = (None, None)  # Gbit/s, seconds of latency
 
     def config(self) -> Config:
         d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
@@ -117,12 +134,16 @@ class Setting:
             optimizer_state_dtype=d["optimizer_state_dtype"],
             autocast_dtype=d["autocast"],
             max_reuse_distance=self.max_reuse_distance,
+            shard_group_size=self.groups[0],
+            secondary_shard_group_size=self.groups[1],
         )
 
     def describe(self) -> str:
         chosen = [f"{k}={v}" for k, v in self.dtypes if v]
         reuse = f", max_reuse_distance={self.max_reuse_distance}" if self.max_reuse_distance and self.stage == 3 else ""
-        return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32") + reuse
+        names = ("shard_group_size", "secondary_shard_group_size")
+        groups = "".join(f", {name}={size}" for name, size in zip(names, self.groups) if size)
+        return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32") + reuse + groups
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targets: Tensor) -> Tensor:
@@ -158,13 +179,14 @@ def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
     ``cuda`` by this machine's NCCL measurement when it has one, else analytically)."""
     call = _meta_call(setting, micro_batch)
     with _gc_paused():
-        return estimate_step(call, setting.config(), setting.world, _cost_model(setting), setting.device)
+        model, rpn = _cost_model(setting), setting.ranks_per_node
+        return estimate_step(call, setting.config(), setting.world, model, setting.device, ranks_per_node=rpn)
 
 
 def _cost_model(setting: Setting) -> CostModel:
-    if setting.device == "cuda":
-        return known_cost_model("nccl", "cuda", setting.world)
-    return analytical_cost_model("nccl")
+    """NCCL's: this machine's measurement on ``cuda`` when it has one, else analytical; across nodes, the flags'."""
+    model = known_cost_model("nccl", "cuda", setting.world) if setting.device == "cuda" else None
+    return with_inter_node(model or analytical_cost_model("nccl"), "nccl", *setting.inter_node)
 
 
 @contextlib.contextmanager
@@ -196,9 +218,19 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     if seq < 1:
         raise EstimateInputError(f"--seq must be at least 1, got {seq}")
     dtypes = tuple((k, getattr(args, k)) for k in ("param_dtype", "master_dtype", "optimizer_state_dtype", "autocast"))
+    groups = (args.shard_group_size, args.secondary_shard_group_size)
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise EstimateInputError(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
+    latency = args.inter_node_latency_us * 1e-6 if args.inter_node_latency_us is not None else None
     setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance, args.device)
+    setting = replace(
+        setting, groups=groups, ranks_per_node=args.ranks_per_node, inter_node=(args.inter_node_gbps, latency)
+    )
     try:
         setting.config()
+        _cost_model(setting)
+        check_group_size("shard_group_size", groups[0], args.world)
+        check_group_size("secondary_shard_group_size", groups[1], args.world)
     except ValueError as error:
         raise EstimateInputError(str(error).splitlines()[0]) from error
     return setting
@@ -230,6 +262,8 @@ def table(setting: Setting, micro_batch: int, e: Estimate) -> str:
     else:
         ops = ", ".join(f"{op} {n}" for op, n in sorted(e.comm_ops.items()))
         rows.append(f"    as {BACKENDS[e.device]} runs them: {ops}")
+        links = e.link_bytes
+        rows.append(f"    within a node {gib(links['intra_node']):>12}, across nodes {gib(links['inter_node']):>12}")
     return "\n".join(rows)
 
 

@@ -11,6 +11,7 @@ from zgraph.compile.variant import CompiledStep
 from zgraph.graph import ParamInfo, input_specs, output_roles
 from zgraph.passes import Pass, PassContext, run_pipeline
 from zgraph.runtime.consistency import describe_collectives, describe_graph, digest
+from zgraph.runtime.cost_model import crossing_groups
 from zgraph.runtime.state import Binding
 
 
@@ -43,6 +44,7 @@ def compile_step(
         backend_records,
         ctx.params,
         split,
+        crossing=crossing_groups(binding.plan.group) if binding.plan.group.distributed else {},
     )
 
 
@@ -72,4 +74,7 @@ def pass_context(binding: Binding, split: bool = False) -> PassContext:
         params=params,
         cost_model=binding.cost_model,
         split=split,
+        shard_group=group.shard,
+        replicate_group=group.replicate,
+        secondary_group=group.secondary,
     )

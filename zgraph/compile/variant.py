@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -52,6 +53,7 @@ class CompiledStep:
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
     split: SplitCompiled | None = None  # a split step's forward and backward
     offload: TierStore | None = None  # the binding's offload store, for explain()
+    crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group crosses nodes, for explain()
 
     @functools.cached_property
     def offloaded_inputs(self) -> tuple[int, ...]:

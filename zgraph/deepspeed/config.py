@@ -220,4 +220,8 @@ def _read_zero(data: Mapping[str, Any], fields: dict[str, Any]) -> None:
         if key in zero and not is_auto(zero[key]):
             fields[field] = integer(f"zero_optimization.{key}", zero[key], minimum=minimum) * size
     fields.setdefault("max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    hpz = 1 if is_auto(hpz) else integer("zero_optimization.zero_hpz_partition_size", hpz, minimum=1)
+    if hpz > 1:  # ZeRO++ hpZ (1 is off); Config checks stage 3 and the world size
+        fields["secondary_shard_group_size"] = hpz
     fields.update(keys.offload_fields(zero))

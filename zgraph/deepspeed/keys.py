@@ -230,12 +230,6 @@ def check_zero(zero: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_zero_features(zero: Mapping[str, Any]) -> None:
-    hpz = zero.get("zero_hpz_partition_size", 1)
-    if not is_auto(hpz) and integer("zero_optimization.zero_hpz_partition_size", hpz) > 1:
-        raise ValueError(
-            f"DeepSpeed config zero_optimization.zero_hpz_partition_size={hpz}: ZeRO++ hierarchical partitioning "
-            "(a secondary parameter partition per node) is not supported by zgraph; remove it (1 is off)"
-        )
     offload_fields(zero)
     if zero.get("zenflow") is not None:
         raise ValueError("DeepSpeed config zero_optimization.zenflow: ZenFlow offloading is not supported by zgraph")

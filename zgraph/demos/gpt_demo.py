@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "ray", "processes"),
         help="--multimodal only: Ray actor groups (auto: when Ray is installed) or local processes in two subgroups",
     )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="--multimodal with Ray: the running cluster to join (ray start's HOST:PORT, or auto; default "
+        "RAY_ADDRESS, else a local cluster); each group's actors are packed on one node where they fit",
+    )
 
 
 def _positive_int(text: str) -> int:

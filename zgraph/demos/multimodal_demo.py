@@ -1,8 +1,9 @@
 """``zgraph demo --multimodal``: the seeds' disaggregated multimodal training (``zgraph.demos.multimodal``) on two
 groups of ranks, each sharding its own model with ZeRO over its own process group.
 
-* With Ray installed (``pip install 'zgraph[ray]'``) the demo starts a local Ray cluster and two groups of
-  actors; each group runs its own ``torch.distributed`` world (gloo, NCCL on GPUs). The embeddings and their
+* With Ray installed (``pip install 'zgraph[ray]'``) the demo starts a local Ray cluster (or joins the running one
+  at ``--ray-address`` / ``RAY_ADDRESS``: several machines) and two groups of actors, each packed on one node
+  where it fits; each group runs its own ``torch.distributed`` world (gloo, NCCL on GPUs). The embeddings and their
   gradients travel between the groups as Ray objects, as in the seeds' pseudo-code.
 * Without Ray (or with ``--launcher processes``, or under torchrun) the ranks are ``torch.multiprocessing``
   processes of one world, split into two subgroups; the tensors travel by point-to-point send/recv.
@@ -58,7 +59,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         use_ray = args.launcher == "ray" or (args.launcher == "auto" and importlib.util.find_spec("ray") is not None)
         if args.launcher == "ray" and importlib.util.find_spec("ray") is None:
             raise SystemExit("zgraph demo: --launcher ray needs Ray: pip install 'zgraph[ray]'")
-        summary = run_ray(config, args.steps, per_group) if use_ray else _run_processes(args, per_group)
+        if use_ray:
+            summary = run_ray(config, args.steps, per_group, args.ray_address)
+        else:
+            summary = _run_processes(args, per_group)
     if summary is not None:
         device = _reference_device(summary["device"])
         summary["eager_losses"] = eager_losses(config, summary["per_group"], args.steps, device)
@@ -154,14 +158,21 @@ def _fitting_groups() -> str | None:
 class SideActor:
     """A Ray actor: one rank of one side, in that side's own ``torch.distributed`` world."""
 
-    def __init__(self, role: str, config: MultimodalConfig, rank: int, ranks: int, port: int, device: str):
-        self.role, self.config, self.rank, self.ranks, self.port = role, config, rank, ranks, port
+    def __init__(self, role: str, config: MultimodalConfig, rank: int, ranks: int, device: str):
+        self.role, self.config, self.rank, self.ranks = role, config, rank, ranks
         self.device = device  # "cuda": Ray gave the actor a GPU of its own (its device 0); else "cpu"
         self.side: VisionSide | TextSide | None = None
 
-    def setup(self) -> None:
-        """Join the side's world (every actor of the side must be in ``setup`` at once) and build the side."""
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), OMP_NUM_THREADS="1")
+    def rendezvous(self) -> tuple[str, int]:
+        """Where this actor (the side's rank 0) serves its world's store: its node's address and a free port."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, host: str, port: int) -> None:
+        """Join the side's world at rank 0's ``host:port`` (every actor of the side must be in ``setup`` at once)
+        and build the side."""
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         torch.set_num_threads(1)
         backend = default_backend(torch.device(self.device))
         device = "cuda:0" if self.device == "cuda" else "cpu"  # Ray gives each actor its own GPU as device 0
@@ -190,8 +201,10 @@ class SideActor:
         dist.destroy_process_group()
 
 
-def run_ray(config: MultimodalConfig, steps: int, per_group: int) -> dict[str, Any]:
-    """Two actor groups on a local Ray cluster; the driver moves each step's tensors between them."""
+def run_ray(config: MultimodalConfig, steps: int, per_group: int, address: str | None = None) -> dict[str, Any]:
+    """Two actor groups on a local Ray cluster, or on the running cluster at ``address`` (``ray start``'s; also
+    ``RAY_ADDRESS``): each group's actors in a placement group packed on one node where it fits, as a node's
+    ranks under torchrun. The driver moves each step's tensors between them."""
     import ray
 
     gpus = 1 if torch.cuda.is_available() and torch.cuda.device_count() >= 2 * per_group else 0
@@ -200,13 +213,13 @@ def run_ray(config: MultimodalConfig, steps: int, per_group: int) -> dict[str, A
         count = torch.cuda.device_count()
         on_cpu = f"CPU (gloo): {count} GPU(s) for {2 * per_group} Ray actors, and NCCL needs one GPU per actor"
         print(f"zgraph demo --multimodal: device: {'one GPU per Ray actor (NCCL)' if gpus else on_cpu}")
-    ray.init(num_cpus=2 * per_group, include_dashboard=False, log_to_driver=True)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=2 * per_group, include_dashboard=False, log_to_driver=True)
     try:
-        actor = ray.remote(num_cpus=1, num_gpus=gpus)(SideActor)
-        groups = {}
-        for role in ("vision", "text"):
-            port = free_port()
-            groups[role] = [actor.remote(role, config, r, per_group, port, device) for r in range(per_group)]
+        groups = {role: _actor_group(role, config, per_group, device, gpus) for role in ("vision", "text")}
         try:
             losses, held = _train_actors(groups, steps, per_group, config.stage)
         except ray.exceptions.RayError as error:  # an actor died, or raised: name it, no Ray traceback
@@ -216,13 +229,37 @@ def run_ray(config: MultimodalConfig, steps: int, per_group: int) -> dict[str, A
     return _summary(losses, held, per_group, "Ray actors, one torch.distributed world per group", device)
 
 
+def _actor_group(role: str, config: MultimodalConfig, per_group: int, device: str, gpus: int) -> list:
+    """One side's actors, in a placement group packed on one node where it fits (``PACK``: spread over nodes
+    rather than wait where no node has room), each given its rank and the rendezvous of its rank 0."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
+    group = placement_group([bundle] * per_group, strategy="PACK")
+    ray.get(group.ready(), timeout=RAY_PLACEMENT_TIMEOUT)
+    actor = ray.remote(num_cpus=1, num_gpus=gpus)(SideActor)
+    actors = [
+        actor.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+        ).remote(role, config, rank, per_group, device)
+        for rank in range(per_group)
+    ]
+    host, port = ray.get(actors[0].rendezvous.remote())
+    ray.get([a.setup.remote(host, port) for a in actors])
+    return actors
+
+
+RAY_PLACEMENT_TIMEOUT = 300  # seconds a group may wait for room on the cluster before the demo gives up
+
+
 def _train_actors(groups: dict[str, list], steps: int, per_group: int, stage: int) -> tuple[list[float], list[int]]:
     """The driver's loop: each step's embeddings from the vision actors to the text actors, their gradients back;
     returns the mean loss of each step and each actor's model state bytes."""
     import ray
 
     everyone = groups["vision"] + groups["text"]
-    ray.get([a.setup.remote() for a in everyone])
     losses = []
     for i in tqdm(range(steps), desc=f"zgraph multimodal ZeRO-{stage} (Ray)"):
         embeddings = [v.forward.remote(i) for v in groups["vision"]]

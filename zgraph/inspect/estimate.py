@@ -55,8 +55,6 @@ from zgraph.graph import (
     STATE_KINDS,
     VAL,
     CostModel,
-    collective_bytes,
-    collective_kind,
     copy_graph_module,
     output_node,
     placeholders,
@@ -65,12 +63,14 @@ from zgraph.graph import (
 )
 from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
 from zgraph.passes import run_pipeline
-from zgraph.runtime.cost_model import analytical_cost_model, known_cost_model
+from zgraph.runtime.cost_model import CostModel as RuntimeCostModel
+from zgraph.runtime.cost_model import analytical_cost_model, crossing_groups, known_cost_model, with_inter_node
 from zgraph.runtime.devices import served_backend
+from zgraph.runtime.hybrid import planned_group
 from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensure_process_group
 from zgraph.runtime.state import Binding
+from zgraph.runtime.timeline import collective_totals, transfer_seconds
 from zgraph.runtime.timeline import estimate as timeline
-from zgraph.runtime.timeline import transfer_seconds
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
@@ -95,8 +95,11 @@ class Estimate:
         peak_node: the graph node running at the peak.
         alive_at_peak: ``(node that made it, bytes)`` of each storage alive at the peak, largest first.
         comm_bytes: bytes per collective kind per step (the full tensor gathered or reduced).
+        link_bytes: the same bytes per link class: ``intra_node`` (collectives whose group lies on one node) and
+            ``inter_node`` (groups across nodes, ``ranks_per_node`` consecutive ranks per node).
         comm_count: collectives per kind per step.
-        comm_seconds: seconds per collective kind per step, from the cost model (``cost_model_source``).
+        comm_seconds: seconds per collective kind per step, from the cost model (``cost_model_source``), each on
+            its group's link class (``zgraph.runtime.cost_model``: across nodes at ``inter_node_gbps``).
         comm_ops: collectives per op of the final graph, by name (what runs: a reduce-scatter is
             ``reduce_scatter_tensor`` on NCCL, ``all_to_all_single`` and a sum on gloo).
         live_bytes: bytes alive at each node of the final graph, in execution order (for plotting).
@@ -125,6 +128,7 @@ class Estimate:
     nodes: int = 0
     device: str = "cpu"
     step_seconds: float = 0.0
+    link_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
@@ -143,12 +147,16 @@ def estimate_step(
     world_size: int | None = None,
     cost_model: CostModel | None = None,
     device: str | torch.device | None = None,
+    ranks_per_node: int | None = None,
+    inter_node_gbps: float | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a step of ``config`` making ``call`` on ``world_size`` ranks (None: the current world),
     planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None: the device of the model's
     parameters, else the CPU). ``cost_model``: prices collectives (default: the one the step would plan with for
-    the backend that serves the device)."""
-    prepared = prepare(call, config, world_size, cost_model, device)
+    the backend that serves the device). ``ranks_per_node``: consecutive ranks per node (None: torchrun's
+    ``LOCAL_WORLD_SIZE``, else one node); a collective whose group spans nodes is priced at ``inter_node_gbps``
+    (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``."""
+    prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     return estimate_variant(prepared, config, copy=False)
 
 
@@ -162,6 +170,7 @@ class Prepared:
     group: ProcessGroupInfo
     device: torch.device
     ran: int = 0
+    crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group, by name, crosses nodes
 
 
 def prepare(
@@ -170,16 +179,28 @@ def prepare(
     world_size: int | None = None,
     cost_model: CostModel | None = None,
     device: str | torch.device | None = None,
+    ranks_per_node: int | None = None,
+    inter_node_gbps: float | None = None,
 ) -> Prepared:
     """The step of ``config`` making ``call`` captured on stand-ins (``estimate_step``'s arguments)."""
+    if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
+        raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     shadow, found = _shadow(call)
     device = _planned_device(device, found)
     group = _group(world_size, device)
+    if group.distributed:
+        secondary = config.secondary_shard_group_size
+        sizes = {"shard_group_size": config.shard_group_size, "secondary_group_size": secondary}
+        group = planned_group(group, **sizes, ranks_per_node=ranks_per_node)
     modules, optimizers = discover(shadow)
-    binding = plan_state(config, group, modules, optimizers, device, cost_model or _cost_model(config, group, device))
-    return Prepared(_capture(shadow, binding, config, device), binding, group, device)
+    model = cost_model or _cost_model(config, group, device)
+    if isinstance(model, RuntimeCostModel):  # a ``zgraph.graph.CostModel`` of the user's is priced as it is
+        model = with_inter_node(model, group.backend, inter_node_gbps)
+    binding = plan_state(config, group, modules, optimizers, device, model)
+    crossing = crossing_groups(group, ranks_per_node) if group.distributed else {}
+    return Prepared(_capture(shadow, binding, config, device), binding, group, device, crossing=crossing)
 
 
 def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
@@ -191,7 +212,8 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
     live = liveness(final, device.type)
-    counts, sent, seconds, ops = _collectives(final, binding.cost_model)
+    seconds = timeline(final, binding.cost_model, prepared.crossing).total + transfer_seconds(final, device.type)
+    comm = collective_totals(final, binding.cost_model, prepared.crossing)
     return Estimate(
         world_size=prepared.group.world_size,
         stage=config.stage,
@@ -200,15 +222,16 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
         peak_bytes=live.peak_bytes,
         peak_node=live.peak_node,
         alive_at_peak=live.alive_at_peak,
-        comm_bytes=sent,
-        comm_count=counts,
-        comm_seconds=seconds,
+        comm_bytes=comm.sent,
+        comm_count=comm.counts,
+        comm_seconds=comm.seconds,
         cost_model_source=binding.cost_model.source,
-        comm_ops=ops,
+        comm_ops=comm.ops,
         live_bytes=live.live_bytes,
         nodes=len(final.graph.nodes),
         device=device.type,
-        step_seconds=timeline(final, binding.cost_model).total + transfer_seconds(final, device.type),
+        step_seconds=seconds,
+        link_bytes=comm.link_bytes,
     )
 
 
@@ -254,24 +277,6 @@ def _planned_device(device: str | torch.device | None, found: torch.device) -> t
     if planned is None or planned.type not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)} (or a torch.device of them), got {device!r}")
     return planned
-
-
-def _collectives(gm: fx.GraphModule, cost_model: CostModel) -> tuple[dict, dict, dict, dict]:
-    """Per collective kind: count, bytes and seconds; and the count per op name."""
-    counts: dict[str, int] = {}
-    sent: dict[str, int] = {}
-    seconds: dict[str, float] = {}
-    ops: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        kind = collective_kind(node)
-        if kind is None:
-            continue
-        nbytes = collective_bytes(node)
-        counts[kind] = counts.get(kind, 0) + 1
-        sent[kind] = sent.get(kind, 0) + nbytes
-        seconds[kind] = seconds.get(kind, 0.0) + cost_model.collective_seconds(kind, nbytes)
-        ops[node.target._opname] = ops.get(node.target._opname, 0) + 1
-    return counts, sent, seconds, ops
 
 
 def _group(world_size: int | None, device: torch.device) -> ProcessGroupInfo:

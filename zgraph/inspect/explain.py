@@ -24,8 +24,9 @@ from zgraph.graph import (
     tensor_bytes,
 )
 from zgraph.ops import STASH, UNSHARD
+from zgraph.runtime.cost_model import LINK_CLASSES, analytical_cost_model
 from zgraph.runtime.offload import describe as describe_offload
-from zgraph.runtime.timeline import estimate
+from zgraph.runtime.timeline import collective_totals, estimate
 
 _SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
@@ -92,6 +93,7 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines += _sharding_lines(compiled.params, config)
     lines += _reuse_lines(compiled, config)
     lines += _activation_lines(compiled, config)
+    lines += _link_lines(compiled)
     lines += _timeline_lines(compiled)
     lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
     return "\n".join(lines)
@@ -169,6 +171,15 @@ def _bucket_lines(gm: fx.GraphModule) -> list[str]:
         f"buckets: {kind} x{len(sizes)} ({', '.join(human_bytes(b) for b in sizes)})"
         for kind, sizes in sorted(buckets.items())
     ]
+
+
+def _link_lines(compiled: CompiledStep) -> list[str]:
+    """Collective bytes per link class, where the step has groups besides its own (hybrid sharding, hpZ)."""
+    if len(compiled.crossing) < 2:
+        return []
+    links = collective_totals(compiled.final, compiled.cost_model or analytical_cost_model(None), compiled.crossing)
+    within, across = (human_bytes(links.link_bytes[c]) for c in LINK_CLASSES)
+    return [f"collective bytes per link class: within a node {within}, across nodes {across}"]
 
 
 def _timeline_lines(compiled: CompiledStep) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from zgraph.binding.setup import lay_out
+from zgraph.binding.setup import lay_out, step_groups
 from zgraph.config import Config
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.devices import allocation_device
@@ -53,6 +53,7 @@ def materialize(
         if b"1" not in flags:
             return model  # nothing to make real on any rank: the model is left as it is
         group = timed_group(group, config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
+        group = step_groups(group, config)
         lay_out(config, group, channel, binding, values)
     except Exception as error:
         channel.record_failure(label, error)  # the other ranks raise naming it instead of waiting
