@@ -9,6 +9,7 @@ Files::
     provenance.py            every node a pass creates is stamped with the pass's name, by a hook
     graph_utils.py           helpers the passes share: graph outputs and their roles, shard values
     cse.py                   ``cse``: merge nodes computing the same pure op on the same inputs
+    sequence_parallel.py     ``sequence_parallel`` (Ulysses): all-to-alls around attention, positions moved
     remat.py                 ``remat``: forward values recomputed in the backward instead of kept
     offload_activations.py   ``offload_activations``: saved activations kept in a slower tier until the backward
     reduce_scatter_grads.py  ``reduce_scatter_grads``: local gradients become the global batch's
@@ -53,6 +54,7 @@ from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
 from zgraph.passes.remat import remat
 from zgraph.passes.schedule import schedule
 from zgraph.passes.secondary_shards import secondary_shards
+from zgraph.passes.sequence_parallel import sequence_parallel
 from zgraph.passes.shard_optimizer import shard_optimizer
 from zgraph.passes.shard_params import shard_params
 
@@ -79,6 +81,7 @@ def default_pipeline(
     bind, reduced = functools.partial, {"grads_reduced"}
     return [
         Pass("cse", eliminate_common_subexpressions),
+        Pass("sequence_parallel", sequence_parallel, requires={"phases"}),
         Pass("remat", bind(remat, policy=remat_policy), requires={"phases"}),
         Pass("offload_activations", bind(offload_activations, tier=offload_activations_tier), requires={"phases"}),
         Pass("shard_optimizer", bind(shard_optimizer, stage=stage), requires={"phases"}),

@@ -19,7 +19,8 @@ shape (``()`` for 0-d members).
 Collectives are ``torch.ops._c10d_functional`` ops, so the graph stays functional, traceable and
 inductor-compilable. Every collective is followed directly by its wait; the ``schedule`` pass may move waits.
 
-``grad_norm`` and ``nonfinite`` become the aten ops they stand for, and ``combine`` an all-reduce.
+``grad_norm`` and ``nonfinite`` become the aten ops they stand for, and ``combine`` an all-reduce. Sequence
+parallelism's ``seq_to_heads`` / ``heads_to_seq`` become one packing copy, ``all_to_all_single`` and views.
 
 Provides ``collectives_lowered``: no zgraph operator is left; collective nodes carry
 ``meta[COLLECTIVE]`` (kind and what it moves) for inspection and for bucketing.
@@ -47,6 +48,7 @@ from zgraph.ops import (
     UNSHARD_BUCKET,
 )
 from zgraph.passes.pipeline import PassContext
+from zgraph.sequence_ops import SEQ_TO_HEADS, SEQUENCE_OPS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -93,6 +95,9 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.target in (GRAD_NORM, NONFINITE):
             _lower_reduction(gm, node, mode)
+            continue
+        if node.target in SEQUENCE_OPS:
+            _lower_all_to_all(gm, node, mode)
             continue
         if node.target not in LAYOUT_OPS:
             continue
@@ -141,6 +146,38 @@ def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
+
+
+def _lower_all_to_all(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
+    """``seq_to_heads`` / ``heads_to_seq`` (``zgraph.sequence_ops``): one copy into the layout the exchange sends
+    (each rank's block first), ``all_to_all_single``, and a view of what came back in the layout attention reads."""
+    at = dict(before=node, phase=node.meta.get(PHASE), mode=mode)
+    x, world, group = node.args
+    b, h, s, d = x.meta["val"].shape
+    if node.target is SEQ_TO_HEADS:
+        blocks, order, back, shape = (
+            [b, world, h // world, s, d],
+            [1, 0, 2, 3, 4],
+            [1, 2, 0, 3, 4],
+            [b, h // world, s * world, d],
+        )
+    else:
+        blocks, order, back, shape = (
+            [b, h, world, s // world, d],
+            [2, 0, 1, 3, 4],
+            [1, 0, 2, 3, 4],
+            [b, h * world, s // world, d],
+        )
+    split = insert(gm, aten.reshape.default, (x, blocks), **at)
+    moved = insert(gm, aten.permute.default, (split, order), **at)
+    packed = insert(gm, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format}, **at)
+    splits = [packed.meta["val"].shape[0] // world] * world
+    exchange = (packed, splits, splits, group)
+    received = _collective(gm, c10d.all_to_all_single.default, exchange, ("all_to_all", x), at)
+    arranged = insert(gm, aten.permute.default, (received, back), **at)
+    out = insert(gm, aten.reshape.default, (arranged, shape), **at)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
 
 
 def _lower_reduction(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:

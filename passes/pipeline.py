@@ -24,6 +24,7 @@ from zgraph.errors import PipelineError
 from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 from zgraph.passes.provenance import run_pass
+from zgraph.sequence_ops import SEQUENCE_OPS
 
 # Properties the captured graph has before any pass runs (see zgraph.capture.trace); checked before the first pass.
 CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
@@ -52,6 +53,8 @@ class PassContext:
             across which sharded gradients are all-reduced; None without hybrid sharding.
         secondary_group: hpZ (``Config.secondary_shard_group_size``): the ranks the backward re-gathers stage-3
             parameters from, out of a secondary shard kept from the forward's gather; None without hpZ.
+        sequence_group: sequence parallelism (``Config.sequence_parallel``): the ranks holding a slice each of the
+            same sequences, among which attention's all-to-alls run; None without it.
     """
 
     world_size: int = 1
@@ -65,6 +68,7 @@ class PassContext:
     shard_group: Axis | None = None
     replicate_group: Axis | None = None
     secondary_group: Axis | None = None
+    sequence_group: Axis | None = None
 
     @property
     def distributed(self) -> bool:
@@ -236,7 +240,7 @@ def _check_no_markers(gm: fx.GraphModule) -> str | None:
 
 def _check_lowered(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
-        if node.target in LAYOUT_OPS or node.target in (GRAD_NORM, NONFINITE):
+        if node.target in LAYOUT_OPS or node.target in (GRAD_NORM, NONFINITE, *SEQUENCE_OPS):
             return f"layout operator {node.name} ({node.target}) is still in the graph"
     return None
 

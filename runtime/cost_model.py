@@ -164,7 +164,7 @@ def crossing_groups(group: ProcessGroupInfo, ranks_per_node: int | None = None) 
     than one node of ``ranks_per_node`` consecutive ranks; ``hybrid.crosses_nodes``) and its axes."""
     ranks = list(group.ranks) if group.ranks is not None else list(range(group.world_size))
     crossing = {group.group_name: crosses_nodes(ranks, ranks_per_node)}
-    for axis in (group.shard, group.replicate, group.secondary):
+    for axis in (group.shard, group.replicate, group.secondary, group.sequence):
         if axis is not None:
             crossing[axis.name] = axis.crosses_nodes
     return crossing

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -38,36 +39,60 @@ def check_group_size(field: str, size: int | None, world_size: int) -> None:
 
 
 def hybrid_group(
-    parent: ProcessGroupInfo, *, shard_group_size: int | None, secondary_group_size: int | None, timeout: float
+    parent: ProcessGroupInfo,
+    *,
+    shard_group_size: int | None,
+    secondary_group_size: int | None,
+    timeout: float,
+    sequence_parallel: int | None = None,
 ) -> ProcessGroupInfo:
-    """``parent`` with hybrid sharding's shard and replicate groups, or hpZ's secondary group, made (once per
-    parent and sizes; collective over ``parent``'s ranks, each making its own groups). A size that is None or
-    ``parent``'s world size needs no group: ``parent`` is returned as it is."""
+    """``parent`` with hybrid sharding's shard and replicate groups, hpZ's secondary group and sequence
+    parallelism's sequence group made, as the sizes ask (once per parent and sizes; collective over ``parent``'s
+    ranks, each making its own groups, in that order). A size that asks for no group (None, or ``parent``'s world
+    size for the first two, 1 for the last) leaves that axis None."""
     if not parent.distributed:
         return parent
-    world = parent.world_size
-    check_group_size("shard_group_size", shard_group_size, world)
-    check_group_size("secondary_shard_group_size", secondary_group_size, world)
-    shard = shard_group_size if shard_group_size not in (None, world) else None
-    secondary = secondary_group_size if secondary_group_size not in (None, world) else None
-    if shard is None and secondary is None:
+    sizes = _sizes(parent, shard_group_size, secondary_group_size, sequence_parallel)
+    if not any(sizes):
         return parent
-    key = (parent.group_name, shard, secondary)
+    key = (parent.group_name, *sizes)
     found = _HYBRID.get(key)
     if found is None or not _alive(found):  # none yet, or its groups were destroyed (a name may come back)
-        if shard is not None:
-            found = dataclasses.replace(
-                parent,
-                shard=_axis(parent, _block(parent, shard), parent.rank % shard, timeout),
-                replicate=_axis(parent, _strided(parent, shard), parent.rank // shard, timeout),
-            )
-        else:
-            assert secondary is not None
-            found = dataclasses.replace(
-                parent, secondary=_axis(parent, _block(parent, secondary), parent.rank % secondary, timeout)
-            )
-        _HYBRID[key] = found
+
+        def make(kind: str, ranks: list[int], rank: int) -> Axis:
+            if len(ranks) == parent.world_size:
+                return Axis(size=len(ranks), rank=rank, name=parent.group_name or "", crosses_nodes=False)
+            return _axis(parent, ranks, rank, timeout)
+
+        found = _HYBRID[key] = dataclasses.replace(parent, **_axes(parent, sizes, make))
     return found
+
+
+def _sizes(parent: ProcessGroupInfo, shard: int | None, secondary: int | None, sequence: int | None) -> tuple:
+    """The group sizes that make groups (None where an axis needs none), each checked against the world size."""
+    world = parent.world_size
+    check_group_size("shard_group_size", shard, world)
+    check_group_size("secondary_shard_group_size", secondary, world)
+    check_group_size("sequence_parallel", sequence, world)
+    return (
+        shard if shard not in (None, world) else None,
+        secondary if secondary not in (None, world) else None,
+        sequence if sequence not in (None, 1) else None,
+    )
+
+
+def _axes(parent: ProcessGroupInfo, sizes: tuple, make: Callable[[str, list[int], int], Axis]) -> dict[str, Axis]:
+    """The axes ``sizes`` (``_sizes``) ask for, each ``make(kind, global ranks, rank in it)``, in a fixed order."""
+    shard, secondary, sequence = sizes
+    axes = {}
+    if shard is not None:
+        axes["shard"] = make("shard", _block(parent, shard), parent.rank % shard)
+        axes["replicate"] = make("replicate", _strided(parent, shard), parent.rank // shard)
+    if secondary is not None:
+        axes["secondary"] = make("secondary", _block(parent, secondary), parent.rank % secondary)
+    if sequence is not None:
+        axes["sequence"] = make("sequence", _block(parent, sequence), parent.rank % sequence)
+    return axes
 
 
 def planned_group(
@@ -76,33 +101,25 @@ def planned_group(
     shard_group_size: int | None,
     secondary_group_size: int | None,
     ranks_per_node: int | None = None,
+    sequence_parallel: int | None = None,
 ) -> ProcessGroupInfo:
     """``parent`` with the axes ``hybrid_group`` would give it, named after ``parent``'s group and never made (an
     estimate's: its graph names groups nothing runs); ``ranks_per_node`` tells which axes cross nodes."""
-    world = parent.world_size
-    check_group_size("shard_group_size", shard_group_size, world)
-    check_group_size("secondary_shard_group_size", secondary_group_size, world)
     name = parent.group_name or ""
 
-    def axis(kind: str, ranks: list[int], rank: int) -> Axis:
+    def make(kind: str, ranks: list[int], rank: int) -> Axis:
         crosses = crosses_nodes(ranks, ranks_per_node)
         return Axis(size=len(ranks), rank=rank, name=f"{name}/{kind}", crosses_nodes=crosses)
 
-    if shard_group_size not in (None, world):
-        size = shard_group_size
-        shard = axis("shard", _block(parent, size), parent.rank % size)
-        replicate = axis("replicate", _strided(parent, size), parent.rank // size)
-        return dataclasses.replace(parent, shard=shard, replicate=replicate)
-    if secondary_group_size not in (None, world):
-        size = secondary_group_size
-        return dataclasses.replace(parent, secondary=axis("secondary", _block(parent, size), parent.rank % size))
-    return parent
+    sizes = _sizes(parent, shard_group_size, secondary_group_size, sequence_parallel)
+    return dataclasses.replace(parent, **_axes(parent, sizes, make)) if any(sizes) else parent
 
 
 def _alive(group: ProcessGroupInfo) -> bool:
     """Whether the groups of ``group``'s axes still exist."""
     names = set(dist.distributed_c10d._world.pg_names.values())
-    return all(axis.name in names for axis in (group.shard, group.replicate, group.secondary) if axis is not None)
+    axes = (group.shard, group.replicate, group.secondary, group.sequence)
+    return all(axis.name in names for axis in axes if axis is not None)
 
 
 def _members(parent: ProcessGroupInfo) -> list[int]:

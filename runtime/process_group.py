@@ -36,7 +36,7 @@ class ProcessGroupInfo:
     """The group a step's collectives run on (``group_name`` None: no group, one process).
 
     ``shard`` / ``replicate``: hybrid sharding's groups within it (``zgraph.runtime.hybrid``), ``secondary``:
-    hpZ's; None without them."""
+    hpZ's, ``sequence``: sequence parallelism's; None without them."""
 
     rank: int
     world_size: int
@@ -46,6 +46,7 @@ class ProcessGroupInfo:
     shard: Axis | None = None
     replicate: Axis | None = None
     secondary: Axis | None = None
+    sequence: Axis | None = None
 
     @property
     def distributed(self) -> bool:

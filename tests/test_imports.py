@@ -3,7 +3,8 @@ parsed and checked against the house's floors, and the import graph has no circl
 
 Floors, bottom to top (a module imports its own layer and layers on lower floors, never a layer beside it):
 
-0. the contract: ``zgraph.graph``, ``zgraph.ops``, ``zgraph.errors``, ``zgraph.tree``, ``zgraph.version``;
+0. the contract: ``zgraph.graph``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.errors``, ``zgraph.tree``,
+   ``zgraph.version``;
 1. ``zgraph.runtime`` and ``zgraph.passes`` (never each other);
 2. ``zgraph.deepspeed`` (plain values; never ``Config``) and ``zgraph.checkpoint`` (which imports only the
    runtime and the contract);
@@ -47,6 +48,7 @@ FLOORS = {
 LAYER_OF = {
     "zgraph.graph": "contract",
     "zgraph.ops": "contract",
+    "zgraph.sequence_ops": "contract",
     "zgraph.errors": "contract",
     "zgraph.tree": "contract",
     "zgraph.version": "contract",
@@ -55,6 +57,7 @@ LAYER_OF = {
     "zgraph.config_docs": "config",
     "zgraph.step": "step",
     "zgraph.dispatch": "step",
+    "zgraph.sequence": "step",
     "zgraph": "face",
 }
 ONLY = {"checkpoint": {"contract", "runtime", "checkpoint"}}  # narrower than its floor allows

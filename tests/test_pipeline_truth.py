@@ -42,7 +42,7 @@ def test_pass_options_are_bound_and_default_to_configs():
     assert isinstance(passes["bucket"].fn, functools.partial)
     assert passes["bucket"].fn.keywords["allgather_bytes"] == 123
     assert passes["shard_params"].fn.keywords == {"stage": 3, "max_reuse_distance": 0}
-    assert passes["cast"].fn.keywords == {"reduce_dtype": torch.bfloat16}
+    assert passes["cast"].fn.keywords == {"reduce_dtype": torch.bfloat16, "cross_group_dtype": None}
     # a pass's signature names its options; the context carries no config
     assert "reduce_dtype" in inspect.signature(passes["cast"].fn.func).parameters
     assert not hasattr(zgraph.passes.PassContext(), "config")

@@ -11,7 +11,8 @@ def train_step(model, opt, batch):
 
 The house, bottom to top (each floor imports only the floors below it; ``tests/test_imports.py`` checks it)::
 
-    graph.py ops.py errors.py tree.py version.py   the contract: what a step graph means, zgraph's ops, errors
+    graph.py ops.py sequence_ops.py errors.py tree.py version.py   the contract: what a step graph means, zgraph's
+                   ops (sequence parallelism's all-to-alls among them), errors
     runtime/ (zgraph.runtime), passes/ (zgraph.passes)   process groups and state; the graph passes
     deepspeed/     DeepSpeed JSON configs read as plain values
     checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict, stream_state_dict
@@ -22,6 +23,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     inspect/       explain, dump, estimate, liveness
     weights/       big models: meta-device materialisation, load_pretrained, save_pretrained (streamed)
     dispatch.py step.py   one call along the data's way; @zgraph.distribute, the object that replaces the step
+    sequence.py    zgraph.shard_sequence: a rank's slice of each sequence (Config.sequence_parallel)
     demos/ cli/    the demos and their models; the zgraph command (users of the library)
     integrations/  Hugging Face Trainer, accelerate and TRL run as zgraph steps (users of the library)
 """
@@ -41,6 +43,7 @@ from zgraph.errors import (
     ZGraphError,
 )
 from zgraph.inspect.estimate import Estimate, EstimateError
+from zgraph.sequence import shard_sequence
 from zgraph.step import DistributedStep, distribute
 from zgraph.version import __version__ as __version__
 from zgraph.weights.load import load_pretrained
@@ -48,6 +51,7 @@ from zgraph.weights.materialize import materialize
 from zgraph.weights.save import save_pretrained
 
 __all__ = [
+    "shard_sequence",
     "CaptureError",
     "CheckpointError",
     "Config",

@@ -31,6 +31,7 @@ from zgraph.config_checks import (
     check_offload_activations,
     check_precision,
     check_remat,
+    check_sequence_parallel,
     check_size,
     check_timeout,
     module_classes,
@@ -89,6 +90,12 @@ class Config:
     """``torch.bfloat16`` or ``torch.float16``: collectives between groups run in it (ZeRO++'s qgZ / qwZ in spirit):
     with ``shard_group_size`` the all-reduce of gradient shards across groups, with hpZ the forward's parameter
     gathers and the gradients' reduce-scatters. It rounds what crosses. None (default): their own dtype."""
+
+    sequence_parallel: int | None = None
+    """Sequence parallelism (DeepSpeed-Ulysses): ranks per sequence group. Each rank of a group of this many
+    consecutive ranks gets one slice of every sequence (``zgraph.shard_sequence``); the ``sequence_parallel`` pass
+    puts all-to-alls around attention so it runs on whole sequences for a share of the heads (the head count must
+    divide by it). ZeRO shards over every rank. It must divide the world size. None (default): off."""
 
     backend: str = "inductor"
     """``"inductor"`` compiles the transformed graph with inductor; ``"eager"`` runs the transformed FX GraphModule
@@ -268,6 +275,7 @@ class Config:
         check_choice("stage", self.stage, _STAGES, int)
         check_choice("backend", self.backend, _BACKENDS, str)
         check_groups(self.stage, self.shard_group_size, self.secondary_shard_group_size, self.cross_group_dtype)
+        check_sequence_parallel(self.sequence_parallel)
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)

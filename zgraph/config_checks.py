@@ -294,3 +294,12 @@ def known_world_size() -> int | None:
         return dist.get_world_size()
     value = os.environ.get("WORLD_SIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def check_sequence_parallel(value: object) -> None:
+    """``Config.sequence_parallel``: None or a positive int dividing the world size where it is known."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"Config.sequence_parallel must be None or a positive int (ranks per sequence); got {value!r}")
+    world = known_world_size()
+    if world is not None:
+        check_group_size("sequence_parallel", value, world)

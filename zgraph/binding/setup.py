@@ -103,13 +103,14 @@ def lay_out(
 
 
 def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:
-    """``group`` with the groups ``config`` shards within (hybrid sharding, hpZ) made: collective, on every rank
-    of ``group`` at the same point (right after ``timed_group``)."""
+    """``group`` with the groups ``config`` asks for made (hybrid sharding's, hpZ's, sequence parallelism's):
+    collective, on every rank of ``group`` at the same point (right after ``timed_group``)."""
     return hybrid_group(
         group,
         shard_group_size=config.shard_group_size,
         secondary_group_size=config.secondary_shard_group_size,
         timeout=config.collective_timeout,
+        sequence_parallel=config.sequence_parallel,
     )
 
 

@@ -96,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter-node-gbps", type=float, default=None, help="each rank's link across nodes, Gbit/s")
     parser.add_argument("--inter-node-latency-us", type=float, default=None, help="latency across nodes, microseconds")
     parser.add_argument("--shard-group-size", type=int, default=None, help="Config.shard_group_size (hybrid sharding)")
+    parser.add_argument("--sequence-parallel", type=int, default=None, help="Config.sequence_parallel (Ulysses)")
     parser.add_argument(
         "--secondary-shard-group-size", type=int, default=None, help="Config.secondary_shard_group_size (hpZ, stage 3)"
     )
@@ -123,6 +124,7 @@ class Setting:
     groups: tuple[int | None, int | None] = (None, None)  # Config.shard_group_size, secondary_shard_group_size
     ranks_per_node: int | None = None
     inter_node: tuple[float | None, float | None] = (None, None)  # Gbit/s, seconds of latency
+    sequence_parallel: int | None = None  # each rank traces its slice of every sequence
 
     def config(self) -> Config:
         d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
@@ -136,6 +138,7 @@ class Setting:
             max_reuse_distance=self.max_reuse_distance,
             shard_group_size=self.groups[0],
             secondary_shard_group_size=self.groups[1],
+            sequence_parallel=self.sequence_parallel,
         )
 
     def describe(self) -> str:
@@ -143,6 +146,7 @@ class Setting:
         reuse = f", max_reuse_distance={self.max_reuse_distance}" if self.max_reuse_distance and self.stage == 3 else ""
         names = ("shard_group_size", "secondary_shard_group_size")
         groups = "".join(f", {name}={size}" for name, size in zip(names, self.groups) if size)
+        groups += f", sequence_parallel={self.sequence_parallel}" if self.sequence_parallel else ""
         return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32") + reuse + groups
 
 
@@ -159,7 +163,7 @@ def _meta_call(setting: Setting, micro_batch: int) -> StepCall:
     build, _, _ = MODELS[setting.model]
     with torch.device("meta"):
         model = build()
-        idx = torch.zeros(micro_batch, setting.seq, dtype=torch.long)
+        idx = torch.zeros(micro_batch, setting.seq // (setting.sequence_parallel or 1), dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return StepCall.of(_train_step, (model, opt, idx, idx), {})
 
@@ -226,11 +230,15 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     setting = replace(
         setting, groups=groups, ranks_per_node=args.ranks_per_node, inter_node=(args.inter_node_gbps, latency)
     )
+    setting = replace(setting, sequence_parallel=args.sequence_parallel)
+    if args.sequence_parallel and seq % args.sequence_parallel:
+        raise EstimateInputError(f"--seq {seq} does not divide by --sequence-parallel {args.sequence_parallel}")
     try:
         setting.config()
         _cost_model(setting)
         check_group_size("shard_group_size", groups[0], args.world)
         check_group_size("secondary_shard_group_size", groups[1], args.world)
+        check_group_size("sequence_parallel", args.sequence_parallel, args.world)
     except ValueError as error:
         raise EstimateInputError(str(error).splitlines()[0]) from error
     return setting

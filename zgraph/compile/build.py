@@ -77,4 +77,5 @@ def pass_context(binding: Binding, split: bool = False) -> PassContext:
         shard_group=group.shard,
         replicate_group=group.replicate,
         secondary_group=group.secondary,
+        sequence_group=group.sequence,
     )

@@ -193,6 +193,7 @@ def prepare(
     if group.distributed:
         secondary = config.secondary_shard_group_size
         sizes = {"shard_group_size": config.shard_group_size, "secondary_group_size": secondary}
+        sizes["sequence_parallel"] = config.sequence_parallel
         group = planned_group(group, **sizes, ranks_per_node=ranks_per_node)
     modules, optimizers = discover(shadow)
     model = cost_model or _cost_model(config, group, device)
