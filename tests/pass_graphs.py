@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zgraph.graph import (
+    BACKWARD,
     FORWARD,
     INPUT,
     OUTPUTS,
@@ -20,6 +21,7 @@ from zgraph.graph import (
     ShardSpec,
     compute_val,
 )
+from zgraph.ops import GRAD_CONTRIBUTION
 from zgraph.passes import PassContext
 
 aten = torch.ops.aten
@@ -70,3 +72,13 @@ def targets(gm: fx.GraphModule) -> list:
 
 def count(gm: fx.GraphModule, target) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+def grad_step() -> fx.GraphModule:
+    """A backward that adds a rank-local gradient contribution of parameter 0 (marked) to the ``.grad`` it got."""
+    b = Builder()
+    g = b.input("g", (8, 4), "grad", 0)
+    local = b.op(aten.mul.Tensor, b.input("x", (8, 4)), 2.0, phase=BACKWARD)
+    marked = b.op(GRAD_CONTRIBUTION, local, 0, phase=BACKWARD)
+    new_grad = b.op(aten.add.Tensor, g, marked, phase=BACKWARD)
+    return b.finish([(new_grad, GraphOutput("grad", "p0", 0))])

@@ -132,3 +132,25 @@ def save_worker(rank: int, world: int, path: str) -> None:
     for batch in batches("gpt")[:2]:
         step(model, opt, *local(batch, rank, world, world))
     zgraph.save(path, model, opt)
+
+
+def forward_only(model, idx):
+    """Split mode: the step returns the logits; the backward runs outside it (``logits.backward(gradient=...)``)."""
+    return model(idx)
+
+
+def split_gradients(rank: int, world: int, out: str, stages: list[int]) -> None:
+    """The GPT at sequence_parallel=world in split mode: ``logits.backward(gradient=g)`` on each rank's slice;
+    rank 0 saves the whole ``.grad`` of every parameter per stage (``zgraph.gather``)."""
+    results = {}
+    idx, _ = batches()[0]
+    gradient = torch.randn(*idx.shape, CONFIG.vocab, generator=torch.Generator().manual_seed(5))
+    for stage in stages:
+        config = zgraph.Config(stage=stage, sequence_parallel=world, backend="eager", param_persistence_threshold=0)
+        model, _ = build("gpt")
+        logits = zgraph.distribute(config)(forward_only)(model, zgraph.shard_sequence(idx, world, rank=rank))
+        logits.backward(gradient=zgraph.shard_sequence(gradient, world, rank=rank))
+        with zgraph.gather(model):
+            results[stage] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"grads": results, "gradient": gradient}, out)

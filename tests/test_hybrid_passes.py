@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from pass_graphs import GROUP, Builder, aten, context, count, param
+from pass_graphs import GROUP, Builder, aten, context, count, grad_step, param
 
 from zgraph.graph import BACKWARD, FORWARD, INPUT, OPTIMIZER, VAL, Axis, GraphOutput
 from zgraph.ops import COMBINE, GRAD_CONTRIBUTION, GRAD_NORM, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
@@ -40,17 +40,8 @@ def _user(node):
     return GraphOutput("user", node.name, 0)
 
 
-def _grad_step():
-    b = Builder()
-    g = b.input("g", (8, 4), "grad", 0)
-    local = b.op(aten.mul.Tensor, b.input("x", (8, 4)), 2.0, phase=BACKWARD)
-    marked = b.op(GRAD_CONTRIBUTION, local, 0, phase=BACKWARD)
-    new_grad = b.op(aten.add.Tensor, g, marked, phase=BACKWARD)
-    return b.finish([(new_grad, GraphOutput("grad", "p0", 0))])
-
-
 def test_gradients_reduce_scatter_in_the_group_then_all_reduce_across_groups():
-    gm = reduce_scatter_grads(_grad_step(), _hybrid(param(0, (8, 4))), stage=2)
+    gm = reduce_scatter_grads(grad_step(), _hybrid(param(0, (8, 4))), stage=2)
     gm.graph.lint()
     (scatter,) = [n for n in gm.graph.nodes if n.target is REDUCE_SHARD]
     (across,) = [n for n in gm.graph.nodes if n.target is REDUCE]
@@ -62,7 +53,7 @@ def test_gradients_reduce_scatter_in_the_group_then_all_reduce_across_groups():
 
 
 def test_whole_gradients_are_all_reduced_over_every_rank():
-    gm = reduce_scatter_grads(_grad_step(), _hybrid(param(0, (8, 4))), stage=0)
+    gm = reduce_scatter_grads(grad_step(), _hybrid(param(0, (8, 4))), stage=0)
     (reduce,) = [n for n in gm.graph.nodes if n.target is REDUCE]
     assert reduce.args[1:] == (4, GROUP) and count(gm, REDUCE_SHARD) == 0
 

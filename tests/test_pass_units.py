@@ -6,7 +6,7 @@ import functools
 import operator
 
 import torch
-from pass_graphs import GROUP, Builder, aten, context, count, param, targets
+from pass_graphs import GROUP, Builder, aten, context, count, grad_step, param, targets
 
 from zgraph.graph import (
     BACKWARD,
@@ -403,27 +403,18 @@ def test_cse_merges_pure_repeats_and_drops_identities():
     assert count(gm, aten.rand_like.default) == 2
 
 
-def _grad_step():
-    b = Builder()
-    g = b.input("g", (8, 4), "grad", 0)
-    local = b.op(aten.mul.Tensor, b.input("x", (8, 4)), 2.0, phase=BACKWARD)
-    marked = b.op(GRAD_CONTRIBUTION, local, 0, phase=BACKWARD)
-    new_grad = b.op(aten.add.Tensor, g, marked, phase=BACKWARD)
-    return b.finish([(new_grad, GraphOutput("grad", "p0", 0))])
-
-
 def test_reduce_scatter_grads_averages_every_marker():
     ctx = context((param(0, (8, 4)),))
-    whole = reduce_scatter_grads(_grad_step(), ctx, stage=1)
+    whole = reduce_scatter_grads(grad_step(), ctx, stage=1)
     assert count(whole, GRAD_CONTRIBUTION) == 0 and count(whole, REDUCE) == 1 and count(whole, REDUCE_SHARD) == 0
-    sharded = reduce_scatter_grads(_grad_step(), ctx, stage=2)
+    sharded = reduce_scatter_grads(grad_step(), ctx, stage=2)
     assert count(sharded, GRAD_CONTRIBUTION) == 0 and count(sharded, REDUCE_SHARD) == 1 and count(sharded, REDUCE) == 0
     g = next(n for n in sharded.graph.nodes if n.op == "placeholder" and n.name == "g")
     assert g.meta[INPUT].layout == "shard" and tuple(g.meta[VAL].shape) == (4, 4)
     out = [n for n in sharded.graph.nodes if n.op == "output"][0]
     assert out.meta["zgraph_outputs"][0].layout == "shard"
     assert tuple(out.args[0][0].meta[VAL].shape) == (4, 4)  # the update runs on the shard
-    alone = reduce_scatter_grads(_grad_step(), PassContext(), stage=2)  # no process group: markers dropped
+    alone = reduce_scatter_grads(grad_step(), PassContext(), stage=2)  # no process group: markers dropped
     assert count(alone, GRAD_CONTRIBUTION) == 0 and count(alone, REDUCE) == 0
 
 
@@ -442,7 +433,7 @@ def test_shard_optimizer_keeps_state_sharded():
     assert [r.layout for r in out.meta["zgraph_outputs"]] == ["full", "shard"]
     assert tuple(out.args[0][1].meta[VAL].shape) == (4, 4)  # the state update runs on the shard
     assert out.args[0][0].target is UNSHARD  # the updated parameter is gathered whole
-    assert count(shard_optimizer(_grad_step(), context((param(0, (8, 4)),)), stage=0), UNSHARD) == 0
+    assert count(shard_optimizer(grad_step(), context((param(0, (8, 4)),)), stage=0), UNSHARD) == 0
 
 
 # ------------------------------------------------------------------------------------------------------ offload

@@ -98,6 +98,22 @@ def test_composes_with_activation_recomputation(results, reference, policy):
     _assert_matches(results[f"gpt/sp2/3/remat-{policy}"], reference)
 
 
+def test_split_mode_backward_outside_the_step(tmp_path):
+    """The step returns the logits of its slices; ``logits.backward(gradient=...)`` outside it gives every
+    parameter the gradient eager PyTorch gives on the whole sequences (the ranks' average: eager's gradient
+    divided by the ranks, DDP's meaning), at stages 0 and 3."""
+    path = tmp_path / "split.pt"
+    run_ranks(2, "sequence_cases.split_gradients", str(path), [0, 3], timeout=300)
+    got = torch.load(path, weights_only=False)
+    model, _ = sc.build("gpt")
+    idx, _ = sc.batches()[0]
+    model(idx).backward(gradient=got["gradient"] / 2)
+    for stage, grads in got["grads"].items():
+        for name, p in model.named_parameters():
+            assert grads[name].abs().max() > 0, f"stage {stage}: gradient of {name} dropped"
+            assert _rel(grads[name], p.grad) <= REL, f"stage {stage}: gradient of {name}"
+
+
 def test_checkpoint_saved_with_sequence_parallelism_resumes_without(tmp_path, reference):
     """2 ranks at sequence_parallel=2 (stage 3) train 2 steps and save; one process loads and takes the third step
     on whole sequences: the parameters eager PyTorch has after 3 steps."""
