@@ -33,7 +33,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import COLLECTIVE, PHASE, fake_mode, insert, reduce_scatter_by_all_to_all, shard_rows
+from zgraph.graph import ALL_TO_ALL, COLLECTIVE, PHASE, fake_mode, insert, reduce_scatter_by_all_to_all, shard_rows
 from zgraph.ops import (
     COMBINE,
     GRAD_NORM,
@@ -173,7 +173,7 @@ def _lower_all_to_all(gm: fx.GraphModule, node: fx.Node, mode: object) -> None:
     packed = insert(gm, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format}, **at)
     splits = [packed.meta["val"].shape[0] // world] * world
     exchange = (packed, splits, splits, group)
-    received = _collective(gm, c10d.all_to_all_single.default, exchange, ("all_to_all", x), at)
+    received = _collective(gm, c10d.all_to_all_single.default, exchange, (ALL_TO_ALL, x), at)
     arranged = insert(gm, aten.permute.default, (received, back), **at)
     out = insert(gm, aten.reshape.default, (arranged, shape), **at)
     node.replace_all_uses_with(out)

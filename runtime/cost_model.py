@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.fx as fx
 
-from zgraph.graph import reduce_scatter_by_all_to_all
+from zgraph.graph import PRICED_AS, reduce_scatter_by_all_to_all
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.devices import served_backend, synchronize
 from zgraph.runtime.hybrid import crosses_nodes
@@ -172,7 +172,8 @@ def crossing_groups(group: ProcessGroupInfo, ranks_per_node: int | None = None) 
 
 def link_seconds(cost_model: object, kind: str, nbytes: int, crosses: bool) -> float:
     """``cost_model.collective_seconds`` on the link class ``crosses`` names (a model without link classes, any
-    ``zgraph.graph.CostModel``, prices both alike)."""
+    ``zgraph.graph.CostModel``, prices both alike); a kind of ``PRICED_AS`` as the kind it names."""
+    kind = PRICED_AS.get(kind, kind)
     if crosses and isinstance(cost_model, CostModel):
         return cost_model.collective_seconds(kind, nbytes, crosses_nodes=True)
     return cost_model.collective_seconds(kind, nbytes)  # type: ignore[attr-defined]

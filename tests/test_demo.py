@@ -30,9 +30,9 @@ def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
     assert len(list(dump.glob("*.py"))) >= 3
 
 
-def _multimodal(tmp_path, launcher: str, python: str = sys.executable) -> str:
+def _multimodal(tmp_path, launcher: str, python: str = sys.executable, extra: tuple[str, ...] = ()) -> str:
     result = subprocess.run(
-        [python, "-m", "zgraph.cli", "demo", "--multimodal", "--launcher", launcher, "--steps", "3"],
+        [python, "-m", "zgraph.cli", "demo", "--multimodal", "--launcher", launcher, "--steps", "3", *extra],
         capture_output=True,
         text=True,
         timeout=900,
@@ -51,6 +51,30 @@ def _multimodal(tmp_path, launcher: str, python: str = sys.executable) -> str:
 def test_multimodal_demo_two_subgroups_matches_eager(tmp_path):
     out = _multimodal(tmp_path, "processes")
     assert "one world in two subgroups" in out
+
+
+def test_multimodal_demo_with_sequence_parallel_lm_matches_eager(tmp_path):
+    """Issue 31: the LM side's two ranks share each joined sequence (Ulysses), the image prefix on one rank's slice
+    and the caption on both; the losses still match eager on the global batch."""
+    out = _multimodal(tmp_path, "processes", extra=("--sequence-parallel", "2"))
+    assert "Ulysses sequence parallelism over groups of 2 LM ranks" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--multimodal", "--sequence-parallel", "3"), "--sequence-parallel 3 must divide the LM group's ranks"),
+        (
+            ("--multimodal", "--nproc", "8", "--sequence-parallel", "8"),
+            "--sequence-parallel 8 must divide the LM's heads: 4",
+        ),
+        (("--sequence-parallel", "2"), "--sequence-parallel is for --multimodal"),
+    ],
+)
+def test_demo_refuses_a_sequence_parallel_size_it_cannot_use(tmp_path, extra, message):
+    argv = [sys.executable, "-m", "zgraph.cli", "demo", "--launcher", "processes", *extra]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_multimodal_demo_ray_actor_groups_match_eager(tmp_path):

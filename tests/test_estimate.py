@@ -149,6 +149,38 @@ def test_an_all_gather_holds_its_input_until_its_wait(collective, args, out_nume
     assert at[between.name] == 1024 * (1 + held + 1) + 4 * out_numel
 
 
+def test_activations_are_forward_values_the_backward_reads():
+    """``activation_bytes``: storages a forward node made that a backward node reads, the most alive at once; a
+    forward temporary and a backward value are not counted."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = {}
+    for name, phase in [("saved", "forward"), ("temp", "forward"), ("also", "forward"), ("grad", "backward")]:
+        args = (x, 2) if name != "grad" else (nodes["saved"], nodes["also"])
+        op = torch.ops.aten.mul.Tensor if name != "grad" else torch.ops.aten.add.Tensor
+        nodes[name] = graph.call_function(op, args)
+        nodes[name].meta.update(val=torch.empty(256), phase=phase)  # 1 KiB each
+    graph.output((nodes["grad"], nodes["temp"]))
+    x.meta["val"] = torch.empty(256)
+    live = liveness(fx.GraphModule(torch.nn.Module(), graph))
+    assert live.activation_bytes == 2 * 1024  # saved and also; temp is an output, not read by the backward
+
+
+def test_sequence_parallelism_divides_the_activations():
+    """The estimate's activation memory per rank at sequence_parallel 2 is about half of one rank's on the same
+    sequences (the all-to-alls' buffers and the loss aside), and the exchanges are counted as all-to-alls."""
+    model = GPT(BENCH_GPT)
+    opt = torch.optim.AdamW(model.parameters())
+    idx = torch.zeros(2, BENCH_GPT.seq, dtype=torch.long)
+    whole = zgraph.distribute(backend="eager")(train_step).estimate(model, opt, idx, idx, world_size=2)
+    half = idx[:, : BENCH_GPT.seq // 2]
+    step = zgraph.distribute(backend="eager", sequence_parallel=2)(train_step)
+    sliced = step.estimate(model, opt, half, half, world_size=2)
+    assert 0.4 < sliced.activation_bytes / whole.activation_bytes < 0.6
+    assert whole.activation_bytes < whole.peak_bytes
+    assert sliced.comm_count["all_to_all"] == 8 * BENCH_GPT.layers and "all_to_all" not in whole.comm_count
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(

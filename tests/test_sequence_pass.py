@@ -11,9 +11,10 @@ import torch
 from pass_graphs import Builder, aten, context, count
 
 from zgraph.errors import PipelineError
-from zgraph.graph import BACKWARD, VAL, Axis, GraphOutput
+from zgraph.graph import ALL_TO_ALL, BACKWARD, VAL, Axis, GraphOutput, collective_kind
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.sequence_parallel import sequence_parallel
+from zgraph.runtime.cost_model import analytical_cost_model, link_seconds
 from zgraph.sequence_ops import HEADS_TO_SEQ, SEQ_TO_HEADS
 
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -74,9 +75,15 @@ def test_positions_move_to_the_slice():
 
 
 def test_lowered_to_all_to_all():
+    """Each exchange becomes an ``all_to_all_single``, counted as the ``all_to_all`` kind (not as a reduce-scatter,
+    which gloo also runs as one) and priced as a reduce-scatter of as many bytes."""
     gm = lower_collectives(sequence_parallel(_attention(), _ctx()), _ctx())
-    assert count(gm, torch.ops._c10d_functional.all_to_all_single.default) == 8
+    exchanges = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+    assert len(exchanges) == 8 and {collective_kind(n) for n in exchanges} == {ALL_TO_ALL}
     assert count(gm, SEQ_TO_HEADS) == count(gm, HEADS_TO_SEQ) == 0
+    model = analytical_cost_model("gloo")
+    priced = model.collective_seconds("reduce_scatter_tensor", 4096)
+    assert link_seconds(model, ALL_TO_ALL, 4096, False) == priced
 
 
 def test_refused_inputs_name_what_is_wrong():

@@ -198,8 +198,11 @@ class CostModel(Protocol):
 
 # ---------------------------------------------------------------------------------------------- collectives
 COLLECTIVE_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-# zgraph issues ``all_to_all_single`` only as a reduce-scatter (``reduce_scatter_by_all_to_all``): it counts as one
+# ``all_to_all_single`` is a reduce-scatter (``reduce_scatter_by_all_to_all``) unless lowered from a sequence
+# parallelism exchange (``zgraph.sequence_ops``), whose ``COLLECTIVE`` meta says ``all_to_all``
 _AS_KIND = {"all_to_all_single": "reduce_scatter_tensor"}
+ALL_TO_ALL = "all_to_all"  # the kind of a sequence parallelism exchange; priced as a reduce-scatter (``PRICED_AS``)
+PRICED_AS = {ALL_TO_ALL: "reduce_scatter_tensor"}  # each rank sends (W - 1) / W of the tensor, as a ring reduce-scatter
 # zgraph's layout operators (``zgraph.ops``, by name) and the collective each becomes
 _LAYOUT_KINDS = {
     "unshard": "all_gather_into_tensor",
@@ -214,8 +217,8 @@ _LAYOUT_KINDS = {
 def collective_kind(node: fx.Node) -> str | None:
     """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` (also their coalesced forms) for
     a functional-collective node, or for the zgraph layout operator that becomes one (``unshard``,
-    ``reduce_shard``, ``reduce``); else None. ``all_to_all_single`` is a reduce-scatter (zgraph issues it only
-    as one, see ``reduce_scatter_by_all_to_all``)."""
+    ``reduce_shard``, ``reduce``); ``all_to_all`` for a sequence parallelism exchange; else None. Another
+    ``all_to_all_single`` is a reduce-scatter (``reduce_scatter_by_all_to_all``)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     namespace, name = node.target.namespace, node.target._opname
@@ -226,6 +229,8 @@ def collective_kind(node: fx.Node) -> str | None:
     for kind in COLLECTIVE_KINDS:
         if name.startswith(kind):
             return kind
+    if name == "all_to_all_single" and node.meta.get(COLLECTIVE, ("",))[0] == ALL_TO_ALL:
+        return ALL_TO_ALL
     return _AS_KIND.get(name)
 
 

@@ -259,6 +259,7 @@ def table(setting: Setting, micro_batch: int, e: Estimate) -> str:
     rows.append(f"  peak per rank         {gib(e.peak_bytes):>14}   at node {e.peak_node} (of {e.nodes})")
     largest = ", ".join(f"{name} {gib(n)}" for name, n in e.alive_at_peak[:4])
     rows.append(f"    largest alive there: {largest}")
+    rows.append(f"  activations per rank  {gib(e.activation_bytes):>14}   (saved for the backward, at most at once)")
     rows.append("  communication per step")
     for kind in sorted(e.comm_bytes):
         rows.append(

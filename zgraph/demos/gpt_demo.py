@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each (default 2), each side ZeRO-sharded over its own group; losses compared with eager PyTorch",
     )
     parser.add_argument(
+        "--sequence-parallel",
+        type=_positive_int,
+        default=None,
+        help="--multimodal only: the LM side trains with Ulysses sequence parallelism over groups of this many of "
+        "its ranks (Config.sequence_parallel; must divide --nproc and the LM's 4 heads)",
+    )
+    parser.add_argument(
         "--launcher",
         default="auto",
         choices=("auto", "ray", "processes"),
@@ -94,6 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """
     if getattr(args, "multimodal", False):
         return demo_multimodal.run(args)
+    if getattr(args, "sequence_parallel", None):
+        raise SystemExit("zgraph demo: --sequence-parallel is for --multimodal (the LM side of the seeds' example)")
     if _is_launched_rank():
         return train(args)
     nproc = args.nproc or DEFAULT_NPROC

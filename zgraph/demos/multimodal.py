@@ -5,6 +5,9 @@ Each side is an ordinary zgraph program on its own process group. The vision sid
 embeddings (split mode: they carry a compiled, sharded backward); the language side's step takes them as an
 input that requires grad, runs ``loss.backward()`` and its optimizer, and leaves ``emb.grad``; the vision side
 then calls ``out.backward(gradient=emb.grad)`` and steps its own optimizer, exactly as the seeds' Ray actors do.
+With ``sequence_parallel=N`` the language side runs DeepSpeed-Ulysses over groups of N of its ranks, as the seeds
+describe: a group shares its ranks' rows, each rank computes its slice of every joined sequence (image prefix, then
+caption), and each rank's ``emb.grad`` covers its slice's positions (the vision rank adds its group's).
 How the tensors travel between the groups (Ray, or point-to-point sends) is the launcher's business
 (``zgraph.demos.multimodal_demo``); this module holds the models, the data and one rank's part of a step.
 """
@@ -36,6 +39,9 @@ class MultimodalConfig:
         text: caption tokens per image.
         classes: image classes; each has its own caption, so the loss falls as the encoder learns them.
         per_rank: images per rank per step (the global batch is ``per_rank`` times the ranks of a side).
+        sequence_parallel: ranks of the language side that share each sequence (``Config.sequence_parallel``,
+            Ulysses): a group of them trains its ranks' rows together, each rank one slice of every joined
+            sequence; 1: none.
         lr: AdamW learning rate of both optimizers.
         stage: ZeRO stage of both sides.
         seed: seed of the models' initialisation and of the data.
@@ -50,6 +56,7 @@ class MultimodalConfig:
     text: int = 24
     classes: int = 8
     per_rank: int = 4
+    sequence_parallel: int = 1
     lr: float = 3e-3
     stage: int = 3
     seed: int = 0
@@ -90,11 +97,34 @@ class CaptionLM(nn.Module):
         self.head = nn.Linear(config.d_model, VOCAB, bias=False)
 
     def forward(self, vision: Tensor, idx: Tensor) -> Tensor:
-        x = torch.cat([vision, self.tok(idx)], dim=1)
+        """Logits of the caption's positions, from the image's embeddings (the prefix) and the caption's tokens."""
+        vision_at, ids, image, _ = joined(vision, idx)
+        return self.decode(vision_at, ids, image)[:, vision.shape[1] :]
+
+    def decode(self, vision_at: Tensor, ids: Tensor, image: Tensor) -> Tensor:
+        """Logits of every position of a joined sequence (``joined``) or of a rank's slice of it (its computed
+        positions are moved to the slice's place by the ``sequence_parallel`` pass): the image's embedding where
+        ``image`` is true, else the token's, as Hugging Face's multimodal models merge them."""
+        x = torch.where(image, vision_at, self.tok(ids))
         x = x + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x[:, vision.shape[1] :]))
+        return self.head(self.ln(x))
+
+
+IGNORE = -100  # cross_entropy's ignore_index: the image's positions have no caption token to predict
+
+
+def joined(vision: Tensor, idx: Tensor, tgt: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The joined sequence (the image's ``P`` positions, then the caption's) as ``CaptionLM.decode`` reads it:
+    the image's embeddings then zeros, zeros then the caption's tokens, ``(B, P + T, 1)`` true at the image's
+    positions, and the next-token labels (``IGNORE`` at the image's, then ``tgt``; None without ``tgt``)."""
+    b, p, d = vision.shape
+    vision_at = torch.cat([vision, vision.new_zeros(b, idx.shape[1], d)], dim=1)
+    ids = torch.cat([idx.new_zeros(b, p), idx], dim=1)
+    image = (torch.arange(ids.shape[1], device=ids.device) < p).expand(b, -1).unsqueeze(-1)
+    labels = None if tgt is None else torch.cat([tgt.new_full((b, p), IGNORE), tgt], dim=1)
+    return vision_at, ids, image, labels
 
 
 def build_models(config: MultimodalConfig) -> tuple[PatchEncoder, CaptionLM]:
@@ -128,9 +158,9 @@ class Data:
         captions = self.captions[classes]
         return images, captions[:, :-1], captions[:, 1:]
 
-    def rank_batch(self, i: int, rank: int) -> tuple[Tensor, Tensor, Tensor]:
-        """This rank's rows of step ``i``'s global batch."""
-        rows = slice(rank * self.config.per_rank, (rank + 1) * self.config.per_rank)
+    def rank_batch(self, i: int, rank: int, ranks: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+        """The rows of step ``i``'s global batch of rank ``rank`` and the ``ranks - 1`` after it."""
+        rows = slice(rank * self.config.per_rank, (rank + ranks) * self.config.per_rank)
         return tuple(t[rows] for t in self.global_batch(i))  # type: ignore[return-value]
 
 
@@ -143,8 +173,12 @@ def _update(opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def _text_step(lm: nn.Module, opt: torch.optim.Optimizer, emb: Tensor, idx: Tensor, tgt: Tensor) -> Tensor:
-    loss = lm_loss(lm(emb, idx), tgt)
+def _text_step(
+    lm: CaptionLM, opt: torch.optim.Optimizer, vision_at: Tensor, ids: Tensor, image: Tensor, labels: Tensor
+) -> Tensor:
+    """The language step on joined sequences (``joined``), or on a rank's slice of each."""
+    logits = lm.decode(vision_at, ids, image)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -169,30 +203,44 @@ class VisionSide:
         self.out = self.encode(self.encoder, images)
         return self.out.detach().cpu()
 
-    def backward(self, grad: Tensor) -> None:
-        """The seeds' ``vision_output.backward(gradient=...)``, then the encoder's optimizer step."""
+    def backward(self, grads: list[Tensor]) -> None:
+        """The seeds' ``vision_output.backward(gradient=...)``, then the encoder's optimizer step. ``grads``: the
+        gradient of the embeddings from each rank of the language side's sequence group this rank's images went
+        to (one without sequence parallelism), in their order: their slices of the group's joined sequences; this
+        rank's rows of the image's positions of them."""
         assert self.out is not None, "forward first"
+        n, block = self.data.config.per_rank, self.rank % len(grads)
+        grad = torch.cat(grads, dim=1)[block * n : (block + 1) * n, : self.out.shape[1]]
         self.out.backward(gradient=grad.to(self.device))
         self.out = None
         self.update(self.opt)
 
 
 class TextSide:
-    """One rank of the language group: embeddings in, loss and the embeddings' gradient out."""
+    """One rank of the language group: embeddings in, loss and the embeddings' gradient out. With sequence
+    parallelism, ranks ``first .. first + sp - 1`` (a sequence group) train those ranks' rows together."""
 
     def __init__(self, config: MultimodalConfig, rank: int, ranks: int, group: object = None, device: str = "cpu"):
         self.lm = build_models(config)[1].to(device)
         self.opt = torch.optim.AdamW(self.lm.parameters(), lr=config.lr)
+        self.sp = config.sequence_parallel
         options = {"stage": config.stage, "process_group": group, "param_persistence_threshold": 0}
+        options["sequence_parallel"] = self.sp if self.sp > 1 else None
         self.step_fn = zgraph.distribute(**options)(_text_step)  # small models: stage 3 shards every parameter
         self.data, self.rank, self.device = Data(config, ranks), rank, device
+        self.first = rank - rank % self.sp
 
     def step(self, i: int, embeddings: Tensor) -> tuple[float, Tensor]:
-        """Train on step ``i``: this rank's loss, and ``emb.grad`` (the seeds' ``vision_embeddings.grad``)."""
-        _, idx, tgt = self.data.rank_batch(i, self.rank)
-        emb = embeddings.to(self.device).requires_grad_()
-        loss = self.step_fn(self.lm, self.opt, emb, idx.to(self.device), tgt.to(self.device))
-        return loss.item(), emb.grad.detach().cpu()
+        """Train on step ``i`` from the ``embeddings`` of the sequence group's rows (its ranks' images, in rank
+        order): this rank's loss, and the gradient of its embeddings input (the seeds' ``vision_embeddings.grad``),
+        over the positions of this rank's slice of the joined sequences (all of them without sequence
+        parallelism)."""
+        _, idx, tgt = self.data.rank_batch(i, self.first, self.sp)
+        whole = joined(embeddings.to(self.device), idx.to(self.device), tgt.to(self.device))
+        vision_at, ids, image, labels = zgraph.shard_sequence(whole, self.sp, rank=self.rank)  # (Ulysses' loader)
+        vision_at.requires_grad_()
+        loss = self.step_fn(self.lm, self.opt, vision_at, ids, image, labels)
+        return loss.item(), vision_at.grad.detach().cpu()
 
 
 def eager_losses(config: MultimodalConfig, ranks: int, steps: int, device: torch.device | str = "cpu") -> list[float]:

@@ -46,7 +46,16 @@ LOSS_TOLERANCE = 1e-4  # largest |zgraph - eager| loss difference reported as a 
 
 
 def config_from(args: argparse.Namespace) -> MultimodalConfig:
-    return MultimodalConfig(per_rank=args.batch, lr=args.lr, stage=args.stage, seed=args.seed)
+    sp = args.sequence_parallel or 1
+    return MultimodalConfig(per_rank=args.batch, lr=args.lr, stage=args.stage, seed=args.seed, sequence_parallel=sp)
+
+
+def check_sequence_parallel(config: MultimodalConfig, per_group: int) -> None:
+    """``SystemExit`` naming what ``--sequence-parallel`` must divide, where it does not."""
+    sp = config.sequence_parallel
+    for what, count in (("LM group's ranks (--nproc)", per_group), ("LM's heads", config.heads)):
+        if count % sp:
+            raise SystemExit(f"zgraph demo --multimodal: --sequence-parallel {sp} must divide the {what}: {count}")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -56,6 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         summary = train_rank(config, args.steps)  # one rank of torchrun's world
     else:
         per_group = args.nproc or 2
+        check_sequence_parallel(config, per_group)
         use_ray = args.launcher == "ray" or (args.launcher == "auto" and importlib.util.find_spec("ray") is not None)
         if args.launcher == "ray" and importlib.util.find_spec("ray") is None:
             raise SystemExit("zgraph demo: --launcher ray needs Ray: pip install 'zgraph[ray]'")
@@ -107,27 +117,31 @@ def train_rank(config: MultimodalConfig, steps: int) -> dict[str, Any] | None:
     if world < 2 or world % 2:
         raise SystemExit(f"zgraph demo --multimodal: needs an even number of ranks (two equal groups), got {world}")
     n = world // 2
+    check_sequence_parallel(config, n)
     groups = [dist.new_group(list(range(n))), dist.new_group(list(range(n, world)))]  # every rank makes both
     on_gpu = chosen.type == "cuda" and served_backend(info.backend, "cuda") is not None
     device = str(chosen) if on_gpu else "cpu"  # a group started elsewhere may serve only the CPU
     losses: list[float] = []
+    sp = config.sequence_parallel
     if rank < n:
         side = VisionSide(config, rank, n, groups[0], device)
+        text = [n + rank - rank % sp + s for s in range(sp)]  # the LM ranks of the sequence group its rows go to
+        rows = (sp * config.per_rank, (config.patches + config.text) // sp, config.d_model)  # a slice's gradient
         for i in range(steps):
             emb = side.forward(i).to(device)
-            dist.send(emb, rank + n)
-            grad = torch.empty_like(emb)
-            dist.recv(grad, rank + n)
-            side.backward(grad)
+            grads = [torch.empty(rows, device=device) for _ in text]
+            _trade([(emb, t) for t in text], list(zip(grads, text)))
+            side.backward(grads)
         model, opt = side.encoder, side.opt
     else:
         side = TextSide(config, rank - n, n, groups[1], device)
+        vision = [rank - n - (rank - n) % sp + s for s in range(sp)]  # the vision ranks of its sequence group's rows
         shape = (config.per_rank, config.patches, config.d_model)
         for i in tqdm(range(steps), desc=f"zgraph multimodal ZeRO-{config.stage}", disable=rank != n):
-            emb = torch.empty(shape, device=device)
-            dist.recv(emb, rank - n)
-            loss, grad = side.step(i, emb)
-            dist.send(grad.to(device), rank - n)
+            embs = [torch.empty(shape, device=device) for _ in vision]
+            _trade([], list(zip(embs, vision)))
+            loss, grad = side.step(i, torch.cat(embs))
+            _trade([(grad.to(device), v) for v in vision], [])
             losses.append(loss)
         model, opt = side.lm, side.opt
     mean = torch.tensor(losses or [0.0] * steps, dtype=torch.float64, device=device)
@@ -142,6 +156,13 @@ def train_rank(config: MultimodalConfig, steps: int) -> dict[str, Any] | None:
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def _trade(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]]) -> None:
+    """Every send and receive (tensor, peer rank) posted at once, then waited for: no order between peers."""
+    works = [dist.isend(t, peer) for t, peer in sends] + [dist.irecv(t, peer) for t, peer in receives]
+    for work in works:
+        work.wait()
 
 
 def _summary(losses: list[float], held: list[int], per_group: int, transport: str, device: str) -> dict[str, Any]:
@@ -185,11 +206,11 @@ class SideActor:
     def forward(self, i: int) -> torch.Tensor:
         return self.side.forward(i)
 
-    def backward(self, grad: torch.Tensor) -> None:
-        self.side.backward(grad)
+    def backward(self, *grads: torch.Tensor) -> None:
+        self.side.backward(list(grads))
 
-    def step(self, i: int, embeddings: torch.Tensor) -> tuple[float, torch.Tensor]:
-        return self.side.step(i, embeddings)
+    def step(self, i: int, *embeddings: torch.Tensor) -> tuple[float, torch.Tensor]:
+        return self.side.step(i, torch.cat(embeddings))
 
     def state_bytes(self) -> int:
         side = self.side
@@ -221,7 +242,7 @@ def run_ray(config: MultimodalConfig, steps: int, per_group: int, address: str |
     try:
         groups = {role: _actor_group(role, config, per_group, device, gpus) for role in ("vision", "text")}
         try:
-            losses, held = _train_actors(groups, steps, per_group, config.stage)
+            losses, held = _train_actors(groups, steps, config)
         except ray.exceptions.RayError as error:  # an actor died, or raised: name it, no Ray traceback
             raise _actor_failure(error, groups) from None
     finally:
@@ -254,17 +275,22 @@ def _actor_group(role: str, config: MultimodalConfig, per_group: int, device: st
 RAY_PLACEMENT_TIMEOUT = 300  # seconds a group may wait for room on the cluster before the demo gives up
 
 
-def _train_actors(groups: dict[str, list], steps: int, per_group: int, stage: int) -> tuple[list[float], list[int]]:
-    """The driver's loop: each step's embeddings from the vision actors to the text actors, their gradients back;
-    returns the mean loss of each step and each actor's model state bytes."""
+def _train_actors(groups: dict[str, list], steps: int, config: MultimodalConfig) -> tuple[list[float], list[int]]:
+    """The driver's loop: each step's embeddings from the vision actors to the text actors (of a sequence group:
+    all of its ranks' rows to each), their gradients back; returns the mean loss of each step and each actor's
+    model state bytes."""
     import ray
 
-    everyone = groups["vision"] + groups["text"]
+    everyone, sp, per_group = groups["vision"] + groups["text"], config.sequence_parallel, len(groups["text"])
+    group_of = [range(r - r % sp, r - r % sp + sp) for r in range(per_group)]  # rank r's sequence group
     losses = []
-    for i in tqdm(range(steps), desc=f"zgraph multimodal ZeRO-{stage} (Ray)"):
+    for i in tqdm(range(steps), desc=f"zgraph multimodal ZeRO-{config.stage} (Ray)"):
         embeddings = [v.forward.remote(i) for v in groups["vision"]]
-        results = [t.step.options(num_returns=2).remote(i, e) for t, e in zip(groups["text"], embeddings)]
-        ray.get([v.backward.remote(grad) for v, (_, grad) in zip(groups["vision"], results)])
+        results = [
+            t.step.options(num_returns=2).remote(i, *[embeddings[q] for q in group_of[r]])
+            for r, t in enumerate(groups["text"])
+        ]
+        ray.get([v.backward.remote(*[results[q][1] for q in group_of[r]]) for r, v in enumerate(groups["vision"])])
         losses.append(sum(ray.get([loss for loss, _ in results])) / per_group)
     held = ray.get([a.state_bytes.remote() for a in everyone])
     ray.get([a.close.remote() for a in everyone])
@@ -285,6 +311,11 @@ def _actor_failure(error: Exception, groups: dict[str, list]) -> DemoRankError:
 
 
 # ------------------------------------------------------------------------------------------------ report
+def _ulysses(config: MultimodalConfig) -> str:
+    sp = config.sequence_parallel
+    return f", Ulysses sequence parallelism over groups of {sp} LM ranks" if sp > 1 else ""
+
+
 def report(summary: dict[str, Any], config: MultimodalConfig) -> str:
     """The closing lines: models and groups, losses beside eager's, model state per rank."""
     n = summary["per_group"]
@@ -296,7 +327,7 @@ def report(summary: dict[str, Any], config: MultimodalConfig) -> str:
     lines = [
         f"vision encoder ({count_params(encoder) / 1e3:.0f} K parameters) on ranks 0-{n - 1}, caption LM "
         f"({count_params(lm) / 1e6:.2f} M parameters) on ranks {n}-{2 * n - 1}; ZeRO-{config.stage} inside each "
-        f"group; tensors cross by {summary['transport']}",
+        f"group{_ulysses(config)}; tensors cross by {summary['transport']}",
         f"loss (mean over the LM ranks): {losses[0]:.4f} -> {losses[-1]:.4f} after {len(losses)} steps",
         f"eager PyTorch, one process{where}, same combined model and global batch: {eager[0]:.4f} -> {eager[-1]:.4f}",
         f"zgraph {verdict} eager: largest loss difference over the steps {worst:.2e}",

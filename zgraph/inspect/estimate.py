@@ -93,8 +93,12 @@ class Estimate:
         peak_bytes: most bytes alive while the step runs (model state, the batch, gathered parameters, buckets,
             activations, casts, temporaries), from liveness over the final graph.
         peak_node: the graph node running at the peak.
+        activation_bytes: activations per rank: the most bytes held at once of values the forward made and the
+            backward reads (``zgraph.inspect.liveness``: they grow with the sequence; remat, activation offload
+            and sequence parallelism cut them); part of ``peak_bytes``.
         alive_at_peak: ``(node that made it, bytes)`` of each storage alive at the peak, largest first.
-        comm_bytes: bytes per collective kind per step (the full tensor gathered or reduced).
+        comm_bytes: bytes per collective kind per step (the full tensor gathered or reduced; ``all_to_all``: the
+            exchanges of sequence parallelism, the tensor exchanged).
         link_bytes: the same bytes per link class: ``intra_node`` (collectives whose group lies on one node) and
             ``inter_node`` (groups across nodes, ``ranks_per_node`` consecutive ranks per node).
         comm_count: collectives per kind per step.
@@ -129,6 +133,7 @@ class Estimate:
     device: str = "cpu"
     step_seconds: float = 0.0
     link_bytes: Mapping[str, int] = field(default_factory=dict)
+    activation_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
@@ -233,6 +238,7 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
         device=device.type,
         step_seconds=seconds,
         link_bytes=comm.link_bytes,
+        activation_bytes=live.activation_bytes,
     )
 
 

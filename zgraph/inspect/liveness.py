@@ -13,6 +13,10 @@ On CUDA (``liveness(gm, device="cuda")``) each storage is counted as the CUDA ca
 (``cuda_block_bytes``), which is what ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` count, and
 collectives are NCCL's: a reduce-scatter's work, like an all-gather's, holds its input until its wait. On the CPU,
 storages count their bytes.
+
+Saved activations (``Liveness.activation_bytes``): storages a forward node made that a backward node reads (node
+phases, ``zgraph.graph.PHASE``): the most of them alive at once, what grows with the sequence length and the micro
+batch, and what activation checkpointing, activation offload and sequence parallelism cut.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from zgraph.graph import VAL
+from zgraph.graph import BACKWARD, FORWARD, PHASE, VAL
 from zgraph.ops import RELOAD
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -73,6 +77,8 @@ class Liveness:
         peak_bytes: the largest of ``live_bytes``.
         peak_node: the node running at the peak.
         alive_at_peak: ``(node that allocated it, bytes)`` of every storage alive at the peak, largest first.
+        activation_bytes: the most bytes alive at once of saved activations (module docstring); 0 in a graph
+            without a backward.
     """
 
     live_bytes: tuple[int, ...]
@@ -80,6 +86,7 @@ class Liveness:
     peak_bytes: int
     peak_node: str
     alive_at_peak: tuple[tuple[str, int], ...]
+    activation_bytes: int = 0
 
 
 def _nbytes(value: object) -> int:
@@ -188,14 +195,9 @@ def liveness(gm: fx.GraphModule, device: str = "cpu") -> Liveness:
                     last[s] = end if node.op == "output" else max(last[s], waited)
     if device == "cuda":
         sizes = [cuda_block_bytes(n) for n in sizes]
-    delta = [0] * (len(nodes) + 1)
-    for s, start in born.items():
-        delta[start] += sizes[s]
-        delta[last[s] + 1] -= sizes[s]
-    live, current = [], 0
-    for i in range(len(nodes)):
-        current += delta[i]
-        live.append(current)
+    live = _alive(born, last, sizes, len(nodes))
+    phases = [node.meta.get(PHASE) for node in nodes]
+    saved = {s: start for s, start in born.items() if phases[start] == FORWARD and phases[last[s]] == BACKWARD}
     peak_index = max(range(len(live)), key=live.__getitem__) if live else 0
     alive = sorted(
         ((owners[s], sizes[s]) for s, start in born.items() if start <= peak_index <= last[s] and sizes[s]),
@@ -207,4 +209,19 @@ def liveness(gm: fx.GraphModule, device: str = "cpu") -> Liveness:
         live[peak_index] if live else 0,
         nodes[peak_index].name if nodes else "",
         tuple(alive),
+        max(_alive(saved, last, sizes, len(nodes)), default=0),
     )
+
+
+def _alive(born: dict[int, int], last: dict[int, int], sizes: list[int], count: int) -> list[int]:
+    """Bytes alive at each of ``count`` nodes of the storages ``born`` names (storage: first node), each alive to
+    its ``last`` node."""
+    delta = [0] * (count + 1)
+    for s, start in born.items():
+        delta[start] += sizes[s]
+        delta[last[s] + 1] -= sizes[s]
+    live, current = [], 0
+    for i in range(count):
+        current += delta[i]
+        live.append(current)
+    return live
