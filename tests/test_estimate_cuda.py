@@ -272,7 +272,7 @@ def test_cli_device_cuda():
 def test_cli_json_has_the_device(monkeypatch):
     parser = argparse.ArgumentParser()
     estimate_cli.add_arguments(parser)
-    monkeypatch.setitem(estimate_cli.MODELS, "gpt-tiny", (lambda: GPT(TINY), TINY.vocab, TINY.seq))
+    monkeypatch.setitem(estimate_cli.MODELS, "gpt-tiny", (lambda seq: GPT(TINY), TINY.vocab, TINY.seq))
     args = parser.parse_args(["--model", "gpt-tiny", "--world", "2", "--stage", "2", "--device", "cuda", "--json"])
     out = json.loads(estimate_cli.run(args))
     assert out["device"] == "cuda" and out["peak_bytes"] % 512 == 0 and out["cpu_peak_bytes"] > 0

@@ -38,12 +38,13 @@ from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model, with_inter_node
 from zgraph.runtime.hybrid import check_group_size
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {  # name: (builder, vocab, default sequence)
-    "gpt-bench": (lambda: GPT(BENCH_GPT), BENCH_GPT.vocab, BENCH_GPT.seq),
-    "gpt-100m": (lambda: GPT(GPT_100M), GPT_100M.vocab, GPT_100M.seq),
-    "llama-7b": (lambda: Llama(LLAMA_7B), LLAMA_7B.vocab, 512),
-    "llama-13b": (lambda: Llama(LLAMA_13B), LLAMA_13B.vocab, 512),
-    "llama-70b": (lambda: Llama(LLAMA_70B), LLAMA_70B.vocab, 512),
+# name: (builder for a sequence length: its position tables hold that many rows at least, vocab, default sequence)
+MODELS: dict[str, tuple[Callable[[int], nn.Module], int, int]] = {
+    "gpt-bench": (lambda seq: GPT(replace(BENCH_GPT, seq=seq)), BENCH_GPT.vocab, BENCH_GPT.seq),
+    "gpt-100m": (lambda seq: GPT(replace(GPT_100M, seq=seq)), GPT_100M.vocab, GPT_100M.seq),
+    "llama-7b": (lambda seq: Llama(replace(LLAMA_7B, max_seq=max(seq, LLAMA_7B.max_seq))), LLAMA_7B.vocab, 512),
+    "llama-13b": (lambda seq: Llama(replace(LLAMA_13B, max_seq=max(seq, LLAMA_13B.max_seq))), LLAMA_13B.vocab, 512),
+    "llama-70b": (lambda seq: Llama(replace(LLAMA_70B, max_seq=max(seq, LLAMA_70B.max_seq))), LLAMA_70B.vocab, 512),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
@@ -162,7 +163,7 @@ def _meta_call(setting: Setting, micro_batch: int) -> StepCall:
     """A call of the plain AdamW step on the setting's model built on the meta device, at ``micro_batch``."""
     build, _, _ = MODELS[setting.model]
     with torch.device("meta"):
-        model = build()
+        model = build(setting.seq)
         idx = torch.zeros(micro_batch, setting.seq // (setting.sequence_parallel or 1), dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return StepCall.of(_train_step, (model, opt, idx, idx), {})

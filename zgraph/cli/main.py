@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from zgraph.errors import CaptureError
+    from zgraph.errors import CaptureError, PipelineError
 
     try:
         print(estimate_cli.run(args))
-    except (estimate_cli.EstimateInputError, CaptureError) as error:  # every bad input: one line, exit status 1
+    except (estimate_cli.EstimateInputError, CaptureError, PipelineError) as error:  # bad input: one line, status 1
         print("zgraph estimate: " + "; ".join(str(error).strip().split("\n")), file=sys.stderr)
         return 1
     return 0
