@@ -30,19 +30,12 @@ import torch
 
 import zgraph
 from benchmarks.compare_worker import reset_peak_rss, status_kib
-from zgraph.demos.models import GPT, GPT_100M, count_params, lm_loss
+from zgraph.demos.gpt_demo import train_step
+from zgraph.demos.models import GPT, GPT_100M, count_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "long_sequence")
 GiB = 2**30
-
-
-def train_step(model, opt, idx, tgt):
-    loss = lm_loss(model(idx), tgt)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
 
 
 def config(ranks: int) -> zgraph.Config:
