@@ -30,21 +30,29 @@ from torch import Tensor, nn
 
 from zgraph.binding.arguments import StepCall
 from zgraph.config import Config
-from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama
-from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, lm_loss
+from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama, LlamaConfig
+from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, lm_loss
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.budget import MemoryPlan, plan_memory
 from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model, with_inter_node
 from zgraph.runtime.hybrid import check_group_size
 
-# name: (builder for a sequence length: its position tables hold that many rows at least, vocab, default sequence)
-MODELS: dict[str, tuple[Callable[[int], nn.Module], int, int]] = {
-    "gpt-bench": (lambda seq: GPT(replace(BENCH_GPT, seq=seq)), BENCH_GPT.vocab, BENCH_GPT.seq),
-    "gpt-100m": (lambda seq: GPT(replace(GPT_100M, seq=seq)), GPT_100M.vocab, GPT_100M.seq),
-    "llama-7b": (lambda seq: Llama(replace(LLAMA_7B, max_seq=max(seq, LLAMA_7B.max_seq))), LLAMA_7B.vocab, 512),
-    "llama-13b": (lambda seq: Llama(replace(LLAMA_13B, max_seq=max(seq, LLAMA_13B.max_seq))), LLAMA_13B.vocab, 512),
-    "llama-70b": (lambda seq: Llama(replace(LLAMA_70B, max_seq=max(seq, LLAMA_70B.max_seq))), LLAMA_70B.vocab, 512),
+
+def _gpt(config: GPTConfig) -> Callable[[int], nn.Module]:
+    return lambda seq: GPT(replace(config, seq=seq))
+
+
+def _llama(config: LlamaConfig) -> Callable[[int], nn.Module]:  # position tables of seq rows at least
+    return lambda seq: Llama(replace(config, max_seq=max(seq, config.max_seq)))
+
+
+MODELS: dict[str, tuple[Callable[[int], nn.Module], int, int]] = {  # name: (build(seq), vocab, default seq)
+    "gpt-bench": (_gpt(BENCH_GPT), BENCH_GPT.vocab, BENCH_GPT.seq),
+    "gpt-100m": (_gpt(GPT_100M), GPT_100M.vocab, GPT_100M.seq),
+    "llama-7b": (_llama(LLAMA_7B), LLAMA_7B.vocab, 512),
+    "llama-13b": (_llama(LLAMA_13B), LLAMA_13B.vocab, 512),
+    "llama-70b": (_llama(LLAMA_70B), LLAMA_70B.vocab, 512),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
