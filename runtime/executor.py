@@ -83,8 +83,9 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
         # symbols optimizer kernels create with .item() (hyper-parameters).
         fake_inputs = [n.meta["val"] for n in placeholders(gm)]
         try:
-            with torch.no_grad(), inductor_config.patch(
-                fallback_random=True, _pre_fusion_custom_pass=KeepGeneratorOrder()
+            with (
+                torch.no_grad(),
+                inductor_config.patch(fallback_random=True, _pre_fusion_custom_pass=KeepGeneratorOrder()),
             ):
                 compiled = compile_fx(copy_graph_module(gm), fake_inputs)
         except Exception as error:  # the same graph runs op by op: slower, same numbers

@@ -19,6 +19,8 @@ Observed: zgraph equals DDP bitwise at every stage, except Llama with activation
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -203,5 +205,5 @@ def test_gpt2_dropout_checkpointing_under_inductor_in_one_process():
 def test_gpt2_dropout_checkpointing_under_inductor_on_two_ranks(results, name):
     """The same at stage 3 on 2 ranks against eager on the global batch, each rank's rows drawing from the
     step's starting state (``hf_cases.sliced_train_step``)."""
-    eager = hf_cases.per_step(lambda model, opt, ids, labels: hf_cases.sliced_train_step(model, opt, ids, labels, WORLD))
-    assert_steps_match(results(name), eager)
+    eager = functools.partial(hf_cases.sliced_train_step, world=WORLD)
+    assert_steps_match(results(name), hf_cases.per_step(eager))
