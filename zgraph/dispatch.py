@@ -19,6 +19,7 @@ from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
 from zgraph.binding.setup import step_groups
 from zgraph.capture import update_rules as zopt
+from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
@@ -150,6 +151,8 @@ class Dispatcher:
                 RuntimeWarning,
                 stacklevel=6,
             )
+        if captured.through_compile:
+            warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again

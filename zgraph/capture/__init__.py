@@ -9,6 +9,7 @@ Files::
     captured.py         what a capture is asked and returns: ``CaptureRequest``, ``Traced``, ``CapturedGraph``
     environment.py      what zgraph swaps, patches and watches while the step runs under ``make_fx``
     diagnosis.py        how a failed trace is explained: the user's line, the data-dependent operation
+    compiled.py         torch.compile wrappers the step reaches (torch.compile(model), module.compile()), traced through
     optimizers.py       optimizers and LR schedulers while a step is traced; a first step's optimizer state
     update_rules.py     traceable update rules of the ``torch.optim`` classes whose hyper-parameters are inputs
     precision.py        mixed precision, loss scaling and clipping while tracing

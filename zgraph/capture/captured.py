@@ -40,6 +40,9 @@ class CaptureRequest:
     settle: Callable[[int, int], None] | None = None
     """Runs on each ``(optimizer, param)`` whose first-step state the capture creates (the step shards and
     offloads it at once: ``zgraph.capture.optimizers.settle_first_state``)."""
+    through_compile: bool = False
+    """``torch.compile`` wrappers the step reaches are traced through (``zgraph.capture.compiled``): set by the
+    capture once a trace stopped at one."""
 
 
 @dataclass
@@ -82,6 +85,8 @@ class CapturedGraph:
         grad_outputs: ``(position, shape, dtype, device)`` of the returned tensors that require grad.
         split: set on a split step (``zgraph.capture.joint``): what partitions its joint graph and runs its
             backward.
+        through_compile: the step reached ``torch.compile`` wrappers and was traced through them
+            (``zgraph.capture.compiled``).
     """
 
     gm: fx.GraphModule | None
@@ -97,6 +102,7 @@ class CapturedGraph:
     python_results: list[tuple[str, int | float]] = field(default_factory=list)
     grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
     split: SplitInfo | None = None
+    through_compile: bool = False
 
     @property
     def graph(self) -> fx.GraphModule:

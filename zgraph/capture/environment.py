@@ -8,7 +8,8 @@ code, and how a failed trace is explained.
 - modules and optimizers the step reaches that zgraph has not bound stop the trace (``UnboundState``) before
   they act on real tensors; Python state the step changed (param groups, train flags) is restored if it fails;
 - ``trace`` runs ``make_fx`` and turns its failures into ``CaptureError`` naming the user's line (found by
-  ``zgraph.capture.diagnosis``).
+  ``zgraph.capture.diagnosis``), or, where a ``torch.compile`` wrapper refused the trace, into the signal to trace
+  through it (``zgraph.capture.compiled``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zgraph.capture import fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
+from zgraph.capture.compiled import CompileWrapperReached, reached_compile_wrapper
 from zgraph.capture.diagnosis import data_dependent, raised_in_grad_scaler, where
 from zgraph.capture.model_hints import hint
 from zgraph.errors import CaptureError
@@ -343,6 +345,8 @@ def trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: 
     except (CaptureError, UnboundState):
         raise
     except Exception as exc:
+        if reached_compile_wrapper(exc):
+            raise CompileWrapperReached() from exc
         detail = data_dependent(exc)
         if detail is not None and raised_in_grad_scaler(exc):
             raise CaptureError(

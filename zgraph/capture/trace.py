@@ -48,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from zgraph.capture.blocks import mark_blocks
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Returned, Traced
 from zgraph.capture.collectives import functional_c10d
+from zgraph.capture.compiled import optimized_modules_as_modules, through_compile_wrappers
 from zgraph.capture.environment import (
     UnboundState,
     autocast_forwards,
@@ -110,7 +111,8 @@ def trace_step(request: CaptureRequest) -> Traced:
         return outs
 
     try:
-        gm = trace(traced_step, fakes, mode, request.fn)
+        with through_compile_wrappers() if request.through_compile else contextlib.nullcontext():
+            gm = trace(traced_step, fakes, mode, request.fn)
     except UnboundState as unbound:
         return Traced(unbound=unbound)
     constants = real_constants(gm)
@@ -246,6 +248,7 @@ def _environment(
         stack.enter_context(generator_state_ops())
         stack.enter_context(StepMode(step_trace.precision, is_grad))
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
+        stack.enter_context(optimized_modules_as_modules())
         yield traced
 
 
