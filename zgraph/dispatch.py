@@ -21,6 +21,7 @@ from zgraph.binding.setup import step_groups
 from zgraph.capture import update_rules as zopt
 from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
+from zgraph.capture.host_values import merge_reads
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.compile.build import compile_step
@@ -121,6 +122,7 @@ class Dispatcher:
                     if attempt == _MAX_REBINDS:
                         raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
                     continue
+                merge_reads(bound.host_reads, compiled.captured.host_reads)
                 key = bound.guard_key()
                 self._warn_if_recaptured_often(key, call)
                 self.cache[key] = compiled

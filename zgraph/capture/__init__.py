@@ -15,6 +15,7 @@ Files::
     precision.py        mixed precision, loss scaling and clipping while tracing
     collectives.py      ``torch.distributed`` calls in the step, traced as functional collectives
     generator_state.py  random generator state read and set in the step, as graph operations
+    host_values.py      host counters (0-d integer buffers such as ``AveragedModel.n_averaged``) the step may branch on
     random_layout.py    random ops draw their numbers into the elements eager PyTorch gives them
     functionalize.py    from the traced (mutating) graph to the captured step graph
     joint.py            split mode: the step and the backward of its returned outputs, traced as one joint graph

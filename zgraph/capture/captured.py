@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
+from zgraph.capture.host_values import HostRead
 from zgraph.config import Config
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.state import Binding
@@ -87,6 +88,8 @@ class CapturedGraph:
             backward.
         through_compile: the step reached ``torch.compile`` wrappers and was traced through them
             (``zgraph.capture.compiled``).
+        host_reads: values the step read to the host from host counters (``zgraph.capture.host_values``): the
+            graph holds for the calls on which each is the same again.
     """
 
     gm: fx.GraphModule | None
@@ -103,6 +106,7 @@ class CapturedGraph:
     grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
     split: SplitInfo | None = None
     through_compile: bool = False
+    host_reads: list[HostRead] = field(default_factory=list)
 
     @property
     def graph(self) -> fx.GraphModule:

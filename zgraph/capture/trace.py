@@ -64,6 +64,7 @@ from zgraph.capture.environment import (
     watch_unbound_state,
 )
 from zgraph.capture.generator_state import generator_state_ops
+from zgraph.capture.host_values import counters_known
 from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
@@ -95,7 +96,10 @@ def trace_step(request: CaptureRequest) -> Traced:
         step_trace = _step_trace(request, state)
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = group_values(binding)
-        with _environment(request, state, step_trace, grad_enabled) as traced:
+        with (
+            _environment(request, state, step_trace, grad_enabled) as traced,
+            counters_known(inputs.specs, inputs.values, flat) as reads,
+        ):
             result = request.fn(*_substitute(request.args, traced), **_substitute(request.kwargs, traced))
             _refuse_deferred(result)
             final = _final_state(binding, state.params)
@@ -103,7 +107,7 @@ def trace_step(request: CaptureRequest) -> Traced:
             with torch.no_grad():
                 grads = [p.grad for p in state.params if p.grad is not None]
                 final_loss_state = step_trace.precision.finish_step(grads)
-        captured = CapturedGraph(gm=None, result_template=None)
+        captured = CapturedGraph(gm=None, result_template=None, host_reads=reads)
         captured.training_flags = [(m, m.training) for m, before in flags_before if m.training != before]
         outs, roles = _outputs(captured, result, binding, state, final, user_tensors, final_loss_state)
         _record(captured, step_trace)
