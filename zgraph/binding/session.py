@@ -4,7 +4,9 @@ A step's modules and optimizers are found in its arguments, closure and globals 
 bound once per set (``zgraph.binding.setup``); those a trace reached that discovery missed are observed and bound
 from the next capture on. Tensors read outside the arguments are located (``zgraph.binding.locate``) and read on
 every call. ``Session.bind`` turns a call into a ``Bound``: its binding, located tensors and user tensors, from
-which the capture request is made; ``Session.more_to_bind`` is what the capture protocol asks after each trace.
+which the capture request is made, and what the binding's captures read from host counters (its guard key ends with
+those values as they are now: ``zgraph.capture.host_values``); ``Session.more_to_bind`` is what the capture
+protocol asks after each trace.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ A module's step counter — ``AveragedModel.n_averaged``, whose ``update_paramet
 (``n_averaged == 0``) and averages on later ones; BatchNorm's ``num_batches_tracked`` — is a 0-d integer buffer
 the step itself advances. zgraph reads its value from the real buffer (where ``AveragedModel`` keeps it: on the
 host) when it captures, and the traced step sees that value: a Python branch or conversion on a value computed
-from counters alone (``bool(n == 0)``, ``int(n)``) takes the path eager would, and is recorded as a ``HostRead``:
-the small graph that computes the value from the counters, and the value it had. The step's graph still reads and
-advances the counters as inputs and outputs. On every later call each recorded value is computed again from the
-counters as they are then (``HostRead.now``); a call on which one differs runs another capture of the step, kept
-beside the first (so ``update_parameters`` is captured twice: its first call, and every later one).
+from counters alone (``bool(n == 0)``, ``int(n)``) takes the path eager would, and is recorded as a ``HostRead``,
+the small graph that computes the value from the counters. The step's graph still reads and advances the counters
+as inputs and outputs. On every later call each recorded value is computed again from the counters as they are
+then (``HostRead.now``); a call on which one differs runs another capture of the step, kept beside the first (so
+``update_parameters`` is captured twice: its first call, and every later one).
 
 A value that depends on anything else — a loss, a parameter, a counter advanced by a data-dependent amount is
 still a counter, but ``loss.item() > 1`` is not — is known only on the device once the graph runs: Python cannot
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -133,9 +134,9 @@ class _RecordReads(TorchDispatchMode):
         self.buffer_of = buffer_of
         self.reads = reads
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is aten.is_nonzero.default:  # bool(t): the read of `t != 0`, as make_fx itself rewrites it
+        if func is aten.is_nonzero.default and args[0].numel() == 1:  # bool(t): the read of `t != 0` (make_fx's)
             return bool(self._read(aten.ne.Scalar(args[0], 0)))
         if func in _READS:
             return self._read(args[0])
