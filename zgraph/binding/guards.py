@@ -129,8 +129,8 @@ KEY_PARTS = (
     "the structure of the arguments",
     "an argument",
     "a tensor read outside the arguments",
-    "a value the step branches on, computed from a host counter (a module's 0-d integer buffer, such as "
-    "AveragedModel.n_averaged)",
+    "a value the step read to the host from a host counter changed (a module's 0-d integer buffer, such as "
+    "AveragedModel.n_averaged: compute with it as a tensor where its value changes every call, not int() or float())",
 )
 
 
