@@ -105,10 +105,17 @@ def stages(rank: int, world: int) -> dict:
                 "captures": len(step._dispatch.cache),
             }
             if stage == 3 and where == "inside":
+                out["gathered_inputs"] = _gathered_inputs(step)
                 with zgraph.gather(ema), torch.no_grad():
                     out["gathered_forward"] = ema(x)
                 zgraph.save_pretrained(ema.module, os.path.join(WORK, "ema_export"))
     return out
+
+
+def _gathered_inputs(step: zgraph.DistributedStep) -> set[str]:
+    """The graph inputs the last call's graph all-gathers, by name."""
+    gathers = [n for n in step.graphs["final"].graph.nodes if "all_gather" in str(n.target)]
+    return {arg.name for n in gathers for arg in n.all_input_nodes if arg.op == "placeholder"}
 
 
 def resume(rank: int, world: int) -> dict:

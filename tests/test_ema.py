@@ -60,6 +60,13 @@ def test_ema_equals_eager_on_the_global_batch(two_ranks, stage, where):
     assert got["captures"] == (2 if where == "inside" else 1), "inside: the first update and every later one"
 
 
+def test_the_sharded_ema_is_updated_on_its_shards(two_ranks):
+    """At stage 3 the averaging step gathers the model's parameters for forward and backward, never the EMA's:
+    the update reads the model's updated shards."""
+    gathered = two_ranks[0]["stages"]["gathered_inputs"]
+    assert gathered and not any(name.startswith("ema") for name in gathered), gathered
+
+
 def test_the_sharded_ema_is_whole_in_gather_and_in_its_export(two_ranks):
     results, directory = two_ranks
     want = eager()["ema"]
