@@ -8,13 +8,8 @@ import sys
 
 import pytest
 
-# `zgraph demo` as the README runs it (`python -m zgraph.cli`), with the default start method of Python 3.14 on Linux
-# (forkserver; spawn on macOS): there a semaphore a rank makes (tqdm's lock) is named and registered with the
-# resource tracker, which reported it leaked when ranks left without releasing it (issue 40, item 5); under fork,
-# the default before 3.14, it is unlinked at once and nothing shows
-FORKSERVER_CLI = "import multiprocessing, sys; multiprocessing.set_start_method('forkserver'); " + (
-    "from zgraph.cli.main import main; sys.exit(main())"
-)
+# The demos spawn their ranks: a semaphore a rank makes (tqdm's lock) is named and registered with the parent's
+# resource tracker, which reported it leaked when ranks left without releasing it (issue 40, item 5)
 NO_NUMPY = "UserWarning: Failed to initialize NumPy"  # torch's own, at import: zgraph's test environment has no numpy
 
 
@@ -28,7 +23,7 @@ def assert_clean_end(stderr: str) -> None:
 def test_demo_trains_on_two_ranks_with_zero3(tmp_path):
     dump = tmp_path / "graphs"
     result = subprocess.run(
-        [sys.executable, "-c", FORKSERVER_CLI, "demo", "--steps", "4", "--dump", str(dump)],
+        [sys.executable, "-m", "zgraph.cli", "demo", "--steps", "4", "--dump", str(dump)],
         capture_output=True,
         text=True,
         timeout=600,
