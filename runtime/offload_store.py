@@ -38,6 +38,7 @@ from torch import Tensor
 
 from zgraph.errors import ZGraphError
 from zgraph.ops import OffloadTier
+from zgraph.runtime.sharded_state import current_parameter
 
 DEFAULT_WINDOW = 64 * 2**20  # read-ahead / write-behind bytes when Config.prefetch_bytes is "auto"
 
@@ -301,8 +302,12 @@ def _watch_eager_optimizer_steps() -> None:
 
 def _before_eager_optimizer_step(optimizer: Any, *_: Any) -> None:
     """An eager ``step()`` of an optimizer no step bound (a zgraph forward/backward step, ``opt.step()`` outside
-    it) over parameters whose shards are offloaded: read every store's inputs back first."""
-    locals_ = (getattr(p, "_local_tensor", None) for group in optimizer.param_groups for p in group["params"])
+    it) over parameters whose shards are offloaded: read every store's inputs back first. The parameters it will
+    update are the shards that replaced those it may still hold (``current_parameter``): torch runs global hooks
+    in the order they were registered, and the hook that points the optimizer at them
+    (``zgraph.runtime.sharded_state``) runs after this one where a store existed before any stage-3 binding."""
+    params = (current_parameter(p) for group in optimizer.param_groups for p in group["params"])
+    locals_ = (getattr(p, "_local_tensor", None) for p in params)
     if _STORES and any(type(t) is Tensor and t.numel() and not t.untyped_storage().nbytes() for t in locals_):
         for store in list(_STORES):
             store.materialize()

@@ -243,6 +243,17 @@ def params_eager_optimizer_ranks(rank: int, world: int, directory: str, split: b
     assert same(results[0], results[1]), "an eager optimizer step over offloaded parameters differs"
 
 
+def params_eager_optimizer_after_another_store(rank: int, world: int, directory: str) -> None:
+    """``params_eager_optimizer_ranks`` (split) in a process that used an offload tier before any stage-3 step:
+    torch runs global optimizer hooks in registration order, so the offload tier's ran before the one that points
+    the optimizer at its shards, missed that they were offloaded, and the eager step read released storage
+    (a segfault)."""
+    model, opt = make()
+    config = zgraph.Config(stage=1, backend="eager", offload_optimizer="nvme", offload_dir=directory)
+    make_step(config)(model, opt, *batches(rank, world)[0])
+    params_eager_optimizer_ranks(rank, world, directory, True)
+
+
 def params_inductor_ranks(rank: int, world: int, directory: str) -> None:
     """The inductor backend compiles the graph with the offload nodes (no fallback to eager) and trains
     bitwise as it does without offload."""

@@ -244,6 +244,12 @@ def test_offloaded_params_eager_optimizer_step_outside_the_step(tmp_path, split)
     run_ranks(2 if split else 1, "offload_cases.params_eager_optimizer_ranks", str(tmp_path), split, timeout=300)
 
 
+def test_offloaded_params_eager_optimizer_step_after_another_offload_tier(tmp_path):
+    """The same (split, 2 ranks) where the process had an offload tier before its first stage-3 step (fresh
+    ranks: the order the process registered zgraph's global optimizer hooks in is the point)."""
+    run_ranks(2, "offload_cases.params_eager_optimizer_after_another_store", str(tmp_path), timeout=300, fresh=True)
+
+
 def test_offloaded_params_with_inductor(tmp_path):
     run_ranks(1, "offload_cases.params_inductor_ranks", str(tmp_path), timeout=600)
 
