@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
+from zgraph.capture.host_scalars import HostGuards
 from zgraph.config import Config
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.state import Binding
@@ -82,6 +83,8 @@ class CapturedGraph:
         grad_outputs: ``(position, shape, dtype, device)`` of the returned tensors that require grad.
         split: set on a split step (``zgraph.capture.joint``): what partitions its joint graph and runs its
             backward.
+        host_guards: the conditions the step's Python branches took on values the host knows before each call
+            (an optimizer's step counter, its hyper-parameters: ``zgraph.capture.host_scalars``); None if none.
     """
 
     gm: fx.GraphModule | None
@@ -97,6 +100,7 @@ class CapturedGraph:
     python_results: list[tuple[str, int | float]] = field(default_factory=list)
     grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
     split: SplitInfo | None = None
+    host_guards: HostGuards | None = None
 
     @property
     def graph(self) -> fx.GraphModule:

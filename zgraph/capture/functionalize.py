@@ -19,6 +19,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zgraph.capture.host_scalars import SymbolicConstants
 from zgraph.capture.random_layout import match_random_layout
 from zgraph.graph import (
     BACKWARD,
@@ -45,7 +46,7 @@ def functionalize(
     outputs before unchanged state is dropped."""
 
     def replay(*flat: Tensor) -> Any:
-        with torch.no_grad():
+        with torch.no_grad(), SymbolicConstants():
             return fx.Interpreter(gm1).run(*flat)
 
     plain = [f.detach() for f in fakes]
