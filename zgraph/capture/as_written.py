@@ -73,7 +73,8 @@ def hyperparameters(opt: torch.optim.Optimizer, group: dict) -> dict[str, float]
 def lifted_groups(opt: torch.optim.Optimizer, hparams: list[dict[str, Tensor]]) -> Iterator[None]:
     """While the step of a class traced as written runs: each lifted group value is the ``.item()`` of its graph
     input (``hparams``, per group), read under ``zgraph.capture.host_scalars.HostScalars`` (a host-known symbol);
-    the values are put back after."""
+    the values are put back after. (A fused kernel, ``Adagrad(fused=True)``'s, takes its hyper-parameters as
+    floats: a symbol there is fixed to its value by a guard, so a change recaptures.)"""
     saved = []
     try:
         for group, inputs in zip(opt.param_groups, hparams):

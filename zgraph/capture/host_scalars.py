@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, get_proxy_slot, set_proxy_slot
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -55,28 +55,37 @@ def host_tensor(value: Tensor | float) -> Tensor:
 
 
 @dataclass
+class HostSlice:
+    """How the host computes one host-known value: ``graph`` (a copy of the traced nodes it is computed from, the
+    ``.item()`` last) run on the graph inputs ``inputs``, its ``get_attr`` nodes reading ``constants``."""
+
+    graph: fx.Graph
+    constants: dict[str, Tensor]
+    inputs: list[GraphInput]
+
+    def value(self, read: Callable[[GraphInput], Tensor | float]) -> float | int:
+        """The value for the host inputs ``read(input)`` gives (read from copies: the slice may write into them)."""
+        return _run(self.graph, self.constants, [host_tensor(read(spec)) for spec in self.inputs])
+
+
+@dataclass
 class HostGuards:
     """The conditions a captured step's Python branches took on host-known values, and how to compute them.
 
     Attributes:
-        slices: the host slices of ``symbols``: a graph from the host inputs (its placeholders, in ``inputs``
-            order) to the symbols' values, each read (``.item()``) where the traced step read it.
-        constants: the tensors its ``get_attr`` nodes read.
-        inputs: the graph inputs ``slices`` reads.
-        symbols: the backed symbols, in the order ``slices`` returns their values.
+        symbols: the backed symbols the guards read, each with the slice that computes its value.
         guards: sympy conditions over ``symbols`` that held when the step was captured.
     """
 
-    slices: fx.Graph
-    constants: dict[str, Tensor]
-    inputs: list[GraphInput]
-    symbols: list[sympy.Symbol]
+    symbols: dict[sympy.Symbol, HostSlice]
     guards: list[sympy.Basic]
 
     def hold(self, read: Callable[[GraphInput], Tensor | float]) -> bool:
         """Whether every guard holds for the values ``read(input)`` gives for this call's host inputs."""
-        values = _run(self.slices, self.constants, [host_tensor(read(spec)) for spec in self.inputs])
-        env = {s: sympy.Float(v) if isinstance(v, float) else sympy.Integer(v) for s, v in zip(self.symbols, values)}
+        env = {}
+        for symbol, host_slice in self.symbols.items():
+            v = host_slice.value(read)
+            env[symbol] = sympy.Float(v) if isinstance(v, float) else sympy.Integer(v)
         return all(guard.xreplace(env) is sympy.true for guard in self.guards)
 
 
@@ -90,7 +99,7 @@ class HostScalars(TorchDispatchMode):
         self.specs = specs
         self.values = values
         self.shape_env = shape_env
-        self.symbols: dict[sympy.Symbol, fx.Node] = {}  # symbol -> the node whose .item() it is
+        self.symbols: dict[sympy.Symbol, HostSlice] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
         if func is aten._local_scalar_dense.default and (args[0].dtype.is_floating_point or _is_int(args[0])):
@@ -104,24 +113,26 @@ class HostScalars(TorchDispatchMode):
         nodes = self._slice(node)
         if nodes is None:
             return
-        graph, constants, inputs = self._graph(tracer.root, nodes, [node])
+        host_slice = self._host_slice(tracer.root, nodes, node)
         with _disable_current_modes():
-            value = _run(graph, constants, [host_tensor(self.values[i]) for i in inputs])[0]
+            value = host_slice.value(lambda spec: self.values[self.specs.index(spec)])
         source = _source(f"zgraph_host_{next(_names)}")
         symbol = self.shape_env.create_unspecified_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
         if not isinstance(symbol, sympy.Symbol):  # specialized (an integer 0 or 1): nothing to guard
             return
         make = self.shape_env.create_symfloatnode if isinstance(value, float) else self.shape_env.create_symintnode
         fake.item_memo = make(symbol, hint=value, source=source)
-        self.symbols[symbol] = node
+        self.symbols[symbol] = host_slice
 
     def _index(self, node: fx.Node) -> int:
         """The graph-input position of a placeholder."""
         return node.graph.find_nodes(op="placeholder").index(node)  # type: ignore[union-attr]
 
     def _slice(self, node: fx.Node) -> list[fx.Node] | None:
-        """The nodes ``node`` is computed from, in graph order, if they read only host-known inputs and
-        constants and none of them is aliased by a view (through which it could change unseen); else None."""
+        """The nodes the value of ``node`` is computed from, in graph order (traced so far): what it reads and what
+        wrote into those (in-place ops, ``_foreach_add_`` on a list of step counters); None unless they read only
+        host-known inputs and constants and none is aliased by a view (through which it could change unseen)."""
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
         seen: set[fx.Node] = set()
         todo = [node]
         while todo:
@@ -135,52 +146,52 @@ class HostScalars(TorchDispatchMode):
                     return None
             elif n.op not in ("call_function", "get_attr"):
                 return None
-            elif any(getattr(u.target, "is_view", False) for u in n.users):
+            if any(getattr(u.target, "is_view", False) for u in n.users):
                 return None
             todo.extend(n.all_input_nodes)
-        order = {n: i for i, n in enumerate(node.graph.nodes)}
+            todo.extend(u for u in n.users if _writes(u, n))
         return sorted(seen, key=order.__getitem__)
 
-    def _graph(
-        self, root: torch.nn.Module, nodes: list[fx.Node], reads: list[fx.Node]
-    ) -> tuple[fx.Graph, dict[str, Tensor], list[int]]:
-        """A graph of ``nodes`` (a closed slice, in graph order) returning the value of each of ``reads``: a 0-d
-        tensor's ``.item()`` read right after it is computed (a later in-place op may change it); the constants
-        its ``get_attr`` nodes read (from ``root``), and the graph-input positions of its placeholders."""
+    def _host_slice(self, root: torch.nn.Module, nodes: list[fx.Node], node: fx.Node) -> HostSlice:
+        """``nodes`` (a closed slice, in graph order) copied into a graph returning ``node.item()``, with the
+        constants its ``get_attr`` nodes read (from ``root``)."""
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         constants: dict[str, Tensor] = {}
-        inputs: list[int] = []
-        items = {}
+        inputs: list[GraphInput] = []
         for n in nodes:
             if n.op == "placeholder":
-                inputs.append(self._index(n))
-                env[n] = graph.placeholder(f"input_{inputs[-1]}")
-            else:
-                if n.op == "get_attr":
-                    constants[n.target] = getattr(root, n.target)
-                env[n] = graph.node_copy(n, env.__getitem__)
-            if n in reads:
-                items[n] = graph.call_function(aten._local_scalar_dense.default, (env[n],))
-        graph.output(tuple(items[n] for n in reads))
-        return graph, constants, inputs
+                inputs.append(self.specs[self._index(n)])
+                env[n] = graph.placeholder(f"input_{len(inputs)}")
+                continue
+            if n.op == "get_attr":
+                constants[n.target] = getattr(root, n.target)
+            env[n] = graph.node_copy(n, env.__getitem__)
+        graph.output(graph.call_function(aten._local_scalar_dense.default, (env[node],)))
+        return HostSlice(graph, constants, inputs)
 
-    def guards(self, gm: fx.GraphModule) -> HostGuards | None:
-        """The guards the trace recorded on host-known symbols, with the slices that compute them from ``gm``
-        (the finished trace); None when no branch read one."""
+    def guards(self) -> HostGuards | None:
+        """The guards the trace recorded on host-known symbols, with the slices that compute them; None when no
+        branch read one."""
         mine = set(self.symbols)
         guards = [g.expr for g in self.shape_env.guards if g.expr.free_symbols & mine]
         if not guards:
             return None
         used = sorted({s for g in guards for s in g.free_symbols if s in mine}, key=str)
-        reads = [self.symbols[s] for s in used]
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        nodes = sorted({m for n in reads for m in self._slice(n) or ()}, key=order.__getitem__)
-        graph, constants, inputs = self._graph(gm, nodes, reads)
-        return HostGuards(graph, constants, [self.specs[i] for i in inputs], used, guards)
+        return HostGuards({s: self.symbols[s] for s in used}, guards)
 
 
-def _run(graph: fx.Graph, constants: dict[str, Tensor], inputs: list[Tensor]) -> list[float | int]:
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` (an op) writes into ``node``'s tensor (an argument its schema marks as written)."""
+    if user.op != "call_function":
+        return False
+    return any(
+        value is node or (isinstance(value, (list, tuple)) and node in value)
+        for value in _written(user.target, user.args, user.kwargs)
+    )
+
+
+def _run(graph: fx.Graph, constants: dict[str, Tensor], inputs: list[Tensor]) -> float | int:
     """Run a host slice graph on real tensors (no module: a traced step watches the modules called)."""
     env: dict[fx.Node, object] = {}
     feed = iter(inputs)
@@ -194,17 +205,41 @@ def _run(graph: fx.Graph, constants: dict[str, Tensor], inputs: list[Tensor]) ->
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
                 env[n] = n.target(*args, **kwargs)
             else:
-                return list(fx.node.map_arg(n.args[0], env.__getitem__))
+                return env[n.args[0]]
     raise AssertionError("a host slice graph has an output")
 
 
-class SymbolicConstants(TorchDispatchMode):
-    """FakeTensorMode folds an op on constant tensors (a state tensor ``torch.tensor(1.0)`` made in the step) by
-    running it for real; with a symbol among its scalars (a hyper-parameter) it would make the symbol a float (a
-    NaN for one only the run knows). While active, such an op is traced instead."""
+class _Replay(fx.Interpreter):
+    """The traced graph run again on fakes (functionalization's replay). Its ops run as traced: one whose scalars
+    are symbols is not folded on constant tensors (``_unfolded``), and an ``.item()`` that the trace read as a
+    host-known symbol reads the same symbol, so what an op's own fake kernel decides on it (``addmm``'s
+    ``beta == 0``) is decided as in the trace, not refused as a value only the run knows."""
+
+    def run_node(self, n: fx.Node) -> object:
+        self.current = n
+        return super().run_node(n)
+
+
+class _ReplayMode(TorchDispatchMode):
+    def __init__(self, interpreter: _Replay):
+        super().__init__()
+        self.interpreter = interpreter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        node = self.interpreter.current
+        if func is aten._local_scalar_dense.default and node.target is func:
+            val = node.meta.get("val")
+            if isinstance(val, (torch.SymFloat, torch.SymInt)) and val.node.hint is not None:
+                args[0].item_memo = val
         return _unfolded(func, args, kwargs or {})
+
+
+def replay(gm: fx.GraphModule, *flat: Tensor) -> object:
+    """Run the traced graph ``gm`` on ``flat`` as traced (``_Replay``)."""
+    interpreter = _Replay(gm)
+    interpreter.current = None
+    with torch.no_grad(), _ReplayMode(interpreter):
+        return interpreter.run(*flat)
 
 
 class ScalarTensors(TorchFunctionMode):
@@ -221,14 +256,37 @@ class ScalarTensors(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _unfolded(func: Callable, args: tuple, kwargs: dict) -> object:
-    """``func(*args, **kwargs)``, its constant tensor arguments no longer constants if a scalar is a symbol."""
+def _unfolded(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """``func(*args, **kwargs)``, traced rather than folded on constant tensors when a scalar is a symbol (a
+    hyper-parameter): FakeTensorMode would run it for real, the symbol made a float (a NaN for one only the run
+    knows), and ``make_fx`` would keep the constant it knew of a tensor the op writes into without returning it
+    (``_foreach_mul_``), so a later ``.item()`` read the value from before."""
     flat = pytree.tree_leaves((args, kwargs))
-    if any(isinstance(a, (torch.SymFloat, torch.SymInt)) for a in flat):
-        for t in flat:
-            if isinstance(t, FakeTensor) and t.constant is not None:
-                t.fake_mode.fake_tensor_converter.invalidate_constant_aliases(t.constant)
-    return func(*args, **kwargs)
+    if not any(isinstance(a, (torch.SymFloat, torch.SymInt)) for a in flat):
+        return func(*args, **kwargs)
+    for t in flat:
+        if isinstance(t, FakeTensor) and t.constant is not None:
+            t.fake_mode.fake_tensor_converter.invalidate_constant_aliases(t.constant)
+    out = func(*args, **kwargs)
+    proxy_mode = get_proxy_mode()
+    if proxy_mode is not None:
+        for t in pytree.tree_leaves(_written(func, args, kwargs)):
+            slot = get_proxy_slot(t, proxy_mode.tracer, None)
+            if isinstance(t, Tensor) and slot is not None and slot.constant is not None:
+                set_proxy_slot(t, proxy_mode.tracer, _ProxyTensor(slot.proxy, None))
+    return out
+
+
+def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The arguments of a call that its schema marks as written."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            out.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    return out
 
 
 def _is_int(t: Tensor) -> bool:

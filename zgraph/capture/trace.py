@@ -120,7 +120,7 @@ def trace_step(request: CaptureRequest) -> Traced:
         if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
             t.grad = None
     captured, roles = found[-1]
-    captured.host_guards = host.guards(gm)
+    captured.host_guards = host.guards()
     return Traced(None, gm, captured, constants, inputs.specs, roles, fakes, mode)
 
 
