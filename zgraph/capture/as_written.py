@@ -101,4 +101,4 @@ def symbolic_builtins(opt: torch.optim.Optimizer) -> Iterator[None]:
         yield
     finally:
         for name in replaced:
-            delattr(module, name)
+            vars(module).pop(name, None)

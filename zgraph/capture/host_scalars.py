@@ -8,10 +8,10 @@ state (its *host slice*: graph inputs the host holds before the call, and consta
 every call. While an optimizer's step is traced (``HostScalars``), the ``.item()`` of such a value is a *backed*
 symbol (``ShapeEnv.create_unspecified_symbol``, its hint the value this call has): a Python branch on it takes the
 branch this call takes, and the ShapeEnv records the condition as a guard. ``HostGuards`` keeps the guards and the
-host slices (one small graph); before each call the step runs that graph on the call's inputs and uses the compiled
-variant only if every guard still holds (``zgraph.dispatch``), else it captures the step again: RAdam's step, say,
-is captured once for ``rho_t <= 5`` and once for the steps after. An ``.item()`` of anything else (a norm of a
-parameter) stays a symbol only the run knows, and a branch on it is refused as before.
+host slices (small graphs of the traced ops); before each call the step runs them on the call's inputs and uses
+the compiled variant only if every guard still holds (``zgraph.dispatch``), else it captures the step again: RAdam's
+step, say, is captured once for ``rho_t <= 5`` and once for the steps after. An ``.item()`` of anything else (a norm
+of a parameter) stays a symbol only the run knows, and a branch on it is refused as before.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ _names = itertools.count()
 
 def host_known(spec: GraphInput, value: object) -> bool:
     """Whether a graph input is one the host holds before the call: a hyper-parameter, or a 0-d optimizer-state
-    tensor held whole (a step counter)."""
+    tensor held whole (a step counter; not an estimate's meta stand-in, which has no value)."""
     if spec.kind == "hparam":
         return True
-    whole = isinstance(value, Tensor) and not isinstance(value, DTensor)
+    whole = isinstance(value, Tensor) and not isinstance(value, DTensor) and not value.is_meta
     return spec.kind == "opt_state" and whole and value.dim() == 0
 
 
@@ -144,7 +144,7 @@ class HostScalars(TorchDispatchMode):
                 index = self._index(n)
                 if not host_known(self.specs[index], self.values[index]):
                     return None
-            elif n.op not in ("call_function", "get_attr"):
+            elif n.op not in ("call_function", "get_attr") or _random(n):
                 return None
             if any(getattr(u.target, "is_view", False) for u in n.users):
                 return None
@@ -287,6 +287,11 @@ def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
         if argument.alias_info is not None and argument.alias_info.is_write:
             out.append(args[i] if i < len(args) else kwargs.get(argument.name))
     return out
+
+
+def _random(node: fx.Node) -> bool:
+    """Whether an op draws random numbers (the host cannot compute it again)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _is_int(t: Tensor) -> bool:

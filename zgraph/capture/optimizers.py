@@ -1,7 +1,9 @@
 """Optimizers and LR schedulers while a step is traced.
 
 A bound optimizer's ``step()`` runs zgraph's kernel for its class (``zgraph.capture.update_rules``: hyper-parameters
-read from graph inputs), or its own ``step()`` for other classes, on the traced parameters and state, inside the
+read from graph inputs), or its own ``step()`` for other classes (``zgraph.capture.as_written``: a ``torch.optim``
+class's hyper-parameters from graph inputs too, ``.item()`` of host-known values as ``zgraph.capture.host_scalars``
+symbols), on the traced parameters and state, inside the
 ``optimizer`` phase, with loss-scale overflow skipping (``zgraph.capture.precision``). What the optimizers did (state
 created, which stepped) is recorded on the ``Trace``. An LR scheduler's ``step()`` is recorded, not run: zgraph
 runs it for real around the graph on every call.
