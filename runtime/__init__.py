@@ -21,6 +21,7 @@ Files::
     host_memory.py     freed host memory kept for the next step
     reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
     executor.py        backends that turn the final graph into something to call
+    random_order.py    inductor runs the ops that share a random generator in the graph's order
     memory.py          live tensor bytes on any device, measured exactly
     cost_model.py      cost of collectives and compute, for bucket sizes and schedules
     timeline.py        how a lowered graph runs: one compute and one communication stream

@@ -14,7 +14,8 @@ rewrites as recorded passes, so the graph it shows as ``final`` is exactly the o
   ``addcmul``/``addcdiv`` keep their ``value``: inductor lowers them itself, with symbolic values.
 
 Random ops are compiled with ``fallback_random``: they call the aten kernels on the global generator, so they draw
-the numbers eager draws and leave the generator in eager's state.
+the numbers eager draws and leave the generator in eager's state, run in the graph's order
+(``zgraph.runtime.random_order``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,16 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
+        from zgraph.runtime.random_order import KeepGeneratorOrder  # imports inductor: only when it compiles
+
         # Compile against the graph's own fake inputs: their fake mode has the ShapeEnv that holds the scalar
         # symbols optimizer kernels create with .item() (hyper-parameters).
         fake_inputs = [n.meta["val"] for n in placeholders(gm)]
         try:
-            with torch.no_grad(), inductor_config.patch(fallback_random=True):
+            with (
+                torch.no_grad(),
+                inductor_config.patch(fallback_random=True, _pre_fusion_custom_pass=KeepGeneratorOrder()),
+            ):
                 compiled = compile_fx(copy_graph_module(gm), fake_inputs)
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(

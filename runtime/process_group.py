@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -262,7 +263,12 @@ def end_finished_rank() -> None:
     DTensor's sharding-propagation cache keeps the device mesh, and through it the gloo group and its threads,
     alive until the interpreter shuts down; tearing gloo down that late occasionally aborts the process
     ("terminate called without an active exception") after all the work succeeded.
+
+    What ``multiprocessing`` releases at a normal exit is released first, by its own exit handler: the named
+    semaphores a rank made (tqdm's lock, a queue's) would otherwise stay registered with the parent's resource
+    tracker, which reports them as leaked when the parent ends.
     """
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -172,6 +172,105 @@ def split_stages(rank: int, world: int) -> dict:
     return stages(rank, world, split=True)
 
 
+class GPTBlock(nn.Module):
+    """A pre-norm transformer block as users write it: causal SDPA with ``dropout_p``, dropout on both residuals."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(0.1))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        rows, seq, dim = x.shape
+        q, k, v = (t.view(rows, seq, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(dim, -1))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(rows, seq, dim)))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTNet(nn.Module):
+    """Embedding dropout outside the checkpointed blocks, two checkpointed ``GPTBlock``s, a head (issue 40)."""
+
+    VOCAB, SEQ = 32, 8
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.embed = nn.Embedding(self.VOCAB, 16)
+        self.drop = nn.Dropout(0.1)
+        self.blocks = nn.ModuleList(GPTBlock() for _ in range(2))
+        self.head = nn.Linear(16, self.VOCAB)
+
+    def forward(self, idx):
+        h = self.drop(self.embed(idx))
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def gpt_step(model, opt, idx, labels):
+    loss = F.cross_entropy(model(idx).flatten(0, 1), labels.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def gpt_batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(0, GPTNet.VOCAB, (4, GPTNet.SEQ), generator=g) for _ in range(2)) for _ in range(n)]
+
+
+def gpt_adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def gpt_eager(reentrant: bool, world: int = 1) -> dict:
+    """Eager PyTorch on the global batches, each of ``world`` rank slices drawing from the step's starting state
+    (as ranks seeded alike do): the loss and generator state after every step, the final parameters."""
+    model = GPTNet(reentrant)
+    opt = gpt_adamw(model)
+    losses, states = [], []
+    for idx, labels in gpt_batches():
+        start, parts = torch.get_rng_state(), []
+        for rows, row_labels in zip(idx.chunk(world), labels.chunk(world)):
+            torch.set_rng_state(start)
+            parts.append(F.cross_entropy(model(rows).flatten(0, 1), row_labels.flatten()))
+        loss = sum(parts) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        states.append(torch.get_rng_state())
+    return {"losses": losses, "rng": states, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def gpt_zgraph(config: zgraph.Config, reentrant: bool, rank: int = 0, world: int = 1) -> dict:
+    """``gpt_eager``'s quantities for zgraph's step under ``config`` on this rank's slice of each batch (the loss
+    the mean over ranks)."""
+    model = GPTNet(reentrant)
+    opt = gpt_adamw(model)
+    step = zgraph.distribute(config)(gpt_step)
+    losses, states = [], []
+    for idx, labels in gpt_batches():
+        loss = step(model, opt, idx.chunk(world)[rank], labels.chunk(world)[rank]).detach().clone()
+        if world > 1:
+            dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+        states.append(torch.get_rng_state())
+    return {"losses": losses, "rng": states, "params": zgraph.full_state_dict(model)}
+
+
+def inductor_gpt(rank: int, world: int) -> dict:
+    """``GPTNet`` under inductor at stage 3 on every rank, both checkpoint forms."""
+    config = zgraph.Config(stage=3, backend="inductor", param_persistence_threshold=0)
+    return {reentrant: gpt_zgraph(config, reentrant, rank, world) for reentrant in (True, False)}
+
+
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
     """Worker: run the named checks; rank 0 saves ``{name: result}``."""
     run_named(rank, world, out_path, names, globals())

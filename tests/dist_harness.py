@@ -102,6 +102,19 @@ def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, in
             raise TimeoutError(f"{test}: {target} on {world_size} ranks did not finish in {timeout:.0f} s (killed)")
 
 
+def selected(request: Any, param: str, default: list) -> list:
+    """The values of parametrized argument ``param`` among the tests of ``request``'s module that this session
+    runs (in ``default``'s order), so that a module's one rank group runs only the cases ``-k`` selected; every
+    value of ``default`` where no selected test names one."""
+    module = request.node.module if hasattr(request.node, "module") else None
+    wanted = {
+        item.callspec.params[param]
+        for item in request.session.items
+        if getattr(item, "module", None) is module and param in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    return [value for value in default if value in wanted] or list(default)
+
+
 def run_named(rank: int, world: int, out_path: str, names: list[str], namespace: dict) -> None:
     """Worker body: call ``namespace[name](rank, world)`` for each name; rank 0 saves ``{name: result}``, a
     failure recorded as ``{"error": traceback}`` (every rank reaches the same barriers)."""

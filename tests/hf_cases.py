@@ -284,15 +284,49 @@ def capture_mixtral_unaided(rank: int, world: int, out_path: str) -> None:
     torch.save(error, out_path)
 
 
-def run_model(rank: int, world: int, out_path: str, name: str, stages: list[int]) -> None:
-    """Worker: one model on every rank: the eager references (rank 0 the global batch in order, rank 1 with the
-    rank slices rotated, at the same time), DDP, then zgraph at each stage. Rank 0 saves
-    ``{"eager": ..., "rotated": ..., "ddp": ..., stage: ...}`` (a failure as ``{"error": traceback}``)."""
+def model_results(rank: int, world: int, name: str, stages: list[int]) -> dict:
+    """One model on every rank: the eager references (rank 0 the global batch in order, rank 1 with the rank slices
+    rotated, at the same time), DDP, then zgraph at each stage: ``{"eager": ..., "rotated": ..., "ddp": ...,
+    stage: ...}`` (a failure as ``{"error": traceback}``)."""
     references = all_gather_values(_guarded(eager, name, rank % 2 == 1, world))
     results: dict = {"eager": references[0], "rotated": references[1 % world]}
     results["ddp"] = _guarded(ddp, name, rank, world)
     for stage in stages:
         results[stage] = _guarded(zero, name, stage, rank, world)
+        dist.barrier()
+    return results
+
+
+def per_step(step: Callable, rank: int = 0, world: int = 1) -> dict:
+    """GPT-2 with dropout under ``gradient_checkpointing_enable()`` trained by ``step`` on this rank's rows of the
+    global batches: the loss (the mean over ranks) and the generator's state after every step."""
+    model = gpt2_dropout_checkpointing()
+    opt = _optimizer(model)
+    losses, states = [], []
+    for batch in _lm_batches():
+        loss = step(model, opt, *_local(batch, rank, world)).detach().clone()
+        if world > 1:
+            dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+        states.append(torch.get_rng_state())
+    return {"losses": losses, "rng": states}
+
+
+def inductor_checkpointing(rank: int, world: int) -> dict:
+    """``per_step`` for zgraph at stage 3 under inductor (issue 40)."""
+    config = zgraph.Config(stage=3, backend="inductor", param_persistence_threshold=0)
+    return per_step(zgraph.distribute(config)(train_step), rank, world)
+
+
+def run_models(rank: int, world: int, out_path: str, names: list[str], stages: list[int]) -> None:
+    """Worker: ``model_results`` for each named model in one rank group (``"inductor_checkpointing"``: that case);
+    rank 0 saves ``{name: results}``."""
+    results = {}
+    for name in names:
+        if name == "inductor_checkpointing":
+            results[name] = _guarded(inductor_checkpointing, rank, world)
+        else:
+            results[name] = model_results(rank, world, name, stages)
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)

@@ -119,3 +119,45 @@ def test_graph_strides_are_those_the_eager_backend_computes():
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     Check(gm).run(*[torch.rand(v.shape, dtype=v.dtype) for v in vals])
     assert not mismatches, mismatches
+
+
+class _Kernel:
+    def __init__(self, op):
+        self.op_overload = op
+
+
+class _SchedulerNode:
+    """What ``KeepGeneratorOrder`` reads of an inductor scheduler node: the op it runs, its buffers, its reads."""
+
+    def __init__(self, name: str, op):
+        self.node, self.name, self.deps = _Kernel(op), name, []
+
+    def get_nodes(self):
+        return [self]
+
+    def get_buffer_names(self):
+        return {self.name}
+
+    def add_fake_dep(self, dep):
+        self.deps.append(dep)
+
+
+def test_inductor_scheduler_chains_the_generator_users_in_graph_order():
+    """Issue 40 (``zgraph.runtime.random_order``): each node that draws, reads or sets the generator depends on the
+    one before it (an ordering-only ``WeakDep`` naming its buffer); kernels that do not use it get no dependency."""
+    from torch._inductor.dependencies import WeakDep
+
+    from zgraph.runtime.random_order import KeepGeneratorOrder
+
+    aten, zg = torch.ops.aten, torch.ops.zgraph
+    ops = [aten.mm.default, aten.bernoulli_.float, zg.rng_state.default, aten.add.Tensor, zg.set_rng_state.default]
+    nodes = [_SchedulerNode(f"buf{i}", op) for i, op in enumerate(ops)]
+    assert KeepGeneratorOrder()(nodes) is nodes
+    assert [n.deps for n in nodes] == [
+        [],
+        [],
+        [WeakDep("buf1", mutating_buf="buf2", is_fake=True)],
+        [],
+        [WeakDep("buf2", mutating_buf="buf4", is_fake=True)],
+    ]
+    assert KeepGeneratorOrder().uuid() == KeepGeneratorOrder().uuid()  # a stable key for inductor's cache

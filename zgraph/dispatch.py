@@ -19,7 +19,9 @@ from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
 from zgraph.binding.setup import step_groups
 from zgraph.capture.as_written import hyperparameters, lifts
+from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
+from zgraph.capture.host_values import merge_reads
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.compile.build import compile_step
@@ -123,6 +125,7 @@ class Dispatcher:
                     if attempt == _MAX_REBINDS:
                         raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
                     continue
+                merge_reads(bound.host_reads, compiled.captured.host_reads)
                 key = bound.guard_key()
                 self._warn_if_recaptured_often(key, call)
                 self.cache.setdefault(key, []).append(compiled)
@@ -173,6 +176,8 @@ class Dispatcher:
                 RuntimeWarning,
                 stacklevel=6,
             )
+        if captured.through_compile:
+            warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again

@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
 from zgraph.capture.host_scalars import HostGuards
+from zgraph.capture.host_values import HostRead
 from zgraph.config import Config
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.state import Binding
@@ -41,6 +42,9 @@ class CaptureRequest:
     settle: Callable[[int, int], None] | None = None
     """Runs on each ``(optimizer, param)`` whose first-step state the capture creates (the step shards and
     offloads it at once: ``zgraph.capture.optimizers.settle_first_state``)."""
+    through_compile: bool = False
+    """``torch.compile`` wrappers the step reaches are traced through (``zgraph.capture.compiled``): set by the
+    capture once a trace stopped at one."""
 
 
 @dataclass
@@ -85,6 +89,10 @@ class CapturedGraph:
             backward.
         host_guards: the conditions the step's Python branches took on values the host knows before each call
             (an optimizer's step counter, its hyper-parameters: ``zgraph.capture.host_scalars``); None if none.
+        through_compile: the step reached ``torch.compile`` wrappers and was traced through them
+            (``zgraph.capture.compiled``).
+        host_reads: values the step read to the host from host counters (``zgraph.capture.host_values``): the
+            graph holds for the calls on which each is the same again.
     """
 
     gm: fx.GraphModule | None
@@ -101,6 +109,8 @@ class CapturedGraph:
     grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
     split: SplitInfo | None = None
     host_guards: HostGuards | None = None
+    through_compile: bool = False
+    host_reads: list[HostRead] = field(default_factory=list)
 
     @property
     def graph(self) -> fx.GraphModule:

@@ -8,7 +8,8 @@ code, and how a failed trace is explained.
 - modules and optimizers the step reaches that zgraph has not bound stop the trace (``UnboundState``) before
   they act on real tensors; Python state the step changed (param groups, train flags) is restored if it fails;
 - ``trace`` runs ``make_fx`` and turns its failures into ``CaptureError`` naming the user's line (found by
-  ``zgraph.capture.diagnosis``).
+  ``zgraph.capture.diagnosis``), or, where a ``torch.compile`` wrapper refused the trace, into the signal to trace
+  through it (``zgraph.capture.compiled``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zgraph.capture import fake_kernels  # noqa: F401  (fake kernels capture needs: aten::_grouped_mm in fp32/fp16 on CPU)
+from zgraph.capture.compiled import CompileWrapperReached, reached_compile_wrapper
 from zgraph.capture.diagnosis import data_dependent, raised_in_grad_scaler, where
 from zgraph.capture.model_hints import hint
 from zgraph.errors import CaptureError
@@ -67,9 +69,20 @@ def _random_from_to(self: Tensor, low: int, high: int | None = None, *, generato
     return aten.random_.to(self, high - low, generator=generator).add_(low)
 
 
+def _foreach_lerp_(selves: list[Tensor], ends: list[Tensor], weight: Any) -> None:
+    # One lerp_ per tensor, the kernel torch's foreach lerp runs per tensor on the host (the same arithmetic as
+    # its fused CUDA kernel): element-wise ops that stage 3 runs on shards (an EMA of sharded parameters updates
+    # its shards in place; the foreach op, whose output is a list, would be gathered whole).
+    weights = weight if isinstance(weight, (list, tuple)) else [weight] * len(selves)
+    for start, end, w in zip(selves, ends, weights):
+        (aten.lerp_.Tensor if isinstance(w, Tensor) else aten.lerp_.Scalar)(start, end, w)
+
+
 _TRACE_DECOMPOSITIONS = {
     aten.native_batch_norm.default: _batch_norm_with_honest_schema,
     getattr(aten.random_, "from"): _random_from_to,
+    **{overload: _foreach_lerp_ for overload in (aten._foreach_lerp_.Scalar, aten._foreach_lerp_.List)},
+    aten._foreach_lerp_.ScalarList: _foreach_lerp_,
 }
 
 
@@ -343,6 +356,8 @@ def trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: 
     except (CaptureError, UnboundState):
         raise
     except Exception as exc:
+        if reached_compile_wrapper(exc):
+            raise CompileWrapperReached() from exc
         detail = data_dependent(exc)
         if detail is not None and raised_in_grad_scaler(exc):
             raise CaptureError(
@@ -359,6 +374,8 @@ def trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: 
             ) from exc
         raise CaptureError(
             f"zgraph cannot capture `{name}`: {detail}{where(exc)}. zgraph traces the step once and replays "
-            "the graph on later calls, so Python cannot branch on tensor values inside it. Move the check "
-            f"outside the step, or express it with tensor ops (torch.where, masking).{hint(exc)}"
+            "the graph on later calls, so Python cannot branch on tensor values only the device knows inside it. "
+            "Move the check outside the step, or express it with tensor ops (torch.where, masking); a count "
+            "to branch on can be a module's 0-d integer buffer the step advances (as AveragedModel.n_averaged): "
+            f"zgraph reads it on the host and captures each branch.{hint(exc)}"
         ) from exc

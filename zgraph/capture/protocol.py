@@ -11,16 +11,19 @@ After each trace the caller says whether the trace found something to bind first
 optimizers reached outside the arguments, tensors frozen as constants that zgraph can locate); the capture then
 leaves the state as it was and returns ``Rebind``: the caller binds it and captures again. A step whose returned
 tensors still require grad is traced once more, with their backward (``zgraph.capture.joint``); the result is
-functionalized (``finish``).
+functionalized (``finish``). A trace that stops at a ``torch.compile`` wrapper is done again through it
+(``zgraph.capture.compiled``), as are the capture's later traces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Traced
 from zgraph.capture.collectives import untraceable_collective
+from zgraph.capture.compiled import CompileWrapperReached
 from zgraph.capture.functionalize import functionalize
 from zgraph.capture.joint import needs_split, trace_joint
 from zgraph.capture.optimizers import create_first_state, drop_state, first_state_candidates
@@ -48,7 +51,10 @@ def capture(request: CaptureRequest, more_to_bind: Callable[[Traced], str | None
         try:
             traced = trace_step(request)
             found = more_to_bind(traced)
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, CompileWrapperReached) and not request.through_compile:
+                request = dataclasses.replace(request, through_compile=True)
+                continue
             drop_state(binding, guessed)
             raise
         if found is not None:
@@ -67,7 +73,9 @@ def capture(request: CaptureRequest, more_to_bind: Callable[[Traced], str | None
                 continue
         if needs_split(traced):  # outputs with a grad_fn: trace forward + backward from tangents
             traced = trace_joint(request, traced)
-        return finish(traced)
+        captured = finish(traced)
+        captured.through_compile = request.through_compile
+        return captured
 
 
 def finish(traced: Traced) -> CapturedGraph:

@@ -48,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from zgraph.capture.blocks import mark_blocks
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Returned, Traced
 from zgraph.capture.collectives import functional_c10d
+from zgraph.capture.compiled import optimized_modules_as_modules, through_compile_wrappers
 from zgraph.capture.environment import (
     UnboundState,
     autocast_forwards,
@@ -64,6 +65,7 @@ from zgraph.capture.environment import (
 )
 from zgraph.capture.generator_state import generator_state_ops
 from zgraph.capture.host_scalars import HostScalars
+from zgraph.capture.host_values import counters_known
 from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
@@ -96,7 +98,10 @@ def trace_step(request: CaptureRequest) -> Traced:
         step_trace = _step_trace(request, state, host)
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = group_values(binding)
-        with _environment(request, state, step_trace, grad_enabled) as traced:
+        with (
+            _environment(request, state, step_trace, grad_enabled) as traced,
+            counters_known(inputs.specs, inputs.values, flat) as reads,
+        ):
             result = request.fn(*_substitute(request.args, traced), **_substitute(request.kwargs, traced))
             _refuse_deferred(result)
             final = _final_state(binding, state.params)
@@ -104,7 +109,7 @@ def trace_step(request: CaptureRequest) -> Traced:
             with torch.no_grad():
                 grads = [p.grad for p in state.params if p.grad is not None]
                 final_loss_state = step_trace.precision.finish_step(grads)
-        captured = CapturedGraph(gm=None, result_template=None)
+        captured = CapturedGraph(gm=None, result_template=None, host_reads=reads)
         captured.training_flags = [(m, m.training) for m, before in flags_before if m.training != before]
         outs, roles = _outputs(captured, result, binding, state, final, user_tensors, final_loss_state)
         _record(captured, step_trace)
@@ -112,7 +117,8 @@ def trace_step(request: CaptureRequest) -> Traced:
         return outs
 
     try:
-        gm = trace(traced_step, fakes, mode, request.fn)
+        with through_compile_wrappers() if request.through_compile else contextlib.nullcontext():
+            gm = trace(traced_step, fakes, mode, request.fn)
     except UnboundState as unbound:
         return Traced(unbound=unbound)
     constants = real_constants(gm)
@@ -249,6 +255,7 @@ def _environment(
         stack.enter_context(generator_state_ops())
         stack.enter_context(StepMode(step_trace.precision, is_grad))
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
+        stack.enter_context(optimized_modules_as_modules())
         yield traced
 
 

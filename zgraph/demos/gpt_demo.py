@@ -213,7 +213,7 @@ def gather_to_all(value: int, device: torch.device | str = "cpu") -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, torch.tensor([value], dtype=torch.int64, device=device))
+    dist.all_gather_single(everyone, torch.tensor([value], dtype=torch.int64, device=device))
     return everyone.tolist()
 
 

@@ -147,7 +147,7 @@ def train_rank(config: MultimodalConfig, steps: int) -> dict[str, Any] | None:
     mean = torch.tensor(losses or [0.0] * steps, dtype=torch.float64, device=device)
     dist.all_reduce(mean)  # the vision ranks add zeros
     held = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(held, torch.tensor([held_state_bytes(model, opt)["total"]], device=device))
+    dist.all_gather_single(held, torch.tensor([held_state_bytes(model, opt)["total"]], device=device))
     summary = None
     if rank == n:
         transport = "torch.multiprocessing, one world in two subgroups"

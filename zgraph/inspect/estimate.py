@@ -333,8 +333,8 @@ def _shadow(call: StepCall) -> tuple[StepCall, torch.device]:
                 devices.append(p.device)
                 if p.grad is not None:
                     grads.append((memo[id(p)], _meta(p.grad)))
-        for b in root.buffers():
-            memo.setdefault(id(b), _meta(b))
+        for b in root.buffers():  # a 0-d one keeps its value: a host counter the step may branch on
+            memo.setdefault(id(b), _meta(b) if b.dim() else b.detach().clone())
     for _, opt in optimizers:
         for state in opt.state.values():
             for value in state.values():
