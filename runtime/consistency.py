@@ -33,10 +33,18 @@ def describe_graph(gm: fx.GraphModule) -> list[str]:
         if node.op == "placeholder":
             lines.append(f"input {node.name}{meta}")
         elif node.op == "call_function":
-            lines.append(f"{node.name} = {node.target}{node.args}{meta}")
+            lines.append(f"{node.name} = {_target(node.target)}{node.args}{meta}")
         elif node.op == "output":
             lines.append(f"output {node.args}")
     return lines
+
+
+def _target(target: object) -> str:
+    """An op as every rank names it: a Python function (``torch.sym_min`` in an optimizer's step) by its qualified
+    name, not its address."""
+    if isinstance(target, torch._ops.OpOverload) or not callable(target):
+        return str(target)
+    return fx.node._get_qualified_name(target)
 
 
 def describe_collectives(gm: fx.GraphModule) -> list[str]:

@@ -5,7 +5,8 @@ Frameworks hand the training step a ``torch.optim.Optimizer`` subclass that forw
 Lightning's ``LightningOptimizer`` as ``_optimizer``). zgraph binds, traces, shards and checkpoints the wrapped
 optimizer, where the state lives; the wrapper's own ``step()`` still runs in a traced step and reaches the wrapped
 optimizer's traced ``step``. An optimizer whose state zgraph cannot tell apart from another's is refused with a
-``CaptureError`` naming its class.
+``CaptureError`` naming its class, and so are the ``torch.optim`` classes a graph cannot run (``REFUSED``): before
+the step binds anything, so the model and the optimizer are left as they were.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ from zgraph.errors import CaptureError
 _WRAPPED_ATTRS = ("optimizer", "_optimizer")
 
 Named = list[tuple[str, torch.optim.Optimizer]]
+
+# torch.optim classes a captured step cannot run: class -> why, and what to do instead
+REFUSED: dict[type, str] = {
+    torch.optim.LBFGS: (
+        "LBFGS.step(closure) calls its closure (forward and backward) a number of times that its line search "
+        "decides on the host from the loss values, which one captured graph cannot replay. Run LBFGS eagerly, "
+        "outside a zgraph step, or use another optimizer"
+    ),
+    torch.optim.SparseAdam: (
+        "SparseAdam updates only the rows a sparse gradient (nn.Embedding(sparse=True)) names, and zgraph's "
+        "graph inputs, gradient reductions and ZeRO shards are dense tensors. Use dense gradients "
+        "(nn.Embedding(sparse=False)) with torch.optim.Adam or AdamW"
+    ),
+}
 
 
 def unwrap_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -51,6 +66,9 @@ def bound_optimizers(found: Named) -> Named:
     out: dict[int, tuple[str, torch.optim.Optimizer]] = {}
     for label, opt in found:
         opt = unwrap_optimizer(opt)
+        why = REFUSED.get(type(opt))
+        if why is not None:
+            raise CaptureError(f"zgraph does not support the optimizer {class_name(opt)} ({label}): {why}.")
         key = id(opt.param_groups)
         if key in out:
             label, opt = out[key][0], _owner(out[key][1], opt)

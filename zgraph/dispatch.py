@@ -18,7 +18,7 @@ from zgraph.binding.arguments import StepCall
 from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
 from zgraph.binding.setup import step_groups
-from zgraph.capture import update_rules as zopt
+from zgraph.capture.as_written import hyperparameters, lifts
 from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
 from zgraph.capture.host_values import merge_reads
@@ -30,9 +30,11 @@ from zgraph.compile.split_runner import Peers, run_split
 from zgraph.compile.variant import CompiledStep
 from zgraph.config import Config
 from zgraph.errors import CaptureError
+from zgraph.graph import GraphInput
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.consistency import check_same_graph
 from zgraph.runtime.devices import control_device
+from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
 
 _MAX_REBINDS = 4  # captures of one call that may each find more state to bind
@@ -40,14 +42,15 @@ _RECAPTURE_WARNING = 8  # captures for the same state after which the step warns
 
 
 class Dispatcher:
-    """Runs the calls of one step; holds its state between calls (bindings, compiled variants by guard key)."""
+    """Runs the calls of one step; holds its state between calls (bindings, compiled variants by guard key: those
+    of one key differ in the branches an optimizer's step took on host-known values, ``HostGuards``)."""
 
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
         self.process_group = process_group
         self.pipeline = config.pipeline()
         self.session = Session(config)
-        self.cache: dict[tuple, CompiledStep] = {}
+        self.cache: dict[tuple, list[CompiledStep]] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
         self.calls = 0  # calls made, for naming the call in errors other ranks see
 
@@ -115,7 +118,7 @@ class Dispatcher:
         schedulers_stepped = False
         for attempt in range(_MAX_REBINDS + 1):
             bound = self.session.bind(call, group, channel)
-            compiled = self.cache.get(bound.guard_key())
+            compiled = self._lookup(bound)
             if compiled is None:
                 compiled = self._compile(bound)
                 if isinstance(compiled, Rebind):  # the trace found state to bind first: bind it, capture again
@@ -125,7 +128,7 @@ class Dispatcher:
                 merge_reads(bound.host_reads, compiled.captured.host_reads)
                 key = bound.guard_key()
                 self._warn_if_recaptured_often(key, call)
-                self.cache[key] = compiled
+                self.cache.setdefault(key, []).append(compiled)
             if not schedulers_stepped:
                 schedulers_stepped = True
                 if self._step_schedulers_first(compiled):
@@ -134,6 +137,26 @@ class Dispatcher:
         if bound.binding.offload is not None:
             reserve_offload(compiled, bound.binding.offload)  # a full disk is reported here, where every rank hears
         return compiled, bound
+
+    def _lookup(self, bound: Bound) -> CompiledStep | None:
+        """The compiled variant of the call's guard key whose host guards hold for it, if there is one."""
+        binding = bound.binding
+
+        def read(spec: GraphInput) -> object:
+            opt = binding.optimizers[spec.optimizer].optimizer
+            if spec.kind == "hparam":
+                return hyperparameters(opt, opt.param_groups[spec.group])[spec.field]
+            return binding.optimizer_state(spec.optimizer, spec.index)[spec.field]
+
+        for compiled in self.cache.get(bound.guard_key(), ()):
+            guards = compiled.captured.host_guards
+            if guards is None or guards.hold(read):
+                return compiled
+        return None
+
+    def variants(self) -> int:
+        """How many variants of the step have been captured."""
+        return sum(len(variants) for variants in self.cache.values())
 
     def _compile(self, bound: Bound) -> CompiledStep | Rebind:
         """Capture, transform and compile the call's step; or what the trace found to bind first."""
@@ -164,12 +187,14 @@ class Dispatcher:
     def _warn_if_recaptured_often(self, key: tuple, call: StepCall) -> None:
         """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what
         changed since the previous capture: each capture traces (and compiles) the whole step."""
-        same_state = [k for k in self.cache if k[0] == key[0]]
+        same_state = [k for k in self.cache for _ in self.cache[k] if k[0] == key[0]]
         if len(same_state) + 1 != _RECAPTURE_WARNING:
             return
         previous = same_state[-1]
-        part = next(i for i, (a, b) in enumerate(zip(previous, key)) if a != b)
-        why = KEY_PARTS[part]
+        part = next((i for i, (a, b) in enumerate(zip(previous, key)) if a != b), None)
+        why = "a value an optimizer's step branches on (a hyper-parameter, a step counter) changed"
+        if part is not None:
+            why = KEY_PARTS[part]
         if part == KEY_PARTS.index("an argument"):
             changed = [(p, a, b) for (p, a), (_, b) in zip(previous[part], key[part]) if a != b]
             if changed:
@@ -178,9 +203,9 @@ class Dispatcher:
         warnings.warn(
             f"zgraph: `{call.name}` has been captured {_RECAPTURE_WARNING} times; the last time because {why}. "
             "Every capture traces and compiles the whole step again. Python numbers and objects among the "
-            "arguments are part of the graph (pass numbers that change as tensors), and an optimizer zgraph has no "
-            "kernel for (other than SGD, Adam, AdamW) is traced with its hyper-parameters as constants, so a "
-            "changing learning rate recaptures it.",
+            "arguments are part of the graph (pass numbers that change as tensors), and an optimizer class that "
+            "torch.optim does not define is traced with its hyper-parameters as constants, so a changing learning "
+            "rate recaptures it.",
             RuntimeWarning,
             stacklevel=6,
         )
@@ -188,10 +213,11 @@ class Dispatcher:
     @staticmethod
     def _step_schedulers_first(compiled: CompiledStep) -> bool:
         """Step the LR schedulers the user's step steps before its optimizer's ``step()``, as eager would at
-        that point (the graph then reads the new learning rates). True if an optimizer traced as written (no
-        zgraph kernel: its hyper-parameters are constants of the graph, part of the guard key) reads them: the
-        graph must then be looked up, or traced, again."""
+        that point (the graph then reads the new learning rates). True if an optimizer whose hyper-parameters are
+        constants of the graph (part of the guard key) reads them, or the variant's host guards may branch on
+        them: the graph must then be looked up, or traced, again."""
         first = [scheduler for scheduler, before_update in compiled.captured.scheduler_steps if before_update]
         for scheduler in first:
             scheduler.step()
-        return any(zopt.kernel_for(scheduler.optimizer) is None for scheduler in first)
+        guarded = compiled.captured.host_guards is not None
+        return bool(first) and (guarded or any(not lifts(unwrap_optimizer(scheduler.optimizer)) for scheduler in first))

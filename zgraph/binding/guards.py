@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from zgraph.binding.arguments import StepCall
 from zgraph.capture import update_rules as zopt
+from zgraph.capture.as_written import lifted_keys
 from zgraph.runtime.optimizers import bound_optimizers
 from zgraph.runtime.state import Binding
 from zgraph.tree import children, iter_leaves, structure_key
@@ -148,10 +149,7 @@ def guard_key(binding: Binding, arguments: Sequence[tuple[str, object]], located
     opts = []
     for o in binding.optimizers:
         kernel = zopt.kernel_for(o.optimizer)
-        groups = tuple(
-            kernel.structure(g) if kernel else tuple(sorted((k, _value_key(v)) for k, v in g.items() if k != "params"))
-            for g in o.optimizer.param_groups
-        )
+        groups = tuple(kernel.structure(g) if kernel else _group_key(o.optimizer, g) for g in o.optimizer.param_groups)
         states = tuple(
             tuple(sorted((k, _value_key(v)) for k, v in binding.optimizer_state(o.index, i).items()))
             for indices in o.group_params
@@ -173,6 +171,13 @@ def guard_key(binding: Binding, arguments: Sequence[tuple[str, object]], located
         leaves,
         tuple(_tensor_key(t) for t in located),
     )
+
+
+def _group_key(opt: torch.optim.Optimizer, group: dict) -> tuple:
+    """A param group of an optimizer traced as written: its values by value, but those that are graph inputs
+    (``zgraph.capture.as_written``; a branch on one is a host guard of the variant)."""
+    lifted = {"params", *lifted_keys(opt, group)}
+    return tuple(sorted((k, _value_key(v)) for k, v in group.items() if k not in lifted))
 
 
 def autocast_key(device_type: str) -> tuple:

@@ -12,6 +12,8 @@ Files::
     compiled.py         torch.compile wrappers the step reaches (torch.compile(model), module.compile()), traced through
     optimizers.py       optimizers and LR schedulers while a step is traced; a first step's optimizer state
     update_rules.py     traceable update rules of the ``torch.optim`` classes whose hyper-parameters are inputs
+    as_written.py       the other ``torch.optim`` classes, traced as written: hyper-parameters as inputs
+    host_scalars.py     ``.item()`` of values the host knows (step counters): branches on them as checked guards
     precision.py        mixed precision, loss scaling and clipping while tracing
     collectives.py      ``torch.distributed`` calls in the step, traced as functional collectives
     generator_state.py  random generator state read and set in the step, as graph operations

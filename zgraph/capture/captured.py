@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
+from zgraph.capture.host_scalars import HostGuards
 from zgraph.capture.host_values import HostRead
 from zgraph.config import Config
 from zgraph.graph import GraphInput, GraphOutput
@@ -86,6 +87,8 @@ class CapturedGraph:
         grad_outputs: ``(position, shape, dtype, device)`` of the returned tensors that require grad.
         split: set on a split step (``zgraph.capture.joint``): what partitions its joint graph and runs its
             backward.
+        host_guards: the conditions the step's Python branches took on values the host knows before each call
+            (an optimizer's step counter, its hyper-parameters: ``zgraph.capture.host_scalars``); None if none.
         through_compile: the step reached ``torch.compile`` wrappers and was traced through them
             (``zgraph.capture.compiled``).
         host_reads: values the step read to the host from host counters (``zgraph.capture.host_values``): the
@@ -105,6 +108,7 @@ class CapturedGraph:
     python_results: list[tuple[str, int | float]] = field(default_factory=list)
     grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
     split: SplitInfo | None = None
+    host_guards: HostGuards | None = None
     through_compile: bool = False
     host_reads: list[HostRead] = field(default_factory=list)
 

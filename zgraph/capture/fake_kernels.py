@@ -13,7 +13,11 @@ what the CPU kernel checks (dtypes, 2D/3D layouts, int32 offsets, 16-byte aligne
 output dtype) and returns the CPU kernel's contiguous output; for every other device it defers to torch's kernel.
 The backward of ``_grouped_mm`` is ``_grouped_mm`` again (on transposed operands), so this covers both passes.
 
-The registration is process-wide and only widens what capture accepts to what eager PyTorch already runs.
+``aten::_fused_adagrad_`` / ``aten::_fused_adagrad`` (``torch.optim.Adagrad(fused=True)``): torch 2.13 has a
+CPU and a CUDA kernel but no fake one (``_fused_adam_`` has one); the kernels below give the shapes torch's
+``_fused_adam`` fakes give (nothing for the in-place op, copies of the lists for the functional one).
+
+The registrations are process-wide and only widen what capture accepts to what eager PyTorch already runs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch._decomp import meta_table
 
-__all__ = ["grouped_mm_fake", "GROUPED_MM_CPU_DTYPES"]
+__all__ = ["grouped_mm_fake", "GROUPED_MM_CPU_DTYPES", "fused_adagrad_fake"]
 
 GROUPED_MM_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what ATen's CPU kernel takes
 
@@ -99,3 +103,28 @@ try:
     torch.library.register_fake(_aten_grouped_mm, grouped_mm_fake)
 except RuntimeError:  # torch < 2.13 refuses a fake beside its own Meta kernel: that kernel stays (CUDA dtypes only)
     pass
+
+
+def _fused_adagrad_inplace_fake(*args: object, **kwargs: object) -> None:
+    """The fake kernel of ``aten::_fused_adagrad_``: it writes its lists in place and returns nothing."""
+
+
+def fused_adagrad_fake(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_sums: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    **kwargs: object,
+) -> tuple[list[torch.Tensor], ...]:
+    """The fake kernel of ``aten::_fused_adagrad`` (functional): new tensors like each list's."""
+    return tuple([torch.empty_like(t) for t in ts] for ts in (params, grads, state_sums, state_steps))
+
+
+for _op, _fake in (
+    (torch.ops.aten._fused_adagrad_.default, _fused_adagrad_inplace_fake),
+    (torch.ops.aten._fused_adagrad.default, fused_adagrad_fake),
+):
+    try:
+        torch.library.register_fake(_op, _fake)
+    except RuntimeError:  # a torch that has its own fake kernel for it keeps it
+        pass

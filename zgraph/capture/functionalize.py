@@ -19,6 +19,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zgraph.capture.host_scalars import replay
 from zgraph.capture.random_layout import match_random_layout
 from zgraph.graph import (
     BACKWARD,
@@ -44,13 +45,12 @@ def functionalize(
     """The functional step graph of ``gm1`` (see the module docstring); ``specs``: its inputs, ``roles``: its
     outputs before unchanged state is dropped."""
 
-    def replay(*flat: Tensor) -> Any:
-        with torch.no_grad():
-            return fx.Interpreter(gm1).run(*flat)
+    def traced(*flat: Tensor) -> Any:
+        return replay(gm1, *flat)
 
     plain = [f.detach() for f in fakes]
     with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True):
-        gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*plain)
+        gm = make_fx(torch.func.functionalize(traced, remove="mutations"), tracing_mode="fake")(*plain)
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from zgraph.capture import update_rules as zopt
+from zgraph.capture.as_written import hyperparameters
 from zgraph.errors import CaptureError
 from zgraph.graph import GraphInput
 from zgraph.runtime.state import Binding
@@ -50,11 +50,8 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
                     name = f"{binding.params[i].name}:{key}"
                     add(GraphInput("opt_state", name, i, field=key, optimizer=o.index), value)
     for o in binding.optimizers:
-        kernel = zopt.kernel_for(o.optimizer)
-        if kernel is None:
-            continue
         for g_index, group in enumerate(o.optimizer.param_groups):
-            for hp_name, hp_value in kernel.hyperparameters(group).items():
+            for hp_name, hp_value in hyperparameters(o.optimizer, group).items():
                 name = f"{o.name}.group{g_index}:{hp_name}"
                 add(GraphInput("hparam", name, g_index, field=hp_name, optimizer=o.index, group=g_index), hp_value)
     for leaf_index, (path, t) in enumerate(user_tensors):

@@ -1,7 +1,9 @@
 """Optimizers and LR schedulers while a step is traced.
 
 A bound optimizer's ``step()`` runs zgraph's kernel for its class (``zgraph.capture.update_rules``: hyper-parameters
-read from graph inputs), or its own ``step()`` for other classes, on the traced parameters and state, inside the
+read from graph inputs), or its own ``step()`` for other classes (``zgraph.capture.as_written``: a ``torch.optim``
+class's hyper-parameters from graph inputs too, ``.item()`` of host-known values as ``zgraph.capture.host_scalars``
+symbols), on the traced parameters and state, inside the
 ``optimizer`` phase, with loss-scale overflow skipping (``zgraph.capture.precision``). What the optimizers did (state
 created, which stepped) is recorded on the ``Trace``. An LR scheduler's ``step()`` is recorded, not run: zgraph
 runs it for real around the graph on every call.
@@ -22,8 +24,10 @@ from torch.fx import traceback as fx_traceback
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture import update_rules as zopt
-from zgraph.capture.diagnosis import where
+from zgraph.capture.as_written import lifted_groups, symbolic_builtins
+from zgraph.capture.diagnosis import data_dependent, where
 from zgraph.capture.environment import UnboundState
+from zgraph.capture.host_scalars import HostScalars, ScalarTensors
 from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
@@ -45,6 +49,7 @@ class Trace:
     states: dict[tuple[int, int], dict[str, Any]]
     hparams: dict[tuple[int, int], dict[str, Tensor]]
     precision: TracePrecision
+    host: HostScalars
     created: list[tuple[int, int]] = field(default_factory=list)
     updated: list[tuple[int, int]] = field(default_factory=list)
     stepped: list[int] = field(default_factory=list)
@@ -163,11 +168,21 @@ def _in_optimizer(trace: Trace, fn: Callable) -> Callable:
 
 
 def _untraceable(opt: torch.optim.Optimizer, exc: Exception) -> CaptureError:
+    name = f"{type(opt).__module__}.{type(opt).__qualname__}"
+    detail = data_dependent(exc)
+    if detail is not None:
+        return CaptureError(
+            f"zgraph cannot trace the optimizer {name}: in its step(), {detail}{where(exc)}. zgraph traces the "
+            "step once and replays it: Python may branch on hyper-parameters and on values computed only from "
+            "them and 0-d optimizer state (step counters: known before each call), not on a value only the "
+            "device knows (a norm of a parameter or gradient). Write that decision as tensor ops "
+            "(torch.where, torch.clamp, torch.maximum) or, on a Python number, torch.sym_max / torch.sym_min."
+        )
     return CaptureError(
-        f"zgraph cannot trace the optimizer {type(opt).__module__}.{type(opt).__qualname__}: "
+        f"zgraph cannot trace the optimizer {name}: "
         f"its step() failed under the tracer ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-        f"{where(exc)}. zgraph traces torch.optim.SGD, Adam and AdamW with hyper-parameters as "
-        "graph inputs, and other optimizers whose step() is plain tensor code."
+        f"{where(exc)}. zgraph traces every torch.optim optimizer but LBFGS and SparseAdam, and other "
+        "optimizers whose step() is tensor code."
     )
 
 
@@ -186,8 +201,10 @@ def _own_step(trace: Trace, o_index: int, original_step: Callable, flat: list[in
         v for i in flat for v in opt.state.get(params[i], {}).values() if isinstance(v, Tensor)
     ]
     previous = [t.clone() for t in tensors] if overflow is not None else []
+    hparams = [trace.hparams.get((o_index, g), {}) for g in range(len(opt.param_groups))]
     try:
-        original_step()
+        with trace.host, ScalarTensors(), lifted_groups(opt, hparams), symbolic_builtins(opt):
+            original_step()
     except (CaptureError, UnboundState):
         raise
     except Exception as exc:

@@ -64,6 +64,7 @@ from zgraph.capture.environment import (
     watch_unbound_state,
 )
 from zgraph.capture.generator_state import generator_state_ops
+from zgraph.capture.host_scalars import HostScalars
 from zgraph.capture.host_values import counters_known
 from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
@@ -90,10 +91,11 @@ def trace_step(request: CaptureRequest) -> Traced:
     fakes = fake_inputs(mode, inputs, request.meta_as)
     found: list[tuple[CapturedGraph, list[GraphOutput]]] = []
     grad_enabled = torch.is_grad_enabled()
+    host = HostScalars(inputs.specs, inputs.values, mode.shape_env)
 
     def traced_step(*flat: Tensor) -> list[object]:
         state = _unpack(inputs.specs, flat, binding, len(user_tensors))
-        step_trace = _step_trace(request, state)
+        step_trace = _step_trace(request, state, host)
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = group_values(binding)
         with (
@@ -124,10 +126,11 @@ def trace_step(request: CaptureRequest) -> Traced:
         if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
             t.grad = None
     captured, roles = found[-1]
+    captured.host_guards = host.guards()
     return Traced(None, gm, captured, constants, inputs.specs, roles, fakes, mode)
 
 
-def _step_trace(request: CaptureRequest, state: _TracedState) -> Trace:
+def _step_trace(request: CaptureRequest, state: _TracedState, host: HostScalars) -> Trace:
     """The trace's record of optimizers and precision, with each traced parameter's gradient hooked so that
     every contribution passes through ``zgraph::grad_contribution``."""
     binding, config = request.binding, request.config
@@ -138,7 +141,7 @@ def _step_trace(request: CaptureRequest, state: _TracedState) -> Trace:
     for i, p in enumerate(state.params):
         if p.requires_grad:
             p.register_hook(lambda g, i=i: grad_contribution(precision.unscale_contribution(g), i))
-    return Trace(binding, config, state.params, state.states, state.hparams, precision)
+    return Trace(binding, config, state.params, state.states, state.hparams, precision, host)
 
 
 def _refuse_changed_groups(binding: Binding, before: object) -> None:

@@ -9,8 +9,9 @@ matches eager bit for bit where the kernels agree, and an LR scheduler or a chan
 takes effect without a retrace. Python branches on hyper-parameters (``weight_decay != 0``, ``amsgrad``...)
 become part of the guard key: flipping one retraces.
 
-Optimizer classes not registered here are traced as they are (their ``step()`` runs under the tracer); their
-numeric hyper-parameters are then constants of the graph, guarded by value (a change retraces).
+Other ``torch.optim`` classes are traced as written, their numeric hyper-parameters graph inputs too
+(``zgraph.capture.as_written``); classes torch.optim does not define run their own ``step()`` with their
+hyper-parameters as constants of the graph, guarded by value (a change retraces).
 """
 
 from __future__ import annotations

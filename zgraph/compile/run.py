@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from zgraph.capture import update_rules as zopt
+from zgraph.capture.as_written import hyperparameters
 from zgraph.capture.captured import Returned
 from zgraph.compile.variant import CompiledStep
 from zgraph.graph import INPUT, OFFLOADED, VAL, placeholders, state_key, tensor_bytes
@@ -31,8 +31,7 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list[tuple[str, 
     for spec in compiled.input_specs:
         if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
             opt = binding.optimizers[spec.optimizer].optimizer
-            kernel = zopt.kernel_for(opt)
-            hyper[(spec.optimizer, spec.group)] = kernel.hyperparameters(opt.param_groups[spec.group])
+            hyper[(spec.optimizer, spec.group)] = hyperparameters(opt, opt.param_groups[spec.group])
     inputs = [io.read(spec, user_tensors, hyper) for spec in compiled.input_specs]
     outputs = list(_run_graph(compiled, binding, store, inputs))
     unalias(outputs, inputs, compiled.executable.updated_inputs)

@@ -1,0 +1,304 @@
+"""Python numbers an optimizer's ``step()`` reads with ``.item()`` that the host knows before the step runs.
+
+``torch.optim`` reads its step counter (and ASGD its ``eta`` and ``mu``) with ``.item()`` and branches on the result
+in Python (RAdam's ``rho_t > 5``, ASGD's ``max(1, step - t0)``); it reads hyper-parameters as Python floats and
+branches on them too (``if weight_decay != 0``). A traced ``.item()`` is a symbol of the graph whose value only the
+run knows, so such a branch cannot be traced. But a value computed only from hyper-parameters and 0-d optimizer
+state (its *host slice*: graph inputs the host holds before the call, and constants) is known on the host before
+every call. While an optimizer's step is traced (``HostScalars``), the ``.item()`` of such a value is a *backed*
+symbol (``ShapeEnv.create_unspecified_symbol``, its hint the value this call has): a Python branch on it takes the
+branch this call takes, and the ShapeEnv records the condition as a guard. ``HostGuards`` keeps the guards and the
+host slices (small graphs of the traced ops); before each call the step runs them on the call's inputs and uses
+the compiled variant only if every guard still holds (``zgraph.dispatch``), else it captures the step again: RAdam's
+step, say, is captured once for ``rho_t <= 5`` and once for the steps after. An ``.item()`` of anything else (a norm
+of a parameter) stays a symbol only the run knows, and a branch on it is refused as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, get_proxy_slot, set_proxy_slot
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from zgraph.graph import GraphInput
+
+aten = torch.ops.aten
+_names = itertools.count()
+
+
+def host_known(spec: GraphInput, value: object) -> bool:
+    """Whether a graph input is one the host holds before the call: a hyper-parameter, or a 0-d optimizer-state
+    tensor held whole (a step counter; not an estimate's meta stand-in, which has no value)."""
+    if spec.kind == "hparam":
+        return True
+    whole = isinstance(value, Tensor) and not isinstance(value, DTensor) and not value.is_meta
+    return spec.kind == "opt_state" and whole and value.dim() == 0
+
+
+def host_tensor(value: Tensor | float) -> Tensor:
+    """A host input as its graph input is: a hyper-parameter as a 0-d float64 tensor, state as a copy."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    return torch.tensor(value, dtype=torch.float64)
+
+
+@dataclass
+class HostSlice:
+    """How the host computes one host-known value: ``graph`` (a copy of the traced nodes it is computed from, the
+    ``.item()`` last) run on the graph inputs ``inputs``, its ``get_attr`` nodes reading ``constants``."""
+
+    graph: fx.Graph
+    constants: dict[str, Tensor]
+    inputs: list[GraphInput]
+
+    def value(self, read: Callable[[GraphInput], Tensor | float]) -> float | int:
+        """The value for the host inputs ``read(input)`` gives (read from copies: the slice may write into them)."""
+        return _run(self.graph, self.constants, [host_tensor(read(spec)) for spec in self.inputs])
+
+
+@dataclass
+class HostGuards:
+    """The conditions a captured step's Python branches took on host-known values, and how to compute them.
+
+    Attributes:
+        symbols: the backed symbols the guards read, each with the slice that computes its value.
+        guards: sympy conditions over ``symbols`` that held when the step was captured.
+    """
+
+    symbols: dict[sympy.Symbol, HostSlice]
+    guards: list[sympy.Basic]
+
+    def hold(self, read: Callable[[GraphInput], Tensor | float]) -> bool:
+        """Whether every guard holds for the values ``read(input)`` gives for this call's host inputs."""
+        env = {}
+        for symbol, host_slice in self.symbols.items():
+            v = host_slice.value(read)
+            env[symbol] = sympy.Float(v) if isinstance(v, float) else sympy.Integer(v)
+        return all(guard.xreplace(env) is sympy.true for guard in self.guards)
+
+
+class HostScalars(TorchDispatchMode):
+    """While active (an optimizer's step being traced), ``.item()`` of a host-known value is a backed symbol.
+
+    ``specs``, ``values``: the trace's graph inputs in placeholder order, and the values they are read from."""
+
+    def __init__(self, specs: Sequence[GraphInput], values: Sequence[object], shape_env: ShapeEnv):
+        super().__init__()
+        self.specs = specs
+        self.values = values
+        self.shape_env = shape_env
+        self.symbols: dict[sympy.Symbol, HostSlice] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        if func is aten._local_scalar_dense.default and (args[0].dtype.is_floating_point or _is_int(args[0])):
+            self._back(args[0])
+        return _unfolded(func, args, kwargs or {})
+
+    def _back(self, fake: Tensor) -> None:
+        """Give ``fake`` a backed symbol as its ``.item()`` when its value is host-known."""
+        tracer = get_proxy_mode().tracer
+        node = get_proxy_slot(fake, tracer).proxy.node
+        nodes = self._slice(node)
+        if nodes is None:
+            return
+        host_slice = self._host_slice(tracer.root, nodes, node)
+        with _disable_current_modes():
+            value = host_slice.value(lambda spec: self.values[self.specs.index(spec)])
+        source = _source(f"zgraph_host_{next(_names)}")
+        symbol = self.shape_env.create_unspecified_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
+        if not isinstance(symbol, sympy.Symbol):  # specialized (an integer 0 or 1): nothing to guard
+            return
+        make = self.shape_env.create_symfloatnode if isinstance(value, float) else self.shape_env.create_symintnode
+        fake.item_memo = make(symbol, hint=value, source=source)
+        self.symbols[symbol] = host_slice
+
+    def _index(self, node: fx.Node) -> int:
+        """The graph-input position of a placeholder."""
+        return node.graph.find_nodes(op="placeholder").index(node)  # type: ignore[union-attr]
+
+    def _slice(self, node: fx.Node) -> list[fx.Node] | None:
+        """The nodes the value of ``node`` is computed from, in graph order (traced so far): what it reads and what
+        wrote into those (in-place ops, ``_foreach_add_`` on a list of step counters); None unless they read only
+        host-known inputs and constants and none is aliased by a view (through which it could change unseen)."""
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        seen: set[fx.Node] = set()
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                index = self._index(n)
+                if not host_known(self.specs[index], self.values[index]):
+                    return None
+            elif n.op not in ("call_function", "get_attr") or _random(n):
+                return None
+            if any(getattr(u.target, "is_view", False) for u in n.users):
+                return None
+            todo.extend(n.all_input_nodes)
+            todo.extend(u for u in n.users if _writes(u, n))
+        return sorted(seen, key=order.__getitem__)
+
+    def _host_slice(self, root: torch.nn.Module, nodes: list[fx.Node], node: fx.Node) -> HostSlice:
+        """``nodes`` (a closed slice, in graph order) copied into a graph returning ``node.item()``, with the
+        constants its ``get_attr`` nodes read (from ``root``)."""
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        constants: dict[str, Tensor] = {}
+        inputs: list[GraphInput] = []
+        for n in nodes:
+            if n.op == "placeholder":
+                inputs.append(self.specs[self._index(n)])
+                env[n] = graph.placeholder(f"input_{len(inputs)}")
+                continue
+            if n.op == "get_attr":
+                constants[n.target] = getattr(root, n.target)
+            env[n] = graph.node_copy(n, env.__getitem__)
+        graph.output(graph.call_function(aten._local_scalar_dense.default, (env[node],)))
+        return HostSlice(graph, constants, inputs)
+
+    def guards(self) -> HostGuards | None:
+        """The guards the trace recorded on host-known symbols, with the slices that compute them; None when no
+        branch read one."""
+        mine = set(self.symbols)
+        guards = [g.expr for g in self.shape_env.guards if g.expr.free_symbols & mine]
+        if not guards:
+            return None
+        used = sorted({s for g in guards for s in g.free_symbols if s in mine}, key=str)
+        return HostGuards({s: self.symbols[s] for s in used}, guards)
+
+
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` (an op) writes into ``node``'s tensor (an argument its schema marks as written)."""
+    if user.op != "call_function":
+        return False
+    return any(
+        value is node or (isinstance(value, (list, tuple)) and node in value)
+        for value in _written(user.target, user.args, user.kwargs)
+    )
+
+
+def _run(graph: fx.Graph, constants: dict[str, Tensor], inputs: list[Tensor]) -> float | int:
+    """Run a host slice graph on real tensors (no module: a traced step watches the modules called)."""
+    env: dict[fx.Node, object] = {}
+    feed = iter(inputs)
+    with torch.no_grad():
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(feed)
+            elif n.op == "get_attr":
+                env[n] = constants[n.target]
+            elif n.op == "call_function":
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = n.target(*args, **kwargs)
+            else:
+                return env[n.args[0]]
+    raise AssertionError("a host slice graph has an output")
+
+
+class _Replay(fx.Interpreter):
+    """The traced graph run again on fakes (functionalization's replay). Its ops run as traced: one whose scalars
+    are symbols is not folded on constant tensors (``_unfolded``), and an ``.item()`` that the trace read as a
+    host-known symbol reads the same symbol, so what an op's own fake kernel decides on it (``addmm``'s
+    ``beta == 0``) is decided as in the trace, not refused as a value only the run knows."""
+
+    def run_node(self, n: fx.Node) -> object:
+        self.current = n
+        return super().run_node(n)
+
+
+class _ReplayMode(TorchDispatchMode):
+    def __init__(self, interpreter: _Replay):
+        super().__init__()
+        self.interpreter = interpreter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        node = self.interpreter.current
+        if func is aten._local_scalar_dense.default and node.target is func:
+            val = node.meta.get("val")
+            if isinstance(val, (torch.SymFloat, torch.SymInt)) and val.node.hint is not None:
+                args[0].item_memo = val
+        return _unfolded(func, args, kwargs or {})
+
+
+def replay(gm: fx.GraphModule, *flat: Tensor) -> object:
+    """Run the traced graph ``gm`` on ``flat`` as traced (``_Replay``)."""
+    interpreter = _Replay(gm)
+    interpreter.current = None
+    with torch.no_grad(), _ReplayMode(interpreter):
+        return interpreter.run(*flat)
+
+
+class ScalarTensors(TorchFunctionMode):
+    """While active, ``torch.tensor(x)`` / ``torch.as_tensor(x)`` of a Python number that is a symbol (ASGD's
+    ``torch.as_tensor(lr / ...)``) is ``torch.scalar_tensor(x)``: the same tensor, traced, where torch would fix the
+    symbol to its value."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        kwargs = kwargs or {}
+        symbolic = len(args) == 1 and isinstance(args[0], (torch.SymFloat, torch.SymInt))
+        if func in (torch.tensor, torch.as_tensor) and symbolic and set(kwargs) <= {"dtype", "device"}:
+            default = torch.get_default_dtype() if isinstance(args[0], torch.SymFloat) else torch.int64
+            return torch.scalar_tensor(args[0], dtype=kwargs.get("dtype") or default, device=kwargs.get("device"))
+        return func(*args, **kwargs)
+
+
+def _unfolded(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """``func(*args, **kwargs)``, traced rather than folded on constant tensors when a scalar is a symbol (a
+    hyper-parameter): FakeTensorMode would run it for real, the symbol made a float (a NaN for one only the run
+    knows), and ``make_fx`` would keep the constant it knew of a tensor the op writes into without returning it
+    (``_foreach_mul_``), so a later ``.item()`` read the value from before."""
+    flat = pytree.tree_leaves((args, kwargs))
+    if not any(isinstance(a, (torch.SymFloat, torch.SymInt)) for a in flat):
+        return func(*args, **kwargs)
+    for t in flat:
+        if isinstance(t, FakeTensor) and t.constant is not None:
+            t.fake_mode.fake_tensor_converter.invalidate_constant_aliases(t.constant)
+    out = func(*args, **kwargs)
+    proxy_mode = get_proxy_mode()
+    if proxy_mode is not None:
+        for t in pytree.tree_leaves(_written(func, args, kwargs)):
+            slot = get_proxy_slot(t, proxy_mode.tracer, None)
+            if isinstance(t, Tensor) and slot is not None and slot.constant is not None:
+                set_proxy_slot(t, proxy_mode.tracer, _ProxyTensor(slot.proxy, None))
+    return out
+
+
+def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The arguments of a call that its schema marks as written."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            out.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    return out
+
+
+def _random(node: fx.Node) -> bool:
+    """Whether an op draws random numbers (the host cannot compute it again)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _is_int(t: Tensor) -> bool:
+    return t.dtype in (torch.int32, torch.int64)
+
+
+def _source(name: str) -> object:
+    from torch._dynamo.source import ConstantSource
+
+    return ConstantSource(name)
