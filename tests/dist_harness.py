@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import io
 import os
+import queue as queue_module
 import socket
 import sys
 import time
@@ -28,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init_group: bool | str) -> None:
+def _join(rank: int, world_size: int, port: int, init_group: bool | str) -> None:
+    """A rank's torchrun environment, one thread, crash reports, and (``init_group``) the default group."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -46,10 +49,17 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init
         if backend == "standin":  # the stand-in accelerator (tests/standin.py)
             importlib.import_module("standin").install()
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT))
+
+
+def _target(target: str) -> Any:
     module_name, fn_name = target.rsplit(".", 1)
-    fn = getattr(importlib.import_module(module_name), fn_name)
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init_group: bool | str) -> None:
+    _join(rank, world_size, port, init_group)
     try:
-        fn(rank, world_size, *args)
+        _target(target)(rank, world_size, *args)
     except BaseException:
         # no barrier: the other ranks may be waiting elsewhere; exiting non-zero makes run_ranks end them all
         traceback.print_exc()
@@ -75,17 +85,138 @@ def _finish_together(rank: int, world_size: int) -> None:
         store.wait([f"harness/done/{r}" for r in range(1, world_size)])
 
 
-def run_ranks(world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool | str = True) -> None:
-    """Run ``target(rank, world_size, *args)`` (``"module.function"``, importable from ``tests/``) on
-    ``world_size`` spawned processes; raise if any fails (the others are ended at once) or the whole run exceeds
-    ``timeout`` seconds (a hang becomes a failure naming the test).
+def _serve(rank: int, world_size: int, port: int, init_group: bool | str, jobs: Any, results: Any) -> None:
+    """Body of a pooled rank (``RankGroup``): join the group once, then run jobs ``(target, args, environ)`` until
+    ``None``, each from a fresh process's generator state and environment; report ``(rank, traceback or None)``."""
+    _join(rank, world_size, port, init_group)
+    own = dict(os.environ)  # the rank's variables win over the test's
+    seed = torch.initial_seed()
+    while (job := jobs.get()) is not None:
+        target, args, environ = job
+        os.environ.clear()
+        os.environ.update({**environ, **{k: v for k, v in own.items() if k not in environ or k in _RANK_VARIABLES}})
+        torch.manual_seed(seed)
+        try:
+            _target(target)(rank, world_size, *args)
+            error = None
+        except BaseException:
+            error = traceback.format_exc()
+        gc.collect()  # what the job made is gone before the next one measures anything
+        results.put((rank, error))
+    _finish_together(rank, world_size)
+    dist.destroy_process_group()
+    end_finished_rank()
 
-    ``init_group=False`` leaves the process group to zgraph (it starts one from torchrun's variables); a string
-    names the backend of the default group (``"standin"``: the stand-in accelerator of ``tests/standin.py``;
-    default gloo).
+
+_RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
+
+
+class RankGroup:
+    """``world_size`` spawned ranks in one process group that run one test's target after another
+    (``run_ranks``): the spawn, torch's import and the group's set-up are paid once per test file, not once per
+    call. A rank that fails, dies or runs past the deadline ends the whole group (the next call starts another)."""
+
+    def __init__(self, world_size: int, init_group: bool | str, scope: str):
+        self.world_size, self.scope = world_size, scope
+        context = mp.get_context("spawn")
+        self.jobs = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        port = free_port()
+        self.processes = [
+            context.Process(target=_serve, args=(r, world_size, port, init_group, self.jobs[r], self.results))
+            for r in range(world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def run(self, target: str, args: tuple, timeout: float) -> None:
+        """Run ``target(rank, world_size, *args)`` on every rank; raise (and end the group) if a rank fails."""
+        for jobs in self.jobs:
+            jobs.put((target, args, dict(os.environ)))
+        deadline = time.monotonic() + timeout
+        for _ in range(self.world_size):
+            rank, error = self._result(target, deadline, timeout)
+            if error is not None:  # the other ranks may wait for this one forever
+                self.kill()
+                raise RuntimeError(f"{target} failed on rank {rank} of {self.world_size}:\n{error}")
+
+    def _result(self, target: str, deadline: float, timeout: float) -> tuple[int, str | None]:
+        """The next rank's ``(rank, traceback or None)``; a rank that died or the deadline ends the group."""
+        while True:
+            try:
+                return self.results.get(timeout=1)
+            except queue_module.Empty:
+                pass
+            dead = {r: p.exitcode for r, p in enumerate(self.processes) if p.exitcode is not None}
+            if not dead and time.monotonic() < deadline:
+                continue
+            self.kill()
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?")
+            if dead:
+                raise RuntimeError(f"{test}: {target} on {self.world_size} ranks: ranks died (exit codes {dead})")
+            raise TimeoutError(f"{test}: {target} on {self.world_size} ranks did not finish in {timeout:.0f} s")
+
+    def close(self) -> None:
+        """End the ranks as a finished test does (a barrier, the group destroyed); kill any that hang."""
+        for queue in self.jobs:
+            queue.put(None)
+        for process in self.processes:
+            process.join(timeout=60)
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for key in [k for k, g in _groups.items() if g is self]:
+            del _groups[key]
+
+
+_groups: dict[tuple[int, bool | str], RankGroup] = {}
+
+
+def _test_file() -> str:
+    """The test file now running (pytest's ``PYTEST_CURRENT_TEST``): rank groups are shared within one file."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+
+
+def close_groups() -> None:
+    """End every pooled rank group (pytest's session end, or a new test file, calls it)."""
+    for group in list(_groups.values()):
+        group.close()
+
+
+def run_ranks(
+    world_size: int, target: str, *args: Any, timeout: float = 900, init_group: bool | str = True, fresh: bool = False
+) -> None:
+    """Run ``target(rank, world_size, *args)`` (``"module.function"``, importable from ``tests/``) on
+    ``world_size`` ranks; raise if any fails (the others are ended at once) or the whole run exceeds ``timeout``
+    seconds (a hang becomes a failure naming the test).
+
+    The ranks are a ``RankGroup`` shared by the calls of one test file with the same world size and group
+    (each call starts from a fresh process's generator state and the test's environment). ``fresh=True`` (or
+    ``ZGRAPH_TEST_FRESH_RANKS=1`` for all) spawns ranks of their own instead, for targets that end their group,
+    break it on purpose, or measure a process. ``init_group=False`` leaves the process group to zgraph (it starts
+    one from torchrun's variables; always fresh ranks); a string names the backend of the default group
+    (``"standin"``: the stand-in accelerator of ``tests/standin.py``; default gloo).
     """
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    if fresh or not init_group or os.environ.get("ZGRAPH_TEST_FRESH_RANKS"):
+        _run_fresh(world_size, target, args, timeout, init_group)
+        return
+    scope = _test_file()
+    if any(group.scope != scope for group in _groups.values()):
+        close_groups()
+    group = _groups.get((world_size, init_group))
+    if group is None:
+        group = _groups[(world_size, init_group)] = RankGroup(world_size, init_group, scope)
+    group.run(target, args, timeout)
+
+
+def _run_fresh(world_size: int, target: str, args: tuple, timeout: float, init_group: bool | str) -> None:
+    """``run_ranks`` on ranks spawned for this call alone."""
     context = mp.start_processes(
         _entry,
         args=(world_size, free_port(), target, args, init_group),

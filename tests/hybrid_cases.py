@@ -62,8 +62,7 @@ def run_split(rank: int, world: int, out_path: str, stages: list[int], names: li
     """``split_cases.run_split_cases`` with more Config fields."""
     import split_cases
 
-    split_cases.FIELDS.update(fields)
-    split_cases.run_split_cases(rank, world, out_path, stages, names)
+    split_cases.run_split_cases(rank, world, out_path, stages, names, fields)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

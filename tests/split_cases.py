@@ -187,8 +187,13 @@ def reference(name: str, world: int) -> dict:
     return run_case(name, 0, 0, 0)
 
 
-def run_split_cases(rank: int, world: int, out_path: str, stages: list[int], names: list[str]) -> None:
-    """Every case at every stage on this rank; rank 0 saves ``{(stage, name): result}`` (row results gathered)."""
+def run_split_cases(
+    rank: int, world: int, out_path: str, stages: list[int], names: list[str], fields: dict | None = None
+) -> None:
+    """Every case at every stage on this rank, ``fields`` the ``FIELDS`` of this run; rank 0 saves
+    ``{(stage, name): result}`` (row results gathered)."""
+    FIELDS.clear()
+    FIELDS.update(fields or {})
     results = {}
     for stage in stages:
         for name in names:
