@@ -1,5 +1,4 @@
-"""pytest hooks for the suite: the rank groups ``dist_harness.run_ranks`` shares within a test file end with the
-session."""
+"""pytest hooks for the suite: the rank groups ``dist_harness.run_ranks`` shares end with the session."""
 
 from __future__ import annotations
 

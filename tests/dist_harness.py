@@ -85,16 +85,27 @@ def _finish_together(rank: int, world_size: int) -> None:
         store.wait([f"harness/done/{r}" for r in range(1, world_size)])
 
 
+def _broken() -> bool:
+    """Whether a zgraph call in this process marked a process group broken (its collectives out of step after a
+    failure: zgraph refuses every later call on it, as a restarted job would not)."""
+    agreement = sys.modules.get("zgraph.runtime.agreement")
+    return bool(agreement and agreement._BROKEN)
+
+
+_RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
+
+
 def _serve(rank: int, world_size: int, port: int, init_group: bool | str, jobs: Any, results: Any) -> None:
     """Body of a pooled rank (``RankGroup``): join the group once, then run jobs ``(target, args, environ)`` until
-    ``None``, each from a fresh process's generator state and environment; report ``(rank, traceback or None)``."""
+    ``None``, each from a fresh process's generator state and environment; report ``(rank, traceback or None,
+    broken)``."""
     _join(rank, world_size, port, init_group)
-    own = dict(os.environ)  # the rank's variables win over the test's
+    own = {k: os.environ[k] for k in _RANK_VARIABLES}
     seed = torch.initial_seed()
     while (job := jobs.get()) is not None:
         target, args, environ = job
         os.environ.clear()
-        os.environ.update({**environ, **{k: v for k, v in own.items() if k not in environ or k in _RANK_VARIABLES}})
+        os.environ.update({**environ, **own})  # the test's environment, this rank's variables
         torch.manual_seed(seed)
         try:
             _target(target)(rank, world_size, *args)
@@ -102,22 +113,20 @@ def _serve(rank: int, world_size: int, port: int, init_group: bool | str, jobs: 
         except BaseException:
             error = traceback.format_exc()
         gc.collect()  # what the job made is gone before the next one measures anything
-        results.put((rank, error))
+        results.put((rank, error, _broken()))
     _finish_together(rank, world_size)
     dist.destroy_process_group()
     end_finished_rank()
 
 
-_RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
-
-
 class RankGroup:
     """``world_size`` spawned ranks in one process group that run one test's target after another
-    (``run_ranks``): the spawn, torch's import and the group's set-up are paid once per test file, not once per
-    call. A rank that fails, dies or runs past the deadline ends the whole group (the next call starts another)."""
+    (``run_ranks``): the spawn, torch's and zgraph's import, their first-use warm-up and the group's set-up are paid
+    once per session, not once per call. A rank that fails, dies or runs past the deadline ends the whole group
+    (the next call starts another)."""
 
-    def __init__(self, world_size: int, init_group: bool | str, scope: str):
-        self.world_size, self.scope = world_size, scope
+    def __init__(self, world_size: int, init_group: bool | str):
+        self.world_size = world_size
         context = mp.get_context("spawn")
         self.jobs = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
@@ -133,15 +142,18 @@ class RankGroup:
         """Run ``target(rank, world_size, *args)`` on every rank; raise (and end the group) if a rank fails."""
         for jobs in self.jobs:
             jobs.put((target, args, dict(os.environ)))
-        deadline = time.monotonic() + timeout
+        deadline, broken = time.monotonic() + timeout, False
         for _ in range(self.world_size):
-            rank, error = self._result(target, deadline, timeout)
+            rank, error, rank_broken = self._result(target, deadline, timeout)
             if error is not None:  # the other ranks may wait for this one forever
                 self.kill()
                 raise RuntimeError(f"{target} failed on rank {rank} of {self.world_size}:\n{error}")
+            broken |= rank_broken
+        if broken:  # the target left a group zgraph refuses to use: the next call gets new ranks
+            self.close()
 
-    def _result(self, target: str, deadline: float, timeout: float) -> tuple[int, str | None]:
-        """The next rank's ``(rank, traceback or None)``; a rank that died or the deadline ends the group."""
+    def _result(self, target: str, deadline: float, timeout: float) -> tuple[int, str | None, bool]:
+        """The next rank's ``(rank, traceback or None, broken)``; a rank that died or the deadline ends the group."""
         while True:
             try:
                 return self.results.get(timeout=1)
@@ -176,13 +188,8 @@ class RankGroup:
 _groups: dict[tuple[int, bool | str], RankGroup] = {}
 
 
-def _test_file() -> str:
-    """The test file now running (pytest's ``PYTEST_CURRENT_TEST``): rank groups are shared within one file."""
-    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
-
-
 def close_groups() -> None:
-    """End every pooled rank group (pytest's session end, or a new test file, calls it)."""
+    """End every shared rank group (pytest's session end calls it)."""
     for group in list(_groups.values()):
         group.close()
 
@@ -194,8 +201,9 @@ def run_ranks(
     ``world_size`` ranks; raise if any fails (the others are ended at once) or the whole run exceeds ``timeout``
     seconds (a hang becomes a failure naming the test).
 
-    The ranks are a ``RankGroup`` shared by the calls of one test file with the same world size and group
-    (each call starts from a fresh process's generator state and the test's environment). ``fresh=True`` (or
+    The ranks are a ``RankGroup`` shared by every call of the session with the same world size and group (each
+    call starts from a fresh process's generator state and the test's environment; what a call leaves in the
+    processes is garbage-collected before the next). ``fresh=True`` (or
     ``ZGRAPH_TEST_FRESH_RANKS=1`` for all) spawns ranks of their own instead, for targets that end their group,
     break it on purpose, or measure a process. ``init_group=False`` leaves the process group to zgraph (it starts
     one from torchrun's variables; always fresh ranks); a string names the backend of the default group
@@ -206,12 +214,9 @@ def run_ranks(
     if fresh or not init_group or os.environ.get("ZGRAPH_TEST_FRESH_RANKS"):
         _run_fresh(world_size, target, args, timeout, init_group)
         return
-    scope = _test_file()
-    if any(group.scope != scope for group in _groups.values()):
-        close_groups()
     group = _groups.get((world_size, init_group))
     if group is None:
-        group = _groups[(world_size, init_group)] = RankGroup(world_size, init_group, scope)
+        group = _groups[(world_size, init_group)] = RankGroup(world_size, init_group)
     group.run(target, args, timeout)
 
 
