@@ -4,7 +4,8 @@ keep it a symbol while the step is traced (``symbolic_calls``):
 - ``torch.tensor(x)`` / ``torch.as_tensor(x)`` of a Python number that is a symbol (ASGD's
   ``torch.as_tensor(lr / ...)``) is ``torch.scalar_tensor(x)``: the same tensor, traced;
 - ``F.batch_norm`` with a momentum that is a symbol: aten's batch norm takes it as a float, so the normalization runs
-  on copies of the running statistics and ``zgraph::batch_norm_stats`` updates them (the same arithmetic);
+  on copies of the running statistics and ``zgraph::batch_norm_stats`` (the same batch norm, its momentum a Scalar
+  the graph computes) updates them;
 - ``float(t)`` in torch's BatchNorm (``1.0 / float(num_batches_tracked)`` with ``momentum=None``) is the symbol of
   ``t.item()`` made a float: Python's ``float()`` must return a plain float, the value of one call.
 
@@ -29,18 +30,31 @@ _BATCH_NORM = inspect.signature(F.batch_norm)
 
 @torch.library.custom_op("zgraph::batch_norm_stats", mutates_args=())
 def batch_norm_stats(
-    input: Tensor, running_mean: Tensor, running_var: Tensor, momentum: int | float | bool
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor,
+    running_var: Tensor,
+    momentum: int | float | bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
     """The running mean and variance a training batch norm of ``input`` leaves, updated with ``momentum`` (a
-    Scalar: a number the graph computes): torch's ``batch_norm_update_stats``, its training kernel's update."""
+    Scalar: a number the graph computes): the batch norm call eager makes, on copies of them (cuDNN's where eager
+    would use cuDNN)."""
     mean, var = running_mean.clone(), running_var.clone()
-    torch.batch_norm_update_stats(input, mean, var, float(momentum))
+    torch.batch_norm(input, weight, bias, mean, var, True, float(momentum), eps, torch.backends.cudnn.enabled)
     return mean, var
 
 
 @batch_norm_stats.register_fake
 def _batch_norm_stats_fake(
-    input: Tensor, running_mean: Tensor, running_var: Tensor, momentum: int | float | bool
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor,
+    running_var: Tensor,
+    momentum: int | float | bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
     return torch.empty_like(running_mean), torch.empty_like(running_var)
 
@@ -63,12 +77,15 @@ class _SymbolicCalls(TorchFunctionMode):
 @contextlib.contextmanager
 def symbolic_calls() -> Iterator[None]:
     """While the step is traced: the calls of the module docstring keep their symbols."""
-    batchnorm.float = _host_float  # a module global shadows the builtin for the module's code
+    shadowed = "float" not in vars(batchnorm)
+    if shadowed:
+        batchnorm.float = _host_float  # a module global shadows the builtin for the module's code
     try:
         with _SymbolicCalls():
             yield
     finally:
-        del batchnorm.float
+        if shadowed:
+            vars(batchnorm).pop("float", None)
 
 
 def _symbolic(value: object) -> bool:
@@ -100,7 +117,8 @@ def _batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, 0.0, eps)
     out = F.batch_norm(input, running_mean.clone(), running_var.clone(), weight, bias, training, 0.0, eps)
     with torch.no_grad():
-        mean, var = batch_norm_stats(input.detach(), running_mean, running_var, momentum)
+        affine = [None if t is None else t.detach() for t in (weight, bias)]
+        mean, var = batch_norm_stats(input.detach(), *affine, running_mean, running_var, momentum, eps)
         running_mean.copy_(mean)
         running_var.copy_(var)
     return out
