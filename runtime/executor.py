@@ -91,7 +91,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(
                 f"zgraph: inductor could not compile the step graph ({type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0][:300]}); running it with the eager backend instead",
+                f"{(str(error).strip().splitlines() or [''])[0][:300]}); running it with the eager backend instead",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -102,7 +102,7 @@ def stages(rank: int, world: int) -> dict:
                 "model": zgraph.full_state_dict(model),
                 "ema": zgraph.full_state_dict(ema),
                 "sharded": [isinstance(p, DTensor) for p in ema.parameters()],
-                "captures": len(step._dispatch.cache),
+                "captures": step._dispatch.variants(),
             }
             if stage == 3 and where == "inside":
                 out["gathered_inputs"] = _gathered_inputs(step)

@@ -1,8 +1,9 @@
 """An EMA of the weights (``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn``), issue 40 item 4.
 
 Updated inside the step, ``update_parameters`` branches on ``n_averaged == 0``: a 0-d integer buffer, a *host
-counter* (``zgraph.capture.host_values``), so the step is captured once for the first call (which copies the
-weights) and once for every later call (which averages). Before, the branch was a ``CaptureError``. On 2 ranks at
+counter* whose value the host knows before each call (``zgraph.capture.host_scalars``: the branch is a guard), so
+the step is captured once for the first call (which copies the weights) and once for every later call (which
+averages). Before, the branch was a ``CaptureError``. On 2 ranks at
 stages 0-3, inside the step and outside it (eagerly after each call), the model and the EMA after 3 steps equal
 eager PyTorch on the global batch within a bound relative to each tensor's scale (the ranks average per-rank
 gradients: reduction order differs by a few ulps); at stage 3 the EMA's parameters are shards, whole in
@@ -99,7 +100,7 @@ def test_ema_in_one_process_is_eagers_bitwise_and_estimates():
     assert all(torch.equal(a, b) for a, b in zip(losses, want))
     for (key, a), b in zip(ema.state_dict().items(), reference[1].state_dict().values()):
         assert torch.equal(a, b), key
-    assert len(step._dispatch.cache) == 2
+    assert step._dispatch.variants() == 2
 
 
 class Alternating(nn.Module):
@@ -138,7 +139,7 @@ def test_any_modules_counter_may_be_branched_on():
     reference = make()
     want = [step(*reference, x) for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert model.calls.item() == 4 and len(compiled._dispatch.cache) == 2
+    assert model.calls.item() == 4 and compiled._dispatch.variants() == 2
 
 
 def test_a_branch_on_a_value_only_the_device_knows_is_still_refused():

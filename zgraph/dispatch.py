@@ -21,7 +21,6 @@ from zgraph.binding.setup import step_groups
 from zgraph.capture.as_written import hyperparameters, lifts
 from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
-from zgraph.capture.host_values import merge_reads
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.compile.build import compile_step
@@ -43,7 +42,7 @@ _RECAPTURE_WARNING = 8  # captures for the same state after which the step warns
 
 class Dispatcher:
     """Runs the calls of one step; holds its state between calls (bindings, compiled variants by guard key: those
-    of one key differ in the branches an optimizer's step took on host-known values, ``HostGuards``)."""
+    of one key differ in the branches the step took on host-known values, ``HostGuards``)."""
 
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
@@ -125,7 +124,6 @@ class Dispatcher:
                     if attempt == _MAX_REBINDS:
                         raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
                     continue
-                merge_reads(bound.host_reads, compiled.captured.host_reads)
                 key = bound.guard_key()
                 self._warn_if_recaptured_often(key, call)
                 self.cache.setdefault(key, []).append(compiled)
@@ -143,6 +141,8 @@ class Dispatcher:
         binding = bound.binding
 
         def read(spec: GraphInput) -> object:
+            if spec.kind == "buffer":
+                return binding.buffers[spec.index].get()
             opt = binding.optimizers[spec.optimizer].optimizer
             if spec.kind == "hparam":
                 return hyperparameters(opt, opt.param_groups[spec.group])[spec.field]
@@ -192,7 +192,11 @@ class Dispatcher:
             return
         previous = same_state[-1]
         part = next((i for i, (a, b) in enumerate(zip(previous, key)) if a != b), None)
-        why = "a value an optimizer's step branches on (a hyper-parameter, a step counter) changed"
+        why = (
+            "a value the step branches on or reads with int() / float() (a hyper-parameter, a step counter, a "
+            "module's 0-d integer buffer) changed: read a number that changes every call with .item(), which stays "
+            "symbolic"
+        )
         if part is not None:
             why = KEY_PARTS[part]
         if part == KEY_PARTS.index("an argument"):

@@ -206,10 +206,10 @@ LAYOUT_OPS = (*LAYOUT_OPS, COMBINE)
 
 
 # ---------------------------------------------------------------------------------------------- host reads
-# A step graph reads nothing from the device on the host (no ``.item()`` of a device value: on a GPU each is a
-# stall), with one exception, ``flag_to_host``. Outside the graph zgraph's own deliberate reads (graph
-# fingerprints, checkpoint copies, offload write-backs) run inside ``host_read(reason)``: a marker only, which the
-# device-path tests (``tests/standin.py``) use to tell them from accidental ones.
+# A step graph reads nothing from the device on the host (a stall on a GPU) but ``flag_to_host`` and the numbers a
+# step reads from a module's 0-d integer buffer kept there, where eager does (BatchNorm's with ``momentum=None``).
+# zgraph's own deliberate reads outside the graph (fingerprints, checkpoint copies, offload write-backs) run inside
+# ``host_read(reason)``: a marker only, which the device-path tests (``tests/standin.py``) tell from stray ones.
 _HOST_READ: contextvars.ContextVar[str | None] = contextvars.ContextVar("zgraph_host_read", default=None)
 
 

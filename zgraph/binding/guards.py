@@ -130,16 +130,13 @@ KEY_PARTS = (
     "the structure of the arguments",
     "an argument",
     "a tensor read outside the arguments",
-    "a value the step read to the host from a host counter changed (a module's 0-d integer buffer, such as "
-    "AveragedModel.n_averaged: compute with it as a tensor where its value changes every call, not int() or float())",
 )
 
 
 def guard_key(binding: Binding, arguments: Sequence[tuple[str, object]], located: Sequence[Tensor] = ()) -> tuple:
     """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
     arguments, ``located`` the tensors read from places ``zgraph.binding.locate`` found. A different key retraces. Its
-    parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf. (The last part of
-    ``KEY_PARTS``, what the step read from host counters, is added by ``zgraph.binding.session.Bound``.)"""
+    parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
     params = tuple(
         (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.device, r.tensor.requires_grad, _grad_key(r.tensor))
         for r in binding.params

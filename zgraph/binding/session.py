@@ -4,9 +4,7 @@ A step's modules and optimizers are found in its arguments, closure and globals 
 bound once per set (``zgraph.binding.setup``); those a trace reached that discovery missed are observed and bound
 from the next capture on. Tensors read outside the arguments are located (``zgraph.binding.locate``) and read on
 every call. ``Session.bind`` turns a call into a ``Bound``: its binding, located tensors and user tensors, from
-which the capture request is made, and what the binding's captures read from host counters (its guard key ends with
-those values as they are now: ``zgraph.capture.host_values``); ``Session.more_to_bind`` is what the capture
-protocol asks after each trace.
+which the capture request is made; ``Session.more_to_bind`` is what the capture protocol asks after each trace.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from zgraph.binding.guards import binding_key, discover, guard_key, named_object
 from zgraph.binding.locate import Locator, locate
 from zgraph.binding.setup import bind_state
 from zgraph.capture.captured import CaptureRequest, Traced
-from zgraph.capture.host_values import HostRead
 from zgraph.capture.optimizers import settle_first_state
 from zgraph.config import Config
 from zgraph.errors import CaptureError
@@ -45,14 +42,10 @@ class Bound:
     binding: Binding
     located: Located
     user_tensors: list[tuple[str, Tensor]]
-    host_reads: list[HostRead]
-    """What the step's captures read from the binding's host counters (``zgraph.capture.host_values``)."""
 
     def guard_key(self) -> tuple:
-        """The key of the compiled variant this call runs (``zgraph.binding.guards.guard_key``), ending with what
-        each host read of the step's captures reads now."""
-        key = guard_key(self.binding, self.call.arguments, [t for _, _, t in self.located])
-        return (*key, tuple(read.now(self.binding) for read in self.host_reads))
+        """The key of the compiled variants this call may run (``zgraph.binding.guards.guard_key``)."""
+        return guard_key(self.binding, self.call.arguments, [t for _, _, t in self.located])
 
     def request(self, config: Config) -> CaptureRequest:
         """What the capture of this call traces; first-step optimizer state is sharded and offloaded as made."""
@@ -96,7 +89,6 @@ class Session:
         self.locators: list[Locator] = []  # where the tensors it reads outside its arguments live
         self.searched: set[int] = set()  # bindings whose requires-grad tensors have been located
         self.device: torch.device | None = None  # the device of the state the step last bound
-        self.host_reads: dict[int, list[HostRead]] = {}  # per binding: what its captures read from host counters
 
     def device_of(self, call: StepCall) -> torch.device:
         """The device of the state the call would bind (for starting a process group)."""
@@ -120,8 +112,7 @@ class Session:
             # autograd never sees the real tensor (it would leave a traced .grad on it)
             self._add_locators(binding, call, lambda t: t.requires_grad)
         located = self._located(call)
-        reads = self.host_reads.setdefault(id(binding), [])
-        return Bound(call, binding, located, user_tensors(binding, call, located), reads)
+        return Bound(call, binding, located, user_tensors(binding, call, located))
 
     def more_to_bind(self, bound: Bound) -> Callable[[Traced], str | None]:
         """What the capture protocol asks after each trace of ``bound``'s call: the modules and optimizers it

@@ -13,11 +13,11 @@ Files::
     optimizers.py       optimizers and LR schedulers while a step is traced; a first step's optimizer state
     update_rules.py     traceable update rules of the ``torch.optim`` classes whose hyper-parameters are inputs
     as_written.py       the other ``torch.optim`` classes, traced as written: hyper-parameters as inputs
-    host_scalars.py     ``.item()`` of values the host knows (step counters): branches on them as checked guards
+    host_scalars.py     ``.item()`` of values the host knows (step counters, 0-d int buffers): branches as guards
+    symbolic_calls.py   calls that would fix such a value (``torch.tensor(x)``, BatchNorm's momentum) kept symbolic
     precision.py        mixed precision, loss scaling and clipping while tracing
     collectives.py      ``torch.distributed`` calls in the step, traced as functional collectives
     generator_state.py  random generator state read and set in the step, as graph operations
-    host_values.py      host counters (0-d integer buffers such as ``AveragedModel.n_averaged``) the step may branch on
     random_layout.py    random ops draw their numbers into the elements eager PyTorch gives them
     functionalize.py    from the traced (mutating) graph to the captured step graph
     joint.py            split mode: the step and the backward of its returned outputs, traced as one joint graph

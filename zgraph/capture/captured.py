@@ -14,7 +14,6 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
 from zgraph.capture.host_scalars import HostGuards
-from zgraph.capture.host_values import HostRead
 from zgraph.config import Config
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.state import Binding
@@ -88,11 +87,10 @@ class CapturedGraph:
         split: set on a split step (``zgraph.capture.joint``): what partitions its joint graph and runs its
             backward.
         host_guards: the conditions the step's Python branches took on values the host knows before each call
-            (an optimizer's step counter, its hyper-parameters: ``zgraph.capture.host_scalars``); None if none.
+            (an optimizer's step counter, its hyper-parameters, a module's 0-d integer buffer such as
+            ``AveragedModel.n_averaged``: ``zgraph.capture.host_scalars``); None if none.
         through_compile: the step reached ``torch.compile`` wrappers and was traced through them
             (``zgraph.capture.compiled``).
-        host_reads: values the step read to the host from host counters (``zgraph.capture.host_values``): the
-            graph holds for the calls on which each is the same again.
     """
 
     gm: fx.GraphModule | None
@@ -110,7 +108,6 @@ class CapturedGraph:
     split: SplitInfo | None = None
     host_guards: HostGuards | None = None
     through_compile: bool = False
-    host_reads: list[HostRead] = field(default_factory=list)
 
     @property
     def graph(self) -> fx.GraphModule:

@@ -1,23 +1,30 @@
-"""Python numbers an optimizer's ``step()`` reads with ``.item()`` that the host knows before the step runs.
+"""Python numbers a step reads from tensors (``.item()``, ``bool()``) that the host knows before it runs.
 
 ``torch.optim`` reads its step counter (and ASGD its ``eta`` and ``mu``) with ``.item()`` and branches on the result
 in Python (RAdam's ``rho_t > 5``, ASGD's ``max(1, step - t0)``); it reads hyper-parameters as Python floats and
-branches on them too (``if weight_decay != 0``). A traced ``.item()`` is a symbol of the graph whose value only the
-run knows, so such a branch cannot be traced. But a value computed only from hyper-parameters and 0-d optimizer
-state (its *host slice*: graph inputs the host holds before the call, and constants) is known on the host before
-every call. While an optimizer's step is traced (``HostScalars``), the ``.item()`` of such a value is a *backed*
-symbol (``ShapeEnv.create_unspecified_symbol``, its hint the value this call has): a Python branch on it takes the
-branch this call takes, and the ShapeEnv records the condition as a guard. ``HostGuards`` keeps the guards and the
-host slices (small graphs of the traced ops); before each call the step runs them on the call's inputs and uses
-the compiled variant only if every guard still holds (``zgraph.dispatch``), else it captures the step again: RAdam's
-step, say, is captured once for ``rho_t <= 5`` and once for the steps after. An ``.item()`` of anything else (a norm
-of a parameter) stays a symbol only the run knows, and a branch on it is refused as before.
+branches on them too (``if weight_decay != 0``). A module branches on its own step counter, a 0-d integer buffer the
+step advances (``AveragedModel.update_parameters`` copies on its first call, ``bool(n_averaged == 0)``, and averages
+on later ones; BatchNorm with ``momentum=None`` averages with ``1 / float(num_batches_tracked)``). A traced
+``.item()`` is a symbol of the graph whose value only the run knows, so such a branch cannot be traced. But a value
+computed only from hyper-parameters, 0-d optimizer state and 0-d integer buffers (*host counters*, read on the host)
+— its *host slice*: graph inputs the host holds before the call, and constants — is known on the host before every
+call. While the step is traced (``HostScalars``), the ``.item()`` of such a value is a *backed* symbol
+(``ShapeEnv.create_unspecified_symbol``, its hint the value this call has): a Python branch on it takes the branch
+this call takes, and the ShapeEnv records the condition as a guard; arithmetic on it stays symbolic (the graph
+computes the number on every call). ``HostGuards`` keeps the guards and the host slices (small graphs of the traced
+ops); before each call the step runs them on the call's inputs and uses the compiled variant only if every guard
+still holds (``zgraph.dispatch``), else it captures the step again: RAdam's step, say, is captured once for
+``rho_t <= 5`` and once for the steps after, an EMA's once for its first update and once for the later ones. An
+``.item()`` of anything else (a loss, a norm of a parameter) stays a symbol only the run knows, and a branch on it is
+refused as before. ``int(t)`` / ``float(t)`` must return plain Python numbers: this call's value, guarded (a new
+value captures the step again), but where ``zgraph.capture.symbolic_calls`` keeps them symbols (torch's BatchNorm).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import sympy
@@ -28,30 +35,38 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, get_proxy_slot, set_proxy_slot
+from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from zgraph.graph import GraphInput
+from zgraph.ops import host_read
 
 aten = torch.ops.aten
 _names = itertools.count()
 
 
 def host_known(spec: GraphInput, value: object) -> bool:
-    """Whether a graph input is one the host holds before the call: a hyper-parameter, or a 0-d optimizer-state
-    tensor held whole (a step counter; not an estimate's meta stand-in, which has no value)."""
+    """Whether a graph input is one the host holds before the call: a hyper-parameter, a 0-d optimizer-state
+    tensor (a step counter) or a host counter (a module's 0-d integer or bool buffer), held whole (not an
+    estimate's meta stand-in, which has no value)."""
     if spec.kind == "hparam":
         return True
-    whole = isinstance(value, Tensor) and not isinstance(value, DTensor) and not value.is_meta
-    return spec.kind == "opt_state" and whole and value.dim() == 0
+    whole = isinstance(value, Tensor) and not isinstance(value, DTensor) and not value.is_meta and value.dim() == 0
+    if spec.kind == "buffer":
+        return whole and not value.is_floating_point() and not value.is_complex()
+    return spec.kind == "opt_state" and whole
 
 
 def host_tensor(value: Tensor | float) -> Tensor:
-    """A host input as its graph input is: a hyper-parameter as a 0-d float64 tensor, state as a copy."""
-    if isinstance(value, Tensor):
+    """A host input as its graph input is: a hyper-parameter as a 0-d float64 tensor, state as a copy on the host
+    (one kept on a device, a counter of a module moved there, is read from it)."""
+    if not isinstance(value, Tensor):
+        return torch.tensor(value, dtype=torch.float64)
+    if value.device.type == "cpu":
         return value.detach().clone()
-    return torch.tensor(value, dtype=torch.float64)
+    with host_read("a host-known value (a step counter) kept on a device"):
+        return value.detach().to("cpu", copy=True)
 
 
 @dataclass
@@ -90,7 +105,8 @@ class HostGuards:
 
 
 class HostScalars(TorchDispatchMode):
-    """While active (an optimizer's step being traced), ``.item()`` of a host-known value is a backed symbol.
+    """While active (the step being traced), ``.item()`` of a host-known value is a backed symbol, and so is the
+    ``bool()`` of one (``is_nonzero``, which ``make_fx`` would read as an ``.item()`` only the run knows).
 
     ``specs``, ``values``: the trace's graph inputs in placeholder order, and the values they are read from."""
 
@@ -100,29 +116,53 @@ class HostScalars(TorchDispatchMode):
         self.values = values
         self.shape_env = shape_env
         self.symbols: dict[sympy.Symbol, HostSlice] = {}
+        self.backing = True
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No symbol is backed inside: zgraph's own optimizer kernels read hyper-parameters with ``.item()`` as
+        numbers only the run knows, and branch on none (inductor would fix a backed float to its value)."""
+        before, self.backing = self.backing, False
+        try:
+            yield
+        finally:
+            self.backing = before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
-        if func is aten._local_scalar_dense.default and (args[0].dtype.is_floating_point or _is_int(args[0])):
+        if not self.backing:
+            return func(*args, **(kwargs or {}))
+        if func is aten.is_nonzero.default and args[0].numel() == 1:
+            nonzero = aten.ne.Scalar(args[0], 0)  # make_fx's own reading of bool(t), traced
+            if self._back(nonzero):
+                return bool(aten._local_scalar_dense.default(nonzero))
+        if func is aten._local_scalar_dense.default and not args[0].is_complex():
             self._back(args[0])
         return _unfolded(func, args, kwargs or {})
 
-    def _back(self, fake: Tensor) -> None:
-        """Give ``fake`` a backed symbol as its ``.item()`` when its value is host-known."""
+    def _back(self, fake: Tensor) -> bool:
+        """Give ``fake`` a backed symbol as its ``.item()`` when its value is host-known (a bool one the symbol's
+        ``!= 0``); whether it did."""
         tracer = get_proxy_mode().tracer
         node = get_proxy_slot(fake, tracer).proxy.node
         nodes = self._slice(node)
         if nodes is None:
-            return
+            return False
         host_slice = self._host_slice(tracer.root, nodes, node)
         with _disable_current_modes():
             value = host_slice.value(lambda spec: self.values[self.specs.index(spec)])
         source = _source(f"zgraph_host_{next(_names)}")
-        symbol = self.shape_env.create_unspecified_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
-        if not isinstance(symbol, sympy.Symbol):  # specialized (an integer 0 or 1): nothing to guard
-            return
-        make = self.shape_env.create_symfloatnode if isinstance(value, float) else self.shape_env.create_symintnode
-        fake.item_memo = make(symbol, hint=value, source=source)
+        number = int(value) if isinstance(value, bool) else value
+        symbol = self.shape_env.create_unspecified_symbol(number, source, dynamic_dim=DimDynamic.DYNAMIC)
+        if not isinstance(symbol, sympy.Symbol):  # specialized: nothing to guard
+            return False
+        if isinstance(value, bool):
+            fake.item_memo = torch.SymBool(SymNode(sympy.Ne(symbol, 0), self.shape_env, bool, hint=value))
+        elif isinstance(value, float):
+            fake.item_memo = self.shape_env.create_symfloatnode(symbol, hint=value, source=source)
+        else:
+            fake.item_memo = self.shape_env.create_symintnode(symbol, hint=value, source=source)
         self.symbols[symbol] = host_slice
+        return True
 
     def _index(self, node: fx.Node) -> int:
         """The graph-input position of a placeholder."""
@@ -132,7 +172,6 @@ class HostScalars(TorchDispatchMode):
         """The nodes the value of ``node`` is computed from, in graph order (traced so far): what it reads and what
         wrote into those (in-place ops, ``_foreach_add_`` on a list of step counters); None unless they read only
         host-known inputs and constants and none is aliased by a view (through which it could change unseen)."""
-        order = {n: i for i, n in enumerate(node.graph.nodes)}
         seen: set[fx.Node] = set()
         todo = [node]
         while todo:
@@ -150,6 +189,7 @@ class HostScalars(TorchDispatchMode):
                 return None
             todo.extend(n.all_input_nodes)
             todo.extend(u for u in n.users if _writes(u, n))
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
         return sorted(seen, key=order.__getitem__)
 
     def _host_slice(self, root: torch.nn.Module, nodes: list[fx.Node], node: fx.Node) -> HostSlice:
@@ -229,7 +269,7 @@ class _ReplayMode(TorchDispatchMode):
         node = self.interpreter.current
         if func is aten._local_scalar_dense.default and node.target is func:
             val = node.meta.get("val")
-            if isinstance(val, (torch.SymFloat, torch.SymInt)) and val.node.hint is not None:
+            if isinstance(val, (torch.SymFloat, torch.SymInt, torch.SymBool)) and val.node.hint is not None:
                 args[0].item_memo = val
         return _unfolded(func, args, kwargs or {})
 
@@ -240,20 +280,6 @@ def replay(gm: fx.GraphModule, *flat: Tensor) -> object:
     interpreter.current = None
     with torch.no_grad(), _ReplayMode(interpreter):
         return interpreter.run(*flat)
-
-
-class ScalarTensors(TorchFunctionMode):
-    """While active, ``torch.tensor(x)`` / ``torch.as_tensor(x)`` of a Python number that is a symbol (ASGD's
-    ``torch.as_tensor(lr / ...)``) is ``torch.scalar_tensor(x)``: the same tensor, traced, where torch would fix the
-    symbol to its value."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
-        kwargs = kwargs or {}
-        symbolic = len(args) == 1 and isinstance(args[0], (torch.SymFloat, torch.SymInt))
-        if func in (torch.tensor, torch.as_tensor) and symbolic and set(kwargs) <= {"dtype", "device"}:
-            default = torch.get_default_dtype() if isinstance(args[0], torch.SymFloat) else torch.int64
-            return torch.scalar_tensor(args[0], dtype=kwargs.get("dtype") or default, device=kwargs.get("device"))
-        return func(*args, **kwargs)
 
 
 def _unfolded(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
@@ -292,10 +318,6 @@ def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
 def _random(node: fx.Node) -> bool:
     """Whether an op draws random numbers (the host cannot compute it again)."""
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
-def _is_int(t: Tensor) -> bool:
-    return t.dtype in (torch.int32, torch.int64)
 
 
 def _source(name: str) -> object:

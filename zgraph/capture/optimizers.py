@@ -2,8 +2,8 @@
 
 A bound optimizer's ``step()`` runs zgraph's kernel for its class (``zgraph.capture.update_rules``: hyper-parameters
 read from graph inputs), or its own ``step()`` for other classes (``zgraph.capture.as_written``: a ``torch.optim``
-class's hyper-parameters from graph inputs too, ``.item()`` of host-known values as ``zgraph.capture.host_scalars``
-symbols), on the traced parameters and state, inside the
+class's hyper-parameters from graph inputs too; ``.item()`` of host-known values is a ``zgraph.capture.host_scalars``
+symbol, as everywhere in the step), on the traced parameters and state, inside the
 ``optimizer`` phase, with loss-scale overflow skipping (``zgraph.capture.precision``). What the optimizers did (state
 created, which stepped) is recorded on the ``Trace``. An LR scheduler's ``step()`` is recorded, not run: zgraph
 runs it for real around the graph on every call.
@@ -27,7 +27,7 @@ from zgraph.capture import update_rules as zopt
 from zgraph.capture.as_written import lifted_groups, symbolic_builtins
 from zgraph.capture.diagnosis import data_dependent, where
 from zgraph.capture.environment import UnboundState
-from zgraph.capture.host_scalars import HostScalars, ScalarTensors
+from zgraph.capture.host_scalars import HostScalars
 from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
@@ -203,7 +203,7 @@ def _own_step(trace: Trace, o_index: int, original_step: Callable, flat: list[in
     previous = [t.clone() for t in tensors] if overflow is not None else []
     hparams = [trace.hparams.get((o_index, g), {}) for g in range(len(opt.param_groups))]
     try:
-        with trace.host, ScalarTensors(), lifted_groups(opt, hparams), symbolic_builtins(opt):
+        with lifted_groups(opt, hparams), symbolic_builtins(opt):
             original_step()
     except (CaptureError, UnboundState):
         raise
@@ -257,15 +257,16 @@ def _traced_step(trace: Trace, o_index: int, original_step: Callable) -> Callabl
                 state_tensors = [v for st in states for v in st.values() if isinstance(v, Tensor)]
                 tensors = [params[i] for i in indices] + state_tensors
                 previous = [t.clone() for t in tensors] if overflow is not None else []
-                kernel.update(
-                    [params[i] for i in indices],
-                    [grad_of[i] for i in indices],
-                    states,
-                    trace.hparams[(o_index, g_index)],
-                    group,
-                    state_dtype,
-                    low_precision_recipe or bool(group.get("fused")),
-                )
+                with trace.host.suspended():
+                    kernel.update(
+                        [params[i] for i in indices],
+                        [grad_of[i] for i in indices],
+                        states,
+                        trace.hparams[(o_index, g_index)],
+                        group,
+                        state_dtype,
+                        low_precision_recipe or bool(group.get("fused")),
+                    )
                 keep_if_overflow(overflow, tensors, previous)
 
     return step

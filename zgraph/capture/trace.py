@@ -9,7 +9,9 @@ How:
    ``out.backward(gradient=g)``, several backward calls, ``torch.autograd.grad`` all become explicit aten ops.
    Every gradient autograd produces for a parameter passes through ``zgraph::grad_contribution`` (see
    ``zgraph.ops``). Registered optimizers (``zgraph.capture.update_rules``) run a kernel that reads hyper-parameters
-   from graph inputs; other optimizers run their own ``step()``.
+   from graph inputs; other optimizers run their own ``step()``. The ``.item()`` or ``bool()`` of a value the host
+   knows before the call (from hyper-parameters, step counters, modules' 0-d integer buffers) is a backed
+   symbol whose Python branches are guards (``zgraph.capture.host_scalars``).
 2. The traced graph (which still mutates its inputs in place) is traced again through
    ``torch.func.functionalize``: the result is functional. Every piece of state the step changed is a graph
    output: the new value of a parameter, buffer, optimizer state tensor, mutated tensor argument, and the
@@ -65,10 +67,10 @@ from zgraph.capture.environment import (
 )
 from zgraph.capture.generator_state import generator_state_ops
 from zgraph.capture.host_scalars import HostScalars
-from zgraph.capture.host_values import counters_known
 from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
+from zgraph.capture.symbolic_calls import symbolic_calls
 from zgraph.errors import CaptureError
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.ops import grad_contribution
@@ -98,10 +100,7 @@ def trace_step(request: CaptureRequest) -> Traced:
         step_trace = _step_trace(request, state, host)
         flags_before = [(m, m.training) for _, root in binding.modules for m in root.modules()]
         groups_before = group_values(binding)
-        with (
-            _environment(request, state, step_trace, grad_enabled) as traced,
-            counters_known(inputs.specs, inputs.values, flat) as reads,
-        ):
+        with _environment(request, state, step_trace, grad_enabled) as traced, host, symbolic_calls():
             result = request.fn(*_substitute(request.args, traced), **_substitute(request.kwargs, traced))
             _refuse_deferred(result)
             final = _final_state(binding, state.params)
@@ -109,7 +108,7 @@ def trace_step(request: CaptureRequest) -> Traced:
             with torch.no_grad():
                 grads = [p.grad for p in state.params if p.grad is not None]
                 final_loss_state = step_trace.precision.finish_step(grads)
-        captured = CapturedGraph(gm=None, result_template=None, host_reads=reads)
+        captured = CapturedGraph(gm=None, result_template=None)
         captured.training_flags = [(m, m.training) for m, before in flags_before if m.training != before]
         outs, roles = _outputs(captured, result, binding, state, final, user_tensors, final_loss_state)
         _record(captured, step_trace)
