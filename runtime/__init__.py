@@ -21,6 +21,8 @@ Files::
     host_memory.py     freed host memory kept for the next step
     reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
     executor.py        backends that turn the final graph into something to call
+    float64_scalars.py inductor: Python arithmetic on host scalars in float64, as eager computes it
+    unbacked_scalars.py  inductor: host-known ``.item()`` values as numbers only the run knows
     random_order.py    inductor runs the ops that share a random generator in the graph's order
     memory.py          live tensor bytes on any device, measured exactly
     cost_model.py      cost of collectives and compute, for bucket sizes and schedules

@@ -13,6 +13,11 @@ rewrites as recorded passes, so the graph it shows as ``final`` is exactly the o
   and the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).
   ``addcmul``/``addcdiv`` keep their ``value``: inductor lowers them itself, with symbolic values.
 
+Inductor compiles a copy of the graph. Where it reads host-known values with ``.item()`` (a hyper-parameter of an
+optimizer traced as written, a step counter), the Python arithmetic on them is computed in float64
+(``zgraph.runtime.float64_scalars``) and the fake values are made again with each ``.item()`` a number only the
+run knows; the decompositions that would branch on such a number are left out (``zgraph.runtime.unbacked_scalars``).
+
 Random ops are compiled with ``fallback_random``: they call the aten kernels on the global generator, so they draw
 the numbers eager draws and leave the generator in eager's state, run in the graph's order
 (``zgraph.runtime.random_order``).
@@ -30,7 +35,9 @@ import torch.fx as fx
 from torch import Tensor
 
 from zgraph.graph import PHASE, UPDATED_INPUTS, copy_graph_module, fake_mode, insert, placeholders
+from zgraph.runtime.float64_scalars import float64_scalars
 from zgraph.runtime.reinplace import reinplace
+from zgraph.runtime.unbacked_scalars import decompositions, reads_host_scalars, unbacked_scalars
 
 aten = torch.ops.aten
 
@@ -74,20 +81,8 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
 
         return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated))
     if backend == "inductor":
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-
-        from zgraph.runtime.random_order import KeepGeneratorOrder  # imports inductor: only when it compiles
-
-        # Compile against the graph's own fake inputs: their fake mode has the ShapeEnv that holds the scalar
-        # symbols optimizer kernels create with .item() (hyper-parameters).
-        fake_inputs = [n.meta["val"] for n in placeholders(gm)]
         try:
-            with (
-                torch.no_grad(),
-                inductor_config.patch(fallback_random=True, _pre_fusion_custom_pass=KeepGeneratorOrder()),
-            ):
-                compiled = compile_fx(copy_graph_module(gm), fake_inputs)
+            compiled = _compile_inductor(gm)
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(
                 f"zgraph: inductor could not compile the step graph ({type(error).__name__}: "
@@ -103,6 +98,24 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
 
         return Executable(run_inductor, backend, time.perf_counter() - start)
     raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
+
+
+def _compile_inductor(gm: fx.GraphModule) -> Callable:
+    """``compile_fx`` on a copy of ``gm`` (its host scalars' arithmetic in float64 and its fake values made again,
+    where it reads any), against its fake inputs: their fake mode has the ShapeEnv that holds the scalar symbols the
+    graph's ``.item()`` reads create."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    from zgraph.runtime.random_order import KeepGeneratorOrder  # imports inductor: only when it compiles
+
+    graph, table = copy_graph_module(gm), None
+    if reads_host_scalars(graph):
+        graph = unbacked_scalars(float64_scalars(graph))
+        table = decompositions(graph)
+    fake_inputs = [n.meta["val"] for n in placeholders(graph)]
+    with torch.no_grad(), inductor_config.patch(fallback_random=True, _pre_fusion_custom_pass=KeepGeneratorOrder()):
+        return compile_fx(graph, fake_inputs, decompositions=table)
 
 
 def explicit_alpha(gm: fx.GraphModule) -> fx.GraphModule:

@@ -17,11 +17,14 @@ the same global batches, within DDP's own distance to one process (the yardstick
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch_optimizer_cases as cases
 from parity import run_parity
+from torch import nn
 
 import zgraph
 
@@ -55,6 +58,66 @@ def test_foreach_equals_eager_bitwise(name):
     """torch's multi-tensor implementation, traced as written (its ``_foreach_`` ops on the step counters)."""
     calls = CALLS if name in ("RAdam", "ASGD") else 3
     run_parity(cases.train_step, lambda: cases.make(name, foreach=True), _batches(calls), between_calls=_scale_lr)
+
+
+def _parts() -> tuple:
+    """A model with one small part per optimizer class, each part stepped by its own optimizer (Muon: its 2-D
+    parameters): one step graph holds every class. ASGD (``t0=0``) averages from its 3rd step: the host's guards
+    choose a third graph there."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({name: nn.Linear(8, 4) for name in NAMES})
+    make = {**cases.OPTIMIZERS, "ASGD": lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=0, weight_decay=0.01)}
+    return model, *(
+        make[name]([p for p in model[name].parameters() if name != "Muon" or p.dim() == 2]) for name in NAMES
+    )
+
+
+def _parts_step(model, *rest):
+    *opts, x, y = rest
+    loss = sum(F.mse_loss(part(x), y) for part in model.values())
+    loss.backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+def _scale_every_lr(state: tuple) -> None:
+    for opt in state[1:]:
+        for group in opt.param_groups:
+            group["lr"] *= 0.7
+
+
+def _state(state: tuple) -> dict:
+    return {"model": state[0].state_dict(), "optim": [opt.state_dict() for opt in state[1:]]}
+
+
+def test_inductor_compiles_every_class_and_equals_eager():
+    """Their hyper-parameters and step counters are host-known symbols of the graph (a branch on one is a guard
+    checked before each call); inductor compiles against them as numbers only the run knows, with no fallback to
+    the eager backend. Losses, parameters and optimizer states equal eager's within fp32 rounding (relative to each
+    tensor's largest value: centered RMSprop's ``square_avg - grad_avg ** 2`` amplifies it in a few elements), the
+    host's guards choose the graph, and a changed ``lr`` does not recapture. Muon's Newton-Schulz iteration runs in
+    bfloat16, whose fused intermediates inductor keeps in float32 unless ``emulate_precision_casts``: set here, so
+    that its numbers are eager's too."""
+    from torch._inductor import config as inductor_config
+
+    state, reference = _parts(), _parts()
+    step = zgraph.distribute(zgraph.Config(backend="inductor"))(_parts_step)
+    with warnings.catch_warnings(record=True) as caught, inductor_config.patch(emulate_precision_casts=True):
+        warnings.simplefilter("always")
+        for call, (x, y) in enumerate(_batches(4)):
+            got = {"loss": step(*state, x, y), **_state(state)}
+            want = {"loss": _parts_step(*reference, x, y), **_state(reference)}
+            distance = _distance(got, want)
+            assert distance <= 1e-5, f"call {call}: {distance:.2e} from eager"
+            _scale_every_lr(state)
+            _scale_every_lr(reference)
+    assert not [str(w.message) for w in caught if "inductor" in str(w.message)]
+    assert "final (inductor)" in step.explain()  # compiled, not fallen back to the eager backend
+    # the first step (it creates the optimizers' states), the second, the steps once ASGD averages (the 4th call
+    # reuses it): none for a new lr
+    assert step._dispatch.variants() == 3, "a changed lr captured the step again"
 
 
 def test_fused_adagrad_equals_eager_bitwise():
