@@ -61,3 +61,27 @@ def test_a_failing_first_trace_leaves_no_guessed_state():
     with pytest.raises(Exception, match="the user's own error"):
         step(model, opt, torch.randn(4, 8))
     assert not opt.state
+
+
+def test_the_collector_is_paused_while_a_step_is_built_and_restored_after(monkeypatch):
+    """Capture and the passes run with Python's cyclic collector paused (a full collection would walk every fake
+    tensor and node again); it is on again after the call, after a failed capture too."""
+    import gc
+
+    import zgraph.capture.protocol as protocol
+
+    seen = []
+    trace_step = protocol.trace_step
+    monkeypatch.setattr(protocol, "trace_step", lambda *a, **k: seen.append(gc.isenabled()) or trace_step(*a, **k))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = zgraph.distribute(stage=0, backend="eager")(square_step)
+    step(model, opt, torch.randn(4, 8))
+    assert seen and not any(seen) and gc.isenabled()
+
+    def branches(model, x):
+        return model(x).sum() if model(x).sum() > 0 else None  # a branch on a value only the run knows
+
+    with pytest.raises(zgraph.CaptureError):
+        zgraph.distribute(stage=0, backend="eager")(branches)(model, torch.randn(4, 8))
+    assert gc.isenabled()

@@ -23,7 +23,7 @@ from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
-from zgraph.compile.build import compile_step
+from zgraph.compile.build import collector_paused, compile_step
 from zgraph.compile.run import reserve_offload, run
 from zgraph.compile.split_runner import Peers, run_split
 from zgraph.compile.variant import CompiledStep
@@ -162,7 +162,8 @@ class Dispatcher:
         """Capture, transform and compile the call's step; or what the trace found to bind first."""
         start = time.perf_counter()
         fresh = stateless_pairs(bound.binding)
-        captured = capture(bound.request(self.config), self.session.more_to_bind(bound))
+        with collector_paused():
+            captured = capture(bound.request(self.config), self.session.more_to_bind(bound))
         if isinstance(captured, Rebind):
             return captured
         capture_seconds = time.perf_counter() - start
@@ -179,7 +180,8 @@ class Dispatcher:
         if captured.through_compile:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
-            return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+            with collector_paused():
+                return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise

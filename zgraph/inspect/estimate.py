@@ -45,7 +45,7 @@ from zgraph.binding.setup import plan_state
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Traced
 from zgraph.capture.cuda_trace import cuda_trace
 from zgraph.capture.protocol import capture
-from zgraph.compile.build import pass_context
+from zgraph.compile.build import collector_paused, pass_context
 from zgraph.compile.lower import lower
 from zgraph.config import Config
 from zgraph.errors import CaptureError
@@ -257,7 +257,7 @@ def _capture(call: StepCall, binding: Binding, config: Config, device: torch.dev
         meta_as=torch.device("cpu") if emulated else device,
     )
     modules = [m for _, m in binding.modules]
-    with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext():
+    with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext(), collector_paused():
         captured = capture(request, _refuse_unbound)
     assert isinstance(captured, CapturedGraph)  # _refuse_unbound never asks to bind more
     return captured
