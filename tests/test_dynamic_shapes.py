@@ -107,3 +107,25 @@ def test_stages_on_two_ranks_equal_ddp_at_every_size(two_ranks, stage):
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert got["variants"][-1] == 2
+
+
+def test_a_size_the_step_fixes_warns_and_is_captured_again():
+    m, ref = model(), model()
+    opt, ref_opt = adamw(m), adamw(ref)
+
+    def fixed_step(net, o, idx, targets):
+        if idx.shape[1] == 12:  # a Python branch on a size: the graph holds for 12 alone
+            idx = idx.flip(1)
+        return train_step(net, o, idx, targets)
+
+    step = zgraph.distribute(zgraph.Config(backend="eager"))(fixed_step)
+    for i, (idx, targets) in enumerate(batches(SIZES[:2])):
+        if i == 0:
+            zgraph.mark_dynamic(idx, 1)
+        if i == 0:
+            with pytest.warns(RuntimeWarning, match=r"fixed dim 1 of `idx` to 12"):
+                got = step(m, opt, idx, targets)
+        else:
+            got = step(m, opt, idx, targets)
+        assert torch.equal(got, fixed_step(ref, ref_opt, idx, targets))
+    assert step._dispatch.variants() == 2

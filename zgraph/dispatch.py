@@ -24,6 +24,7 @@ from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
+from zgraph.capture.size_guards import SizeGuards
 from zgraph.compile.build import collector_paused, compile_step
 from zgraph.compile.run import reserve_offload, run
 from zgraph.compile.split_runner import Peers, run_split
@@ -191,10 +192,12 @@ class Dispatcher:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             with collector_paused():
-                return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+                compiled = compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise
+        _warn_fixed_sizes(captured.size_guards, bound.call)
+        return compiled
 
     def _warn_if_recaptured_often(self, key: tuple, call: StepCall) -> None:
         """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what
@@ -237,3 +240,18 @@ class Dispatcher:
             scheduler.step()
         guarded = compiled.captured.host_guards is not None
         return bool(first) and (guarded or any(not lifts(unwrap_optimizer(scheduler.optimizer)) for scheduler in first))
+
+
+def _warn_fixed_sizes(guards: SizeGuards | None, call: StepCall) -> None:
+    """Warn when the capture fixed a symbolic dim to one size: each new size of it is captured again."""
+    fixed = guards.fixed() if guards is not None else []
+    if fixed:
+        shown = ", ".join(f"dim {dim} of `{path}` to {size}" for path, dim, size in fixed)
+        warnings.warn(
+            f"zgraph: `{call.name}` was captured with symbolic sizes, but the step fixed {shown}: its code (a Python "
+            "branch on the size, a reshape to a fixed shape, int() of a size) needs that size, so each new size "
+            "of it is captured again. Compute shapes from the tensors (x.shape, -1 in view/reshape) to keep the "
+            "size symbolic.",
+            RuntimeWarning,
+            stacklevel=7,
+        )
