@@ -34,6 +34,13 @@ def test_changing_sizes_are_captured_twice_and_equal_eager():
     assert got["variants"] == [1, 2, 2, 2, 2, 3, 3, 3]
 
 
+def test_stage_3_on_one_process():
+    config = zgraph.Config(stage=3, backend="eager", param_persistence_threshold=0)
+    got = zgraph_run(config, sizes=SIZES[:3])
+    _equal(got, eager(sizes=SIZES[:3]))
+    assert got["variants"] == [1, 2, 2]
+
+
 def test_mark_dynamic_captures_once_and_refuses_a_size_outside_its_range():
     m, opt = model(), None
     opt = adamw(m)
