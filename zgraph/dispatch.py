@@ -212,6 +212,11 @@ class Dispatcher:
             "module's 0-d integer buffer) changed: read a number that changes every call with .item(), which stays "
             "symbolic"
         )
+        if part is None and any(v.captured.size_guards is not None for v in self.cache.get(key, ())):
+            why = (
+                "an argument's size broke a condition the graph's symbolic sizes rely on (a size 0 or 1, sizes "
+                "that were equal, a size the step fixed: zgraph warned when it captured that)"
+            )
         if part is not None:
             why = KEY_PARTS[part]
         if part == KEY_PARTS.index("an argument"):

@@ -112,9 +112,13 @@ class DynamicDims:
             self.add(path, dims)
         return any(new.values())
 
-    def of(self, paths: Sequence[str]) -> dict[str, frozenset[int]]:
-        """The symbolic dims of the tensors at ``paths`` (a call's user tensors)."""
-        return {path: self.dims[path] for path in paths if path in self.dims}
+    def of(self, paths: Sequence[str]) -> dict[str, dict[int, Range]]:
+        """The symbolic dims of the tensors at ``paths`` (a call's user tensors), each with its declared range."""
+        return {
+            path: {d: self.ranges.get((path, d), (None, None)) for d in sorted(self.dims[path])}
+            for path in paths
+            if path in self.dims
+        }
 
 
 def _size_changes(key: tuple, other: tuple) -> dict[str, set[int]] | None:

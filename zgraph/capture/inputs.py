@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext, StrictMinMaxConstraint
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from zgraph.capture.as_written import hyperparameters
 from zgraph.errors import CaptureError
@@ -104,12 +106,23 @@ def argument_path(spec: GraphInput) -> str:
 
 def _symbolic(mode: FakeTensorMode, value: Tensor, name: str, dims: Collection[int]) -> Tensor:
     """A fake of ``value`` whose sizes in ``dims`` are backed symbols (torch's duck sizing: equal sizes share one;
-    sizes 0 and 1 are specialized, as torch does)."""
+    sizes 0 and 1 are specialized, as torch does); ``dims`` may map a dim to its declared ``(min, max)`` (either
+    None), which becomes the symbol's value range (as ``torch._dynamo.mark_dynamic``'s does)."""
     sizes = [DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(value.dim())]
-    context = StatelessSymbolicContext(dynamic_sizes=sizes)
+    ranges = dims if isinstance(dims, Mapping) else {}
+    constraints = [_range_constraint(ranges.get(d, (None, None))) for d in range(value.dim())]
+    context = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=constraints)
     from torch._dynamo.source import LocalSource  # torch._dynamo is imported only where needed
 
     return mode.from_tensor(value, static_shapes=False, symbolic_context=context, source=LocalSource(name))
+
+
+def _range_constraint(bounds: tuple[int | None, int | None]) -> StrictMinMaxConstraint | None:
+    lo, hi = bounds
+    if lo is None and hi is None:
+        return None
+    upper = int_oo if hi is None else hi
+    return StrictMinMaxConstraint(vr=ValueRanges(lower=lo or 0, upper=upper), warn_only=False)
 
 
 def check_dense(inputs: Inputs) -> None:
