@@ -1,6 +1,7 @@
 """One call of a step, along the data's way: bind its state (``zgraph.binding``), find its compiled variant by guard
 key or capture (``zgraph.capture.protocol``) and compile (``zgraph.compile.build``) one, agree on it with the other
-ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step).
+ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step). A call that misses every
+variant only in the sizes of argument dims makes those dims symbolic first (``zgraph.binding.dynamic``).
 
 On several ranks a call takes part in the failure protocol (``zgraph.runtime.agreement``): the ranks compare a
 fingerprint of the graph they are about to run, a rank that fails records its error for the others, and a rank
@@ -44,7 +45,8 @@ _RECAPTURE_WARNING = 8  # captures for the same state after which the step warns
 
 class Dispatcher:
     """Runs the calls of one step; holds its state between calls (bindings, compiled variants by guard key: those
-    of one key differ in the branches the step took on host-known values, ``HostGuards``)."""
+    of one key differ in the branches the step took on host-known values, ``HostGuards``, or in the conditions on
+    symbolic sizes, ``SizeGuards``; the arguments' symbolic dims, ``DynamicDims``)."""
 
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
