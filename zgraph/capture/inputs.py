@@ -61,7 +61,7 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
     for leaf_index, (path, t) in enumerate(user_tensors):
         add(GraphInput("input", path, leaf_index), t)
     for leaf_index, (path, t) in enumerate(user_tensors):
-        if t.grad is not None:
+        if t.is_leaf and t.grad is not None:  # a non-leaf holds none (and torch warns when it is read)
             add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
     for name, value in binding.loss_scale_state.items():
         add(GraphInput("loss_scale", f"loss_scale:{name}", 0, field=name), value)
