@@ -34,6 +34,19 @@ def test_changing_sizes_are_captured_twice_and_equal_eager():
     assert got["variants"] == [1, 2, 2, 2, 2, 3, 3, 3]
 
 
+def test_an_optimizer_traced_as_written_is_captured_twice():
+    """RMSprop's first step creates its state in the graph: the second call's key differs in the state as well as
+    in the sizes, and still makes the sizes symbolic (a third capture would otherwise follow)."""
+    sizes = SIZES[:3]
+    m, ref = model(), model()
+    opt, ref_opt = torch.optim.RMSprop(m.parameters(), lr=1e-2), torch.optim.RMSprop(ref.parameters(), lr=1e-2)
+    step = zgraph.distribute(zgraph.Config(backend="eager"))(train_step)
+    for idx, targets in batches(sizes):
+        assert torch.equal(step(m, opt, idx, targets), train_step(ref, ref_opt, idx, targets))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    assert step._dispatch.variants() == 2
+
+
 def test_stage_3_on_one_process():
     config = zgraph.Config(stage=3, backend="eager", param_persistence_threshold=0)
     got = zgraph_run(config, sizes=SIZES[:3])
