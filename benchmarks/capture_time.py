@@ -154,13 +154,9 @@ def measure(case: str) -> dict:
 
 
 def _rank(rank: int, port: int, case: str, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD[case]),
-        LOCAL_RANK=str(rank),
-    )
+    if WORLD[case] > 1:  # one process: no process group (zgraph would start one of size 1 from these)
+        world = str(WORLD[case])
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=world)
     result = measure(case)
     if rank == 0:
         Path(out).write_text(json.dumps(result))
