@@ -174,7 +174,7 @@ class Dispatcher:
         """Capture, transform and compile the call's step; or what the trace found to bind first."""
         start = time.perf_counter()
         fresh = stateless_pairs(bound.binding)
-        with collector_paused():
+        with collector_paused(promote=True):
             dynamic = self.dynamic.of([path for path, _ in bound.user_tensors])
             captured = capture(bound.request(self.config, dynamic), self.session.more_to_bind(bound))
         if isinstance(captured, Rebind):
@@ -193,7 +193,7 @@ class Dispatcher:
         if captured.through_compile:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
-            with collector_paused():
+            with collector_paused(promote=True):
                 compiled = compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)

@@ -84,21 +84,22 @@ def pass_context(binding: Binding, split: bool = False) -> PassContext:
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(promote: bool = False) -> Iterator[None]:
     """Python's cyclic garbage collector paused inside (as it was after): building a step's graph makes millions of
     objects (fake tensors, nodes, a copy of the graph per pass), and each full collection that triggers walks them
     all again, a fifth of a 12-layer GPT-2's capture. What it would have freed waits for the next collection.
 
-    On the way out what was made inside moves to the oldest generation (``gc.freeze`` then ``gc.unfreeze``: their
-    documented effect, where nothing else is frozen): the step's graphs live as long as the step, and the young
-    generations' collections would otherwise walk all of them twice in its first run (a 12-layer GPT-2's: 0.4 s).
-    The garbage among them (the traced graph functionalization replaced) is freed by the next full collection."""
+    ``promote``: on the way out what was made inside moves to the oldest generation (``gc.freeze`` then
+    ``gc.unfreeze``: their documented effect, where nothing else is frozen). For a step being built: its graphs
+    live as long as the step, and the young generations' collections would otherwise walk all of them twice in
+    its first run (a 12-layer GPT-2's: 0.6 s); the garbage among them (the traced graph functionalization
+    replaced) is freed by the next full collection. Not where what is made is all garbage (an estimate)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if gc.get_freeze_count() == 0:  # never unfreeze what the program froze itself
+        if promote and gc.get_freeze_count() == 0:  # never unfreeze what the program froze itself
             gc.freeze()
             gc.unfreeze()
         if enabled:
