@@ -17,6 +17,7 @@ and ``.json`` (``varlen_quick.*`` with ``--quick``). See ``benchmarks/README.md`
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import signal
 import statistics
@@ -28,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare import _cell, launch_and_wait, read_ranks
-from benchmarks.compare_machine import WORLD_SIZE, ForeignLoad, last_lines, machine_facts, wait_for_idle
+from benchmarks.compare_machine import (
+    FOREIGN_LOAD_WARN,
+    WORLD_SIZE,
+    ForeignLoad,
+    last_lines,
+    machine_facts,
+    wait_for_idle,
+)
 from benchmarks.varlen_worker import ONE_PROCESS, SYSTEMS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,7 +50,7 @@ MODEL_NAMES = {
     "gpt100m": "GPT 100M (zgraph.demos.models.GPT_100M)",
     "tiny": "tiny GPT (2 layers, d 64, vocabulary 256)",
 }
-INDUCTOR = ("compile-1proc", "compile-ddp", "zgraph-inductor-1proc", "zgraph-z3-inductor")  # 30-60 s per compile
+INDUCTOR = ("compile-1proc", "compile-ddp", "zgraph-inductor-1proc", "zgraph-z3-inductor")  # run last, in this order
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in INDUCTOR)
 REFERENCE = {True: "eager-1proc", False: "ddp"}  # by "runs in one process"
 LOSS_RTOL = 1e-3
@@ -116,7 +124,7 @@ def fill(row: Row, ranks: list[dict[str, Any]], first: int) -> None:
     row.peak_steady_mib = max(steady_peaks) if steady_peaks else None
 
 
-def compare(rows: list[Row], first: int) -> None:
+def compare(rows: list[Row]) -> None:
     """Ratios to the reference of the same world size (eager-1proc, ddp): first pass, and the steady steps' total
     (every system runs the same lengths); each step's loss against eager-1proc's."""
     by_name = {r.system: r for r in rows if r.error is None}
@@ -134,7 +142,7 @@ def compare(rows: list[Row], first: int) -> None:
             row.loss_rel = max(abs(a - b) / abs(b) for a, b in zip(row.losses, eager.losses))
             if row.loss_rel > LOSS_RTOL:
                 row.notes.append(f"LOSS MISMATCH: {row.loss_rel:.1e} relative to eager-1proc")
-        if row.other_load is not None and row.other_load > 0.05:
+        if row.other_load is not None and row.other_load > FOREIGN_LOAD_WARN:
             row.notes.append(f"other processes used {row.other_load:.0%} of the CPUs: timing disturbed")
 
 
@@ -224,16 +232,26 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
+    """Run the systems (the default ones first, then the inductor rows), writing the results after each."""
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     machine = machine_facts("not run", (float("nan"), None))
-    rows, raw = [], {}
+    done: dict[str, Row] = {}
+    raw: dict[str, list[dict[str, Any]]] = {}
+    order = [s for s in args.systems if s not in INDUCTOR] + [s for s in INDUCTOR if s in args.systems]
     with tempfile.TemporaryDirectory(prefix="zgraph-varlen-") as tmp:
-        for system in args.systems:
-            row, raw[system] = run_system(system, args, Path(tmp))
-            rows.append(row)
-            print(progress(row), flush=True)
-    compare(rows, len(args.lengths))
+        for system in order:
+            done[system], raw[system] = run_system(system, args, Path(tmp))
+            print(progress(done[system]), flush=True)
+            rows = [copy.deepcopy(done[s]) for s in args.systems if s in done]
+            report = write_results(args, machine, rows, raw)
+    print("\n" + report, flush=True)
+    return rows
+
+
+def write_results(args: argparse.Namespace, machine: dict, rows: list[Row], raw: dict[str, list]) -> str:
+    """Compare the rows run so far, write ``varlen_<model>.md`` and ``.json``; returns the report."""
+    compare(rows)
     params = next((r["params"] for ranks in raw.values() for r in ranks if r.get("params")), None)
     report = markdown_report(args, machine, params, rows)
     stem = "varlen_" + ("quick" if args.quick else args.model)
@@ -242,8 +260,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     payload = {"settings": settings, "machine": machine, "rows": [asdict(r) for r in rows], "ranks": raw}
     (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    print("\n" + report + f"\nwrote {args.out_dir / stem}.md and .json", flush=True)
-    return rows
+    return report + f"\nwrote {args.out_dir / stem}.md and .json"
 
 
 def progress(row: Row) -> str:
