@@ -218,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wait-idle", type=float, default=0.0, help="wait up to this long for idle CPUs first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--suffix", default="", help="results go to varlen_<model>_<suffix>.md / .json")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.steps = "tiny", 6
@@ -254,7 +255,7 @@ def write_results(args: argparse.Namespace, machine: dict, rows: list[Row], raw:
     compare(rows)
     params = next((r["params"] for ranks in raw.values() for r in ranks if r.get("params")), None)
     report = markdown_report(args, machine, params, rows)
-    stem = "varlen_" + ("quick" if args.quick else args.model)
+    stem = "varlen_" + ("quick" if args.quick else args.model) + (f"_{args.suffix}" if args.suffix else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.md").write_text(report)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

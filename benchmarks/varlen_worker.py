@@ -125,6 +125,9 @@ def build_system(name: str, model: nn.Module, blocks: list[nn.Module], lr: float
         wrapped = nn.parallel.DistributedDataParallel(model) if name in ("ddp", "compile-ddp") else model
     opt = adamw(wrapped, lr)
     if name.startswith("compile"):
+        # DDPOptimizer (the graph split at DDP's buckets) fails on symbolic sizes ("'float' object has no attribute
+        # 'meta'"); torch's advice for dynamic shapes is one graph (pytorch/pytorch#111636): DDP's hooks all-reduce
+        torch._dynamo.config.optimize_ddp = False
         wrapped = torch.compile(wrapped, dynamic=True)
         return (lambda idx, tgt: train_step(wrapped, opt, idx, tgt)), dynamo_graphs
     return (lambda idx, tgt: train_step(wrapped, opt, idx, tgt)), lambda: 0
