@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import signal
 import statistics
 import sys
@@ -131,7 +132,7 @@ def compare(rows: list[Row]) -> None:
     eager = by_name.get("eager-1proc")
     for row in rows:
         if row.error is not None:
-            row.notes.append("FAILED: " + last_lines(row.error, 1))
+            row.notes.append("FAILED: " + cause(row.error))
             continue
         ref = by_name.get(REFERENCE[row.world == 1])
         if ref is not None and ref.first_pass_s:
@@ -147,6 +148,13 @@ def compare(rows: list[Row]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ output
+def cause(error: str) -> str:
+    """The exception line of a traceback (its last ``SomethingError: ...`` line; else its last line), shortened."""
+    found = re.findall(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b.*$", error, re.MULTILINE)
+    line = found[-1] if found else last_lines(error, 1)
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def markdown_table(rows: list[Row]) -> str:
     head = (
         "| system | ranks | first pass s | vs ref | steady s/step min / median / max | steady vs ref "
@@ -167,7 +175,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 def markdown_report(args: argparse.Namespace, machine: dict[str, Any], params: int | None, rows: list[Row]) -> str:
     size = f", {params / 1e6:.1f} M parameters" if params else ""
-    errors = [f"`{r.system}`:\n\n```\n{last_lines(r.error, 12)}\n```\n" for r in rows if r.error]
+    errors = [f"`{r.system}`: {cause(r.error)}\n\n```\n{last_lines(r.error, 12)}\n```\n" for r in rows if r.error]
     return "\n".join(
         [
             f"## {MODEL_NAMES[args.model]}{size}",
@@ -267,7 +275,7 @@ def write_results(args: argparse.Namespace, machine: dict, rows: list[Row], raw:
 def progress(row: Row) -> str:
     head = f"  {row.system:<22} ({row.wall_s:6.1f} s wall)"
     if row.error:
-        return f"{head} FAILED: {last_lines(row.error, 1)}"
+        return f"{head} FAILED: {cause(row.error)}"
     median = row.steady[1] if row.steady else float("nan")
     return f"{head} first pass {row.first_pass_s:.1f} s, steady median {median:.4f} s/step, captures {row.captures}"
 
