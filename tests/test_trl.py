@@ -9,6 +9,12 @@ metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``: computed in the s
 whole state dict, within ``NOISE_FACTOR`` times DDP's own relative distance to SFTTrainer in one process on the
 global batch, never below ``REL`` (as ``test_trainer_hf``); ``evaluate()``'s metrics (SFTTrainer's ``compute_loss``
 on the gathered model) within ``EVAL_REL`` of DDP's, which evaluates the same rows on the same ranks.
+
+Dynamic padding (issue 41, item 5): TRL's default collator pads each micro-batch to its longest row, so the batch
+shape changes from step to step (the same on both ranks); ZGraphSFTTrainer at stage ``DYNAMIC_STAGE`` against
+SFTTrainer + DDP, bounded as above by DDP's distance to one process with the same padding. Today zgraph captures
+once per new shape: the test that it captures at most twice is an expected failure until automatic dynamic shapes
+land.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dist_harness import run_ranks  # noqa: E402
 pytestmark = pytest.mark.hf
 
 STAGES = [0, 3]
+DYNAMIC_STAGE = 3
 REL = 1e-6
 NOISE_FACTOR = 10
 DDP_REL = 1e-5
@@ -38,9 +45,10 @@ DEADLINE = 300  # seconds for one rank group; about 60 s for both on 2 idle core
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("trl")
     run_ranks(1, "trl_cases.run_plain", str(root / "eager.pt"), timeout=DEADLINE, init_group=False)
-    run_ranks(2, "trl_cases.run_ddp_and_zero", str(root / "runs.pt"), STAGES, timeout=DEADLINE)
+    run_ranks(2, "trl_cases.run_ddp_and_zero", str(root / "runs.pt"), STAGES, DYNAMIC_STAGE, timeout=DEADLINE)
     runs = torch.load(root / "runs.pt", weights_only=False)
-    return {"eager": torch.load(root / "eager.pt", weights_only=False), **runs}
+    plain = torch.load(root / "eager.pt", weights_only=False)
+    return {"eager": plain["padded"], "eager_dynamic": plain["dynamic"], **runs}
 
 
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -51,9 +59,8 @@ def _series_rel(actual: list[float], expected: list[float]) -> float:
     return _rel(torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64))
 
 
-def bounds(results: dict) -> dict[str, float]:
+def bounds(ddp: dict, eager: dict) -> dict[str, float]:
     """Each logged series' and state tensor's bound: ``NOISE_FACTOR`` times DDP's distance to one process."""
-    ddp, eager = results["ddp"], results["eager"]
     for run in (ddp, eager):
         assert "error" not in run, run.get("error")
     noise = {k: _series_rel(ddp[k], eager[k]) for k in cases.SERIES}
@@ -61,10 +68,10 @@ def bounds(results: dict) -> dict[str, float]:
     return {k: max(REL, NOISE_FACTOR * n) for k, n in noise.items()}
 
 
-def assert_close(got: dict, want: dict, limits: dict[str, float], what: str) -> None:
+def assert_close(got: dict, want: dict, limits: dict[str, float], what: str, steps: int = cases.STEPS) -> None:
     assert "error" not in got, f"{what} failed:\n{got.get('error')}"
     for key in cases.SERIES:
-        assert len(got[key]) == len(want[key]) == cases.STEPS, (what, key, got[key])
+        assert len(got[key]) == len(want[key]) == steps, (what, key, got[key])
         err = _series_rel(got[key], want[key])
         assert err <= limits[key], f"{what}: {key} {got[key]} vs {want[key]}: {err:.2e} (bound {limits[key]:.2e})"
     assert got["state"].keys() == want["state"].keys(), what
@@ -82,10 +89,27 @@ def test_ddp_matches_one_process(results):
 @pytest.mark.parametrize("stage", STAGES)
 def test_sft_trainer_matches_ddp(results, stage):
     got, ddp = results[stage], results["ddp"]
-    assert_close(got, ddp, bounds(results), f"ZGraphSFTTrainer stage {stage} vs SFTTrainer + DDP")
+    assert_close(got, ddp, bounds(ddp, results["eager"]), f"ZGraphSFTTrainer stage {stage} vs SFTTrainer + DDP")
     for key in cases.EVAL:
         assert got[key] == pytest.approx(ddp[key], rel=EVAL_REL), (key, got[key], ddp[key])
     assert got["sharded"] == (got["parameters"] if stage == 3 else 0) and got["parameters"] > 0, got
+
+
+def test_dynamic_padding_matches_ddp(results):
+    """Batches padded to their longest row (a new shape every step): every logged series and the final state equal
+    SFTTrainer + DDP's; the run did see more than two shapes."""
+    got, ddp = results["dynamic"], results["ddp_dynamic"]
+    limits = bounds(ddp, results["eager_dynamic"])
+    what = f"ZGraphSFTTrainer stage {DYNAMIC_STAGE}, dynamic padding, vs SFTTrainer + DDP"
+    assert_close(got, ddp, limits, what, steps=cases.DYNAMIC_STEPS)
+    assert all(len(shapes) > 2 for shapes in got["shapes"]), got["shapes"]
+
+
+@pytest.mark.xfail(strict=True, reason="until automatic dynamic shapes land")
+def test_dynamic_padding_captures_at_most_twice(results):
+    got = results["dynamic"]
+    assert "error" not in got, got.get("error")
+    assert max(got["captures"]) <= 2, (got["captures"], got["shapes"])
 
 
 # ------------------------------------------------------------------------ arguments, and what is refused when built

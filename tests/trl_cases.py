@@ -5,6 +5,12 @@ defaults (gradient checkpointing on), ``gradient_accumulation_steps=2``, ``max_g
 
 Every run logs each optimizer step (``logging_steps=1``): ``SERIES``, from ``trainer.state.log_history``; then the
 final whole state dict and ``trainer.evaluate()``'s metrics on a held-out text set.
+
+Dynamic padding (issue 41, item 5): the same trainers with TRL's default collator padding each micro-batch to its
+longest row (no ``pad_to_multiple_of``), one micro-batch per optimizer step, rows in order: the batch shape changes
+from step to step (``DYNAMIC_WORDS``), the same on both ranks (zgraph refuses ranks of different shapes today).
+ZGraphSFTTrainer's run also reports each rank's captures (``zgraph_step._dispatch.variants()``) and the shapes it
+was given.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 import trl.trainer.utils  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from dist_harness import all_gather_values  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
@@ -35,6 +42,8 @@ PER_DEVICE = 2  # rows per rank and micro-batch; one process on the global batch
 ACCUMULATION = 2
 STEPS = 3
 PAD_TO = 8  # every batch padded to 8 tokens (max_length too): one shape, one trace
+DYNAMIC_WORDS = (5, 3, 7, 4)  # words of each dynamic-padding step's longest rows (SFTTrainer adds EOS)
+DYNAMIC_STEPS = len(DYNAMIC_WORDS)
 SERIES = ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens")
 EVAL = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
 
@@ -131,21 +140,81 @@ def _zero(out: str, stage: int) -> dict:
     return run(trainer, 2)
 
 
+# ------------------------------------------------------------------------------------------------ dynamic padding
+def dynamic_arguments(out: str, per_device: int = PER_DEVICE, cls: type = SFTConfig) -> Any:
+    """TRL's default collator padding each micro-batch to its longest row; one micro-batch per optimizer step; the
+    rows in order (rank ``r`` of 2 takes rows ``2r, 2r + 1`` of each step's 4)."""
+    settings = dict(pad_to_multiple_of=None, gradient_accumulation_steps=1, train_sampling_strategy="sequential")
+    return arguments(out, per_device, cls, **settings)
+
+
+def dynamic_dataset() -> Dataset:
+    """Four rows per step: on each rank one of ``DYNAMIC_WORDS`` words and a shorter one (padded to the longer)."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for words in DYNAMIC_WORDS:
+        for n in (words, words - 2, words - 1, words):
+            rows.append(" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g)))
+    return Dataset.from_dict({"text": rows})
+
+
+def plain_dynamic(out: str, world: int) -> dict:
+    """SFTTrainer with dynamic padding: DDP on ``world`` ranks, or one process (world 1) on the global batch."""
+    args = dynamic_arguments(out, per_device=PER_DEVICE * (2 // world))
+    trainer = SFTTrainer(hf_cases.gpt2(), args, train_dataset=dynamic_dataset(), processing_class=tokenizer())
+    return run(trainer, world)
+
+
+class ShapesSeen(ZGraphSFTTrainer):
+    """ZGraphSFTTrainer noting the shape of every micro-batch it trains on."""
+
+    shapes: set[tuple[int, ...]]
+
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        self.shapes.add(tuple(inputs["input_ids"].shape))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def zero_dynamic(out: str, stage: int) -> dict:
+    """ZGraphSFTTrainer at ``stage`` with dynamic padding; with every rank's captures and batch shapes."""
+    config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+    args = dynamic_arguments(out, cls=ZGraphSFTConfig)
+    trainer = ShapesSeen(
+        hf_cases.gpt2(), args, train_dataset=dynamic_dataset(), processing_class=tokenizer(), zgraph_config=config
+    )
+    trainer.shapes = set()
+    result = run(trainer, 2)
+    ranks = all_gather_values((trainer.zgraph_step._dispatch.variants(), sorted(trainer.shapes)))
+    result.update(captures=[c for c, _ in ranks], shapes=[s for _, s in ranks])
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ workers
 def run_plain(rank: int, world: int, out_path: str) -> None:
-    """Worker: SFTTrainer in one process (world 1); rank 0 saves the result."""
-    result = hf_cases._guarded(plain, os.path.join(os.path.dirname(out_path), f"plain-{world}"), world)
+    """Worker: SFTTrainer in one process (world 1), padded and with dynamic padding; rank 0 saves
+    ``{"padded": ..., "dynamic": ...}``."""
+    root = os.path.dirname(out_path)
+    result = {
+        "padded": hf_cases._guarded(plain, os.path.join(root, f"plain-{world}"), world),
+        "dynamic": hf_cases._guarded(plain_dynamic, os.path.join(root, f"plain-dynamic-{world}"), world),
+    }
     if rank == 0:
         torch.save(result, out_path)
 
 
-def run_ddp_and_zero(rank: int, world: int, out_path: str, stages: list[int]) -> None:
-    """Worker: SFTTrainer + DDP, then ZGraphSFTTrainer at each stage, on the same ranks; rank 0 saves
-    ``{"ddp": ..., stage: ...}``."""
+def run_ddp_and_zero(rank: int, world: int, out_path: str, stages: list[int], dynamic_stage: int) -> None:
+    """Worker: SFTTrainer + DDP, then ZGraphSFTTrainer at each stage, on the same ranks; then both with dynamic
+    padding (ZGraphSFTTrainer at ``dynamic_stage``); rank 0 saves ``{"ddp": ..., stage: ..., "ddp_dynamic": ...,
+    "dynamic": ...}``."""
     root = os.path.dirname(out_path)
     results = {"ddp": hf_cases._guarded(plain, os.path.join(root, "ddp"), world)}
     dist.barrier()
     for stage in stages:
         results[stage] = hf_cases._guarded(zero, os.path.join(root, f"zero-{stage}"), stage)
         dist.barrier()
+    results["ddp_dynamic"] = hf_cases._guarded(plain_dynamic, os.path.join(root, "ddp-dynamic"), world)
+    dist.barrier()
+    results["dynamic"] = hf_cases._guarded(zero_dynamic, os.path.join(root, "zero-dynamic"), dynamic_stage)
+    dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
