@@ -23,15 +23,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext
 from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 # ---------------------------------------------------------------------------------------------------- phases
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -253,9 +258,10 @@ def offload_moves(tier: str | None, device_type: str) -> bool:
 
 
 def tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor, or of the tensors in a list/tuple."""
+    """Bytes of a tensor, or of the tensors in a list/tuple; of a tensor with symbolic sizes, at their hints
+    (``size_hint``: the sizes it was captured at; ``symbolic_bytes`` keeps the symbols)."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return size_hint(value.numel()) * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     return 0
@@ -266,6 +272,132 @@ def collective_bytes(node: fx.Node) -> int:
     out = tensor_bytes(node.meta.get(VAL))
     ins = sum(tensor_bytes(arg.meta.get(VAL)) for arg in node.all_input_nodes)
     return max(out, ins)
+
+
+# ------------------------------------------------------------------------------------------- symbolic sizes
+# A graph captured with symbolic sizes (some dimensions of the step's tensor arguments: the batch, the sequence)
+# carries backed ``torch.SymInt``s in its values' shapes. Passes decide at the sizes it was captured at (their
+# hints: no guard is added) and write the symbols, not ints, where the graph computes with a size.
+
+
+def size_hint(value: int | torch.SymInt) -> int:
+    """A size as an int: a symbolic one's hint (the size it was captured at), without adding a guard. For decisions
+    (what to recompute, offload, bucket, prefetch); where the graph computes with the size, keep the symbol."""
+    return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)
+
+
+def is_symbolic(value: object) -> bool:
+    """Whether ``value`` (a size, or a tensor's shape) depends on a size symbol."""
+    if isinstance(value, torch.Tensor):
+        return any(is_symbolic(d) for d in value.shape)
+    return isinstance(value, torch.SymInt) and bool(value.node.expr.free_symbols)
+
+
+def same_size(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
+    """``a == b`` for every value of the size symbols (decided without adding a guard: False when it may not be)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return statically_known_true(a == b)
+    return a == b
+
+
+def same_shape(a: Sequence[int | torch.SymInt], b: Sequence[int | torch.SymInt]) -> bool:
+    """Two shapes equal for every value of the size symbols (``same_size`` of each dimension; no guard)."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def symbolic_bytes(value: Any) -> sympy.Expr:
+    """Bytes of a tensor (or of the tensors in a list/tuple) as an expression of the size symbols (a number when its
+    sizes are static)."""
+    if isinstance(value, torch.Tensor):
+        numel = value.numel()
+        expr = numel.node.expr if isinstance(numel, torch.SymInt) else sympy.Integer(numel)
+        return expr * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sympy.Add(*(symbolic_bytes(v) for v in value))
+    return sympy.Integer(0)
+
+
+def bind_sizes(gm: fx.GraphModule) -> None:
+    """Every symbolic size an op takes as an argument (a pass wrote a symbolic value's ``shape`` into an op's
+    arguments: a reshape, a collective's splits, a position's offset) computed by the graph from its inputs' sizes
+    (``aten.sym_size.int`` and Python arithmetic, right before the op, as ``make_fx`` writes them), so the graph
+    runs at every size; a no-op on a graph of static sizes. Run by the pass pipeline after each pass."""
+    sources = _size_sources(gm)
+    if not sources:
+        return
+    known: dict[sympy.Expr, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        val = node.meta.get(VAL)
+        if node.op == "call_function" and isinstance(val, torch.SymInt):
+            known.setdefault(val.node.expr, node)
+        if node.op not in ("call_function", "output") or not _takes_symbol(node):
+            continue
+
+        def bound(arg: Any, node: fx.Node = node) -> Any:
+            if not isinstance(arg, torch.SymInt):
+                return arg
+            expr = arg.node.expr
+            if expr.is_number:
+                return int(expr)
+            if expr not in known:
+                known[expr] = _size_node(gm, expr, node, sources, known)
+            return known[expr]
+
+        node.args = fx.node.map_aggregate(node.args, bound)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, bound)
+
+
+def _size_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[fx.Node, int]]:
+    """Each size symbol that is a dimension of a graph input: the placeholder and the dimension."""
+    sources: dict[sympy.Symbol, tuple[fx.Node, int]] = {}
+    for node in placeholders(gm):
+        val = node.meta.get(VAL)
+        if isinstance(val, torch.Tensor):
+            for dim, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    sources.setdefault(size.node.expr, (node, dim))
+    return sources
+
+
+def _takes_symbol(node: fx.Node) -> bool:
+    found = False
+
+    def look(arg: Any) -> Any:
+        nonlocal found
+        found = found or isinstance(arg, torch.SymInt)
+        return arg
+
+    fx.node.map_aggregate((node.args, node.kwargs), look)
+    return found
+
+
+def _size_node(
+    gm: fx.GraphModule, expr: sympy.Expr, before: fx.Node, sources: dict, known: dict[sympy.Expr, fx.Node]
+) -> fx.Node:
+    """Nodes computing ``expr`` right before ``before`` (``torch.utils._sympy.interp`` over graph proxies)."""
+    graph, mode = gm.graph, fake_mode(gm)
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    env = {}
+    for symbol in expr.free_symbols:
+        if symbol in known:
+            env[symbol] = fx.Proxy(known[symbol], tracer)
+            continue
+        if symbol not in sources:
+            raise ValueError(f"size symbol {symbol} of {before.name} is not a dimension of any graph input")
+        node = insert(gm, torch.ops.aten.sym_size.int, sources[symbol], before=before, mode=mode)
+        known[symbol] = node
+        env[symbol] = fx.Proxy(node, tracer)
+    first = before.prev
+    with graph.inserting_before(before):
+        result = sympy_interp(PythonReferenceAnalysis, env, expr).node
+    made, node = [], before.prev
+    while node is not first:
+        made.append(node)
+        node = node.prev
+    for node in reversed(made):
+        node.meta[PHASE] = before.meta.get(PHASE, FORWARD)
+        compute_val(node, mode)
+    return result
 
 
 # ------------------------------------------------------------------------------------------ graph mechanics
