@@ -28,6 +28,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     integrations/  Hugging Face Trainer, accelerate and TRL run as zgraph steps (users of the library)
 """
 
+from zgraph.binding.dynamic import mark_dynamic
 from zgraph.checkpoint.gather import full_state_dict, gather, stream_state_dict
 from zgraph.checkpoint.save_load import consolidate, load, save
 from zgraph.config import Config, DynamicLossScale
@@ -71,6 +72,7 @@ __all__ = [
     "gather",
     "load",
     "load_pretrained",
+    "mark_dynamic",
     "materialize",
     "optimizer_from_deepspeed",
     "save",

@@ -15,6 +15,7 @@ import warnings
 import torch.distributed as dist
 
 from zgraph.binding.arguments import StepCall
+from zgraph.binding.dynamic import DynamicDims
 from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
 from zgraph.binding.setup import step_groups
@@ -52,6 +53,7 @@ class Dispatcher:
         self.cache: dict[tuple, list[CompiledStep]] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
         self.calls = 0  # calls made, for naming the call in errors other ranks see
+        self.dynamic = DynamicDims()  # the arguments' symbolic dims (marked, or found by automatic dynamic)
 
     def __call__(self, call: StepCall) -> object:
         if traced_arguments(call.args, call.kwargs):
@@ -115,16 +117,19 @@ class Dispatcher:
     def _prepare(self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None) -> tuple[CompiledStep, Bound]:
         """The compiled variant for this call (captured now if there is none) and the call bound."""
         schedulers_stepped = False
+        self.dynamic.observe(call)  # marked dims; a size outside a declared range is refused here
         for attempt in range(_MAX_REBINDS + 1):
             bound = self.session.bind(call, group, channel)
             compiled = self._lookup(bound)
+            if compiled is None and self.dynamic.widen(self._key(bound), self.cache):
+                compiled = self._lookup(bound)  # automatic dynamic: sizes that changed are symbols from now on
             if compiled is None:
                 compiled = self._compile(bound)
                 if isinstance(compiled, Rebind):  # the trace found state to bind first: bind it, capture again
                     if attempt == _MAX_REBINDS:
                         raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
                     continue
-                key = bound.guard_key()
+                key = self._key(bound)
                 self._warn_if_recaptured_often(key, call)
                 self.cache.setdefault(key, []).append(compiled)
             if not schedulers_stepped:
@@ -148,11 +153,15 @@ class Dispatcher:
                 return hyperparameters(opt, opt.param_groups[spec.group])[spec.field]
             return binding.optimizer_state(spec.optimizer, spec.index)[spec.field]
 
-        for compiled in self.cache.get(bound.guard_key(), ()):
-            guards = compiled.captured.host_guards
-            if guards is None or guards.hold(read):
+        for compiled in self.cache.get(self._key(bound), ()):
+            guards, sizes = compiled.captured.host_guards, compiled.captured.size_guards
+            if (sizes is None or sizes.hold(bound.user_tensors)) and (guards is None or guards.hold(read)):
                 return compiled
         return None
+
+    def _key(self, bound: Bound) -> tuple:
+        """The call's guard key, the sizes of its symbolic dims left out."""
+        return bound.guard_key(self.dynamic.dims)
 
     def variants(self) -> int:
         """How many variants of the step have been captured."""
@@ -163,7 +172,8 @@ class Dispatcher:
         start = time.perf_counter()
         fresh = stateless_pairs(bound.binding)
         with collector_paused():
-            captured = capture(bound.request(self.config), self.session.more_to_bind(bound))
+            dynamic = self.dynamic.of([path for path, _ in bound.user_tensors])
+            captured = capture(bound.request(self.config, dynamic), self.session.more_to_bind(bound))
         if isinstance(captured, Rebind):
             return captured
         capture_seconds = time.perf_counter() - start

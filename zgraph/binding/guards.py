@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -103,13 +103,15 @@ def binding_key(modules: list, optimizers: list) -> tuple:
     )
 
 
-def _tensor_key(t: Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
+def _tensor_key(t: Tensor, dynamic: Collection[int] = ()) -> tuple:
+    """A tensor's part of the key; its sizes in ``dynamic`` (symbolic dims) are wildcards (None)."""
+    shape = tuple(None if d in dynamic else n for d, n in enumerate(t.shape))
+    return (shape, t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
 
 
-def _value_key(value: object) -> object:
+def _value_key(value: object, dynamic: Collection[int] = ()) -> object:
     if isinstance(value, Tensor):
-        return _tensor_key(value)
+        return _tensor_key(value, dynamic)
     if isinstance(value, _STATE_TYPES):
         return (type(value), "object", id(value))
     try:
@@ -133,10 +135,17 @@ KEY_PARTS = (
 )
 
 
-def guard_key(binding: Binding, arguments: Sequence[tuple[str, object]], located: Sequence[Tensor] = ()) -> tuple:
+def guard_key(
+    binding: Binding,
+    arguments: Sequence[tuple[str, object]],
+    located: Sequence[Tensor] = (),
+    dynamic: Mapping[str, Collection[int]] | None = None,
+) -> tuple:
     """Everything a captured graph depends on besides tensor values; ``arguments`` are the step's named
-    arguments, ``located`` the tensors read from places ``zgraph.binding.locate`` found. A different key retraces. Its
-    parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
+    arguments, ``located`` the tensors read from places ``zgraph.binding.locate`` found, ``dynamic`` the symbolic
+    dims of argument tensors by path (``zgraph.binding.dynamic``: their sizes are not part of the key). A different
+    key retraces. Its parts are named by ``KEY_PARTS``; the arguments part holds ``(path, key)`` per leaf."""
+    dynamic = dynamic or {}
     params = tuple(
         (tuple(r.tensor.shape), r.tensor.dtype, r.tensor.device, r.tensor.requires_grad, _grad_key(r.tensor))
         for r in binding.params
@@ -154,7 +163,11 @@ def guard_key(binding: Binding, arguments: Sequence[tuple[str, object]], located
         )
         opts.append((groups, states))
     training = tuple(m.training for _, root in binding.modules for m in root.modules())
-    leaves = tuple((path, _value_key(leaf)) for name, value in arguments for path, leaf in iter_leaves(value, name))
+    leaves = tuple(
+        (path, _value_key(leaf, dynamic.get(path, ())))
+        for name, value in arguments
+        for path, leaf in iter_leaves(value, name)
+    )
     autocast = autocast_key(binding.device.type)
     return (
         id(binding),
@@ -200,7 +213,8 @@ def _maybe_tensor_key(t: Tensor | None) -> tuple | None:
 def describe_leaf(leaf_key: tuple) -> str:
     """A guard-key leaf (``_value_key``) as the user would recognise it."""
     if len(leaf_key) == 6 and isinstance(leaf_key[1], torch.dtype):
-        return f"a tensor of shape {leaf_key[0]} ({leaf_key[1]})"
+        shape = tuple("*" if n is None else n for n in leaf_key[0])
+        return f"a tensor of shape {shape} ({leaf_key[1]})"
     if len(leaf_key) == 3:
         return f"a {leaf_key[0].__name__} object"
     return repr(leaf_key[1])

@@ -9,7 +9,7 @@ which the capture request is made; ``Session.more_to_bind`` is what the capture 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +43,14 @@ class Bound:
     located: Located
     user_tensors: list[tuple[str, Tensor]]
 
-    def guard_key(self) -> tuple:
-        """The key of the compiled variants this call may run (``zgraph.binding.guards.guard_key``)."""
-        return guard_key(self.binding, self.call.arguments, [t for _, _, t in self.located])
+    def guard_key(self, dynamic: Mapping[str, Collection[int]] | None = None) -> tuple:
+        """The key of the compiled variants this call may run (``zgraph.binding.guards.guard_key``); ``dynamic``:
+        the symbolic dims of argument tensors by path."""
+        return guard_key(self.binding, self.call.arguments, [t for _, _, t in self.located], dynamic)
 
-    def request(self, config: Config) -> CaptureRequest:
-        """What the capture of this call traces; first-step optimizer state is sharded and offloaded as made."""
+    def request(self, config: Config, dynamic: Mapping[str, Collection[int]] | None = None) -> CaptureRequest:
+        """What the capture of this call traces; first-step optimizer state is sharded and offloaded as made;
+        ``dynamic``: the user tensors' dims traced as symbolic sizes, by path."""
         call = self.call
         swaps = [(slot, t) for _, slot, t in self.located]
         settle = settle_first_state(self.binding, config)
@@ -61,6 +63,7 @@ class Bound:
             config=config,
             swaps=swaps,
             settle=settle,
+            dynamic=dict(dynamic or {}),
         )
 
 

@@ -14,6 +14,7 @@ Files::
     update_rules.py     traceable update rules of the ``torch.optim`` classes whose hyper-parameters are inputs
     as_written.py       the other ``torch.optim`` classes, traced as written: hyper-parameters as inputs
     host_scalars.py     ``.item()`` of values the host knows (step counters, 0-d int buffers): branches as guards
+    size_guards.py      the conditions on an argument's symbolic sizes a graph holds for, checked before each call
     symbolic_calls.py   calls that would fix such a value (``torch.tensor(x)``, BatchNorm's momentum) kept symbolic
     precision.py        mixed precision, loss scaling and clipping while tracing
     collectives.py      ``torch.distributed`` calls in the step, traced as functional collectives

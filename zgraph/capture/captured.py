@@ -3,7 +3,7 @@ finished step graph (``CapturedGraph``), with what a split step's runner needs (
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
 from zgraph.capture.host_scalars import HostGuards
+from zgraph.capture.size_guards import SizeGuards
 from zgraph.config import Config
 from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.state import Binding
@@ -44,6 +45,8 @@ class CaptureRequest:
     through_compile: bool = False
     """``torch.compile`` wrappers the step reaches are traced through (``zgraph.capture.compiled``): set by the
     capture once a trace stopped at one."""
+    dynamic: Mapping[str, Collection[int]] = field(default_factory=dict)
+    """Argument path -> the dims of that tensor argument traced as symbolic sizes (``zgraph.capture.inputs``)."""
 
 
 @dataclass
@@ -89,6 +92,8 @@ class CapturedGraph:
         host_guards: the conditions the step's Python branches took on values the host knows before each call
             (an optimizer's step counter, its hyper-parameters, a module's 0-d integer buffer such as
             ``AveragedModel.n_averaged``: ``zgraph.capture.host_scalars``); None if none.
+        size_guards: the conditions on the symbolic sizes of the step's tensor arguments the graph holds for
+            (``zgraph.capture.size_guards``); None if it has no symbolic sizes.
         through_compile: the step reached ``torch.compile`` wrappers and was traced through them
             (``zgraph.capture.compiled``).
     """
@@ -107,6 +112,7 @@ class CapturedGraph:
     grad_outputs: list[tuple[int, tuple, torch.dtype, torch.device]] = field(default_factory=list)
     split: SplitInfo | None = None
     host_guards: HostGuards | None = None
+    size_guards: SizeGuards | None = None
     through_compile: bool = False
 
     @property

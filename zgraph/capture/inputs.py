@@ -4,12 +4,14 @@ the tensors they are read from; and their fake stand-ins for a trace."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
 from zgraph.capture.as_written import hyperparameters
 from zgraph.errors import CaptureError
@@ -64,9 +66,16 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
     return Inputs(specs, values)
 
 
-def fake_inputs(mode: FakeTensorMode, inputs: Inputs, meta_as: torch.device | None = None) -> list[Tensor]:
+def fake_inputs(
+    mode: FakeTensorMode,
+    inputs: Inputs,
+    meta_as: torch.device | None = None,
+    dynamic: Mapping[str, Collection[int]] | None = None,
+) -> list[Tensor]:
     """Fake stand-ins of the inputs; a meta tensor stands for one on ``meta_as`` when that is given (estimates
-    trace models that hold no memory)."""
+    trace models that hold no memory). ``dynamic``: argument path -> the dims of that user tensor (and of its
+    ``.grad``) whose sizes are symbols of the capture's ShapeEnv (backed, hinted with this call's size)."""
+    dynamic = dynamic or {}
     fakes = []
     for spec, value in zip(inputs.specs, inputs.values):
         if spec.kind == "hparam":
@@ -78,12 +87,29 @@ def fake_inputs(mode: FakeTensorMode, inputs: Inputs, meta_as: torch.device | No
                 fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
         elif value.is_meta and meta_as is not None:
             fake = mode.fake_tensor_converter.from_meta_and_device(mode, value.detach(), meta_as)
+        elif spec.kind in ("input", "input_grad") and argument_path(spec) in dynamic:
+            fake = _symbolic(mode, value.detach(), spec.name, dynamic[argument_path(spec)])
         else:
             fake = mode.from_tensor(value.detach(), static_shapes=True)
         if spec.kind in ("param", "input") and value.requires_grad:
             fake.requires_grad_(True)
         fakes.append(fake)
     return fakes
+
+
+def argument_path(spec: GraphInput) -> str:
+    """The argument path of a user tensor input (of its ``.grad`` for an ``input_grad``)."""
+    return spec.name.removesuffix(".grad") if spec.kind == "input_grad" else spec.name
+
+
+def _symbolic(mode: FakeTensorMode, value: Tensor, name: str, dims: Collection[int]) -> Tensor:
+    """A fake of ``value`` whose sizes in ``dims`` are backed symbols (torch's duck sizing: equal sizes share one;
+    sizes 0 and 1 are specialized, as torch does)."""
+    sizes = [DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(value.dim())]
+    context = StatelessSymbolicContext(dynamic_sizes=sizes)
+    from torch._dynamo.source import LocalSource  # torch._dynamo is imported only where needed
+
+    return mode.from_tensor(value, static_shapes=False, symbolic_context=context, source=LocalSource(name))
 
 
 def check_dense(inputs: Inputs) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from zgraph.capture.captured import CaptureRequest, SplitInfo, Traced
 from zgraph.capture.trace import trace_step
@@ -54,7 +55,8 @@ def trace_joint(request: CaptureRequest, first: Traced) -> Traced:
     positions = [position for position, *_ in specs]
     estimate = request.meta_as is not None  # estimates hold no memory
     tangents = [
-        torch.zeros(shape, dtype=dtype, device="meta" if estimate else device) for _, shape, dtype, device in specs
+        torch.zeros(_hints(shape), dtype=dtype, device="meta" if estimate else device)
+        for _, shape, dtype, device in specs
     ]
     fn = request.fn
 
@@ -71,13 +73,30 @@ def trace_joint(request: CaptureRequest, first: Traced) -> Traced:
     n_user = len(user_tensors)
     all_user = [*user_tensors, *((f"{TANGENT_PREFIX}[{i}]", t) for i, t in enumerate(tangents))]
     grads_of = [r.tensor for r in request.binding.params] + [t for _, t in user_tensors]
+    dynamic = dict(request.dynamic)  # a tangent's sizes are symbols where its output's are
+    for i, (_, shape, _, _) in enumerate(specs):
+        dims = frozenset(d for d, n in enumerate(shape) if isinstance(n, torch.SymInt))
+        if dims:
+            dynamic[f"{TANGENT_PREFIX}[{i}]"] = dims
     joint_request = dataclasses.replace(
-        request, fn=joint, args=(request.args, request.kwargs, tangents), kwargs={}, user_tensors=all_user
+        request,
+        fn=joint,
+        args=(request.args, request.kwargs, tangents),
+        kwargs={},
+        user_tensors=all_user,
+        dynamic=dynamic,
     )
     with _without_grads(grads_of):
         traced = trace_step(joint_request)
     if traced.captured is not None:
+        if traced.captured.size_guards is not None:
+            traced.captured.size_guards = traced.captured.size_guards.of_step(n_user)
         grad_inputs = [i for i, (_, t) in enumerate(user_tensors) if t.requires_grad]
         traced.captured.split = SplitInfo(positions, list(range(n_user, n_user + len(tangents))), n_user, grad_inputs)
         traced.captured.grad_outputs = list(specs)
     return traced
+
+
+def _hints(shape: tuple) -> list[int]:
+    """A traced output's shape with each symbolic size at the value the capturing call has."""
+    return [guarding_hint_or_throw(n) for n in shape]

@@ -70,6 +70,7 @@ from zgraph.capture.host_scalars import HostScalars
 from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
 from zgraph.capture.optimizers import Trace, record_scheduler_steps, scheduler_order, swap_optimizers
 from zgraph.capture.precision import StepMode, TracePrecision, kept_in_own_dtype
+from zgraph.capture.size_guards import size_guards
 from zgraph.capture.symbolic_calls import symbolic_calls
 from zgraph.errors import CaptureError
 from zgraph.graph import GraphInput, GraphOutput
@@ -90,7 +91,7 @@ def trace_step(request: CaptureRequest) -> Traced:
     inputs = collect_inputs(binding, user_tensors)
     check_dense(inputs)
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, static_shapes=True)
-    fakes = fake_inputs(mode, inputs, request.meta_as)
+    fakes = fake_inputs(mode, inputs, request.meta_as, request.dynamic)
     found: list[tuple[CapturedGraph, list[GraphOutput]]] = []
     grad_enabled = torch.is_grad_enabled()
     host = HostScalars(inputs.specs, inputs.values, mode.shape_env)
@@ -126,6 +127,7 @@ def trace_step(request: CaptureRequest) -> Traced:
             t.grad = None
     captured, roles = found[-1]
     captured.host_guards = host.guards()
+    captured.size_guards = size_guards(mode.shape_env, inputs.specs, fakes, request.dynamic)
     return Traced(None, gm, captured, constants, inputs.specs, roles, fakes, mode)
 
 

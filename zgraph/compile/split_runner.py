@@ -105,7 +105,9 @@ class _SplitFunction(torch.autograd.Function):
             else:
                 io.write(role, value, call.user_tensors)
         ctx.call = call
-        ctx.save_for_backward(*outputs[n_out:])
+        saved = outputs[n_out:]  # tensors, and the sizes a graph with symbolic sizes passes its backward
+        ctx.save_for_backward(*(t for t in saved if isinstance(t, Tensor)))
+        ctx.sizes = [(i, n) for i, n in enumerate(saved) if not isinstance(n, Tensor)]
         positions = split.info.positions
         call.others = user_values
         returned = [user_values[p] for p in positions]
@@ -115,7 +117,9 @@ class _SplitFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: Tensor) -> tuple:
         call: _Call = ctx.call
-        saved = ctx.saved_tensors  # PyTorch's own error when a first backward already freed them
+        saved = list(ctx.saved_tensors)  # PyTorch's own error when a first backward already freed them
+        for i, n in ctx.sizes:
+            saved.insert(i, n)
         call.check()
         split = call.split
         try:

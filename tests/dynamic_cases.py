@@ -1,0 +1,89 @@
+"""The model, batches and eager reference of test_dynamic_shapes.py, and its multi-rank worker: a tiny GPT (no
+dropout) with AdamW over batches whose sequence length and batch size change, at stages 0-3.
+
+Semantics at world W (DDP's): each rank runs its rows of the global batch; the loss is the mean of the ranks'
+losses (equal rows per rank: the global batch's mean) and the gradients are averaged."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from dist_harness import run_named
+from torch import nn
+
+import zgraph
+from zgraph.demos.models import GPT, GPTConfig, lm_loss
+
+CONFIG = GPTConfig(vocab=48, d_model=16, layers=1, heads=2, seq=40)
+# (global batch, sequence length): the second call changes both, so the second capture makes both symbolic;
+# every later size runs on it. Each of 2 ranks gets >= 2 rows of each batch (a size 1 specializes).
+SIZES = [(4, 12), (6, 20), (8, 7), (4, 33), (6, 16)]
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def adamw(m: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def batch(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, CONFIG.vocab, (rows, length), generator=g) for _ in range(2))
+
+
+def batches(sizes: list[tuple[int, int]] = SIZES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [batch(rows, length, i) for i, (rows, length) in enumerate(sizes)]
+
+
+def train_step(m, opt, idx, targets):
+    loss = lm_loss(m(idx), targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def eager(world: int = 1, sizes: list[tuple[int, int]] = SIZES) -> dict:
+    """Eager PyTorch on the global batches (the loss the mean of ``world`` equal rank slices' losses)."""
+    m = model()
+    opt = adamw(m)
+    losses = []
+    for idx, targets in batches(sizes):
+        loss = sum(lm_loss(m(i), t) for i, t in zip(idx.chunk(world), targets.chunk(world))) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+
+
+def zgraph_run(config: zgraph.Config, rank: int = 0, world: int = 1, sizes: list[tuple[int, int]] = SIZES) -> dict:
+    """``eager``'s quantities for zgraph's step under ``config`` on this rank's rows of each batch, and the
+    number of captures after each call."""
+    m = model()
+    opt = adamw(m)
+    step = zgraph.distribute(config)(train_step)
+    losses, variants = [], []
+    for idx, targets in batches(sizes):
+        loss = step(m, opt, idx.chunk(world)[rank], targets.chunk(world)[rank]).detach().clone()
+        if world > 1:
+            dist.all_reduce(loss)
+        losses.append(loss / world)
+        variants.append(step._dispatch.variants())
+    return {"losses": losses, "params": zgraph.full_state_dict(m), "variants": variants}
+
+
+def stages(rank: int, world: int) -> dict:
+    """Stages 0-3 (stage 3 shards every parameter) on this rank's rows, eager backend."""
+    return {
+        stage: zgraph_run(zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0), rank, world)
+        for stage in range(4)
+    }
+
+
+def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
+    """Worker: run the named checks; rank 0 saves ``{name: result}``."""
+    run_named(rank, world, out_path, names, globals())

@@ -1,0 +1,109 @@
+"""Symbolic sizes (issue 41, item 1): a step whose batch and sequence sizes change is captured at most twice.
+
+The first call captures for its sizes; the first call whose guard key differs only in the sizes of some argument
+dims makes those dims (and the batch dim) symbolic, and its capture serves every later size its size guards accept
+(``zgraph.binding.dynamic``, ``zgraph.capture.size_guards``). ``zgraph.mark_dynamic`` makes a dim symbolic from the
+first call, with a range refused before anything changes. Every step equals eager PyTorch (bitwise on one process
+with the eager backend, DDP's semantics within fp32 rounding on two ranks) at stages 0-3, and in split mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dynamic_cases import CONFIG, SIZES, adamw, batch, batches, eager, model, train_step, zgraph_run
+
+import zgraph
+from zgraph.demos.models import lm_loss
+
+
+def _equal(got: dict, want: dict) -> None:
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert torch.equal(a, b), (a, b)
+    for name, value in want["params"].items():
+        assert torch.equal(got["params"][name], value), name
+
+
+def test_changing_sizes_are_captured_twice_and_equal_eager():
+    """The sequence changes first (its dim and the batch dim become symbolic), then the batch: no third capture.
+    A batch of one row after that is a third capture (torch specializes sizes 0 and 1), which serves every later
+    size 1; other sizes still run on the symbolic one."""
+    sizes = [(4, 12), (4, 20), (4, 33), (6, 9), (2, 40), (1, 15), (1, 9), (3, 15)]
+    got = zgraph_run(zgraph.Config(backend="eager"), sizes=sizes)
+    _equal(got, eager(sizes=sizes))
+    assert got["variants"] == [1, 2, 2, 2, 2, 3, 3, 3]
+
+
+def test_mark_dynamic_captures_once_and_refuses_a_size_outside_its_range():
+    m, opt = model(), None
+    opt = adamw(m)
+    step = zgraph.distribute(zgraph.Config(backend="eager"))(train_step)
+    ref, ref_opt = model(), None
+    ref_opt = adamw(ref)
+    for i, (idx, targets) in enumerate(batches()):
+        if i == 0:  # marked once: the step remembers the argument path's dims
+            zgraph.mark_dynamic(idx, 0, min=2)
+            zgraph.mark_dynamic(idx, 1, min=2, max=CONFIG.seq)
+            zgraph.mark_dynamic(targets, 0)
+            zgraph.mark_dynamic(targets, 1)
+        assert torch.equal(step(m, opt, idx, targets), train_step(ref, ref_opt, idx, targets))
+    assert step._dispatch.variants() == 1
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    idx, targets = batch(4, CONFIG.seq + 1, 99)
+    with pytest.raises(zgraph.CaptureError, match=r"argument `idx`.*size 41 in dim 1.*\[2, 40\].*mark_dynamic"):
+        step(m, opt, idx, targets)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert all(torch.equal(v, state[k]) for k, v in opt.state_dict()["state"][0].items())
+    assert step._dispatch.variants() == 1
+
+
+def test_torch_dynamo_mark_dynamic_is_honoured():
+    m = model()
+    step = zgraph.distribute(zgraph.Config(backend="eager"))(train_step)
+    opt = adamw(m)
+    for i, (idx, targets) in enumerate(batches(SIZES[:2])):
+        if i == 0:
+            for t in (idx, targets):
+                t._dynamo_dynamic_indices = {0, 1}  # what torch._dynamo.mark_dynamic(t, [0, 1]) sets
+        step(m, opt, idx, targets)
+    assert step._dispatch.variants() == 1
+
+
+def test_split_mode_with_symbolic_sizes():
+    """The step returns logits (a tangent of symbolic shape); the loss, its backward and the update are eager."""
+    m, ref = model(), model()
+    opt, ref_opt = adamw(m), adamw(ref)
+    forward = zgraph.distribute(zgraph.Config(backend="eager"))(lambda net, idx: net(idx))
+    for idx, targets in batches():
+        for net, fn, o in ((m, forward, opt), (ref, ref, ref_opt)):
+            loss = lm_loss(fn(net, idx) if fn is forward else fn(idx), targets)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert forward._dispatch.variants() == 2
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from dist_harness import run_ranks
+
+    path = tmp_path_factory.mktemp("dynamic") / "results.pt"
+    names = ["stages"]
+    run_ranks(2, "dynamic_cases.run", str(path), names, timeout=600)
+    results = torch.load(path, weights_only=False)
+    for name in names:
+        assert "error" not in results[name], results[name].get("error")
+    return results
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stages_on_two_ranks_equal_ddp_at_every_size(two_ranks, stage):
+    got, want = two_ranks["stages"][stage], eager(world=2)
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert got["variants"][-1] == 2

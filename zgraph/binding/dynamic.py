@@ -1,0 +1,147 @@
+"""Which dimensions of a step's tensor arguments are symbolic sizes: marked by the user (``zgraph.mark_dynamic``,
+or ``torch._dynamo.mark_dynamic``) from the first call, or found automatically, as torch.compile's "automatic
+dynamic shapes" does: when a call misses every compiled variant and one of them differs from it only in the sizes
+of some dimensions of tensor arguments (same rank, dtype, device, structure and all else), those dimensions (and
+dim 0, the batch, of the same tensors) become symbolic for the step, and the next capture traces them as symbols
+(``zgraph.capture.inputs``). That variant then serves every size its size guards (``zgraph.capture.size_guards``)
+accept. Parameters, gradients and optimizer state keep static shapes: only argument tensors' dims become symbolic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import Tensor
+
+from zgraph.binding.arguments import StepCall
+from zgraph.binding.guards import KEY_PARTS
+from zgraph.errors import CaptureError
+from zgraph.tree import iter_leaves
+
+_MARK = "_zgraph_dynamic_dims"  # {dim: (min, max)} on a tensor zgraph.mark_dynamic marked
+_ARGUMENTS = KEY_PARTS.index("an argument")
+
+Range = tuple[int | None, int | None]
+
+
+def mark_dynamic(tensor: Tensor, dim: int, *, min: int | None = None, max: int | None = None) -> Tensor:  # noqa: A002
+    """Make dimension ``dim`` of ``tensor`` symbolic in the step it is passed to (as an argument, at any nesting):
+    the step is captured once with that size a symbol, and the graph serves every size in ``[min, max]`` (a size
+    of 0 or 1 still gets a capture of its own, as in torch). A call whose size lies outside the range is refused
+    before anything changes. The marking is remembered by the step: later tensors at the same argument path need
+    not be marked. Returns ``tensor``."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"zgraph.mark_dynamic marks a tensor's dimension; got {type(tensor).__name__}")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(f"zgraph.mark_dynamic: dim {dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+    for name, bound in (("min", min), ("max", max)):
+        if bound is not None and (not isinstance(bound, int) or bound < 0):
+            raise ValueError(f"zgraph.mark_dynamic: {name} must be a non-negative int, got {bound!r}")
+    if min is not None and max is not None and min > max:
+        raise ValueError(f"zgraph.mark_dynamic: min={min} is larger than max={max}")
+    marks = dict(getattr(tensor, _MARK, {}))
+    marks[dim % tensor.dim()] = (min, max)
+    setattr(tensor, _MARK, marks)
+    return tensor
+
+
+def _marks(t: Tensor) -> dict[int, Range]:
+    """The dims marked dynamic on ``t``, with their ranges: zgraph's marks and ``torch._dynamo.mark_dynamic``'s."""
+    marks: dict[int, Range] = {d: (None, None) for d in getattr(t, "_dynamo_dynamic_indices", ())}
+    for r in getattr(t, "_dynamo_dynamic_range", ()):
+        marks[r.dim] = (r.min, r.max)
+    marks.update(getattr(t, _MARK, {}))
+    return marks
+
+
+class DynamicDims:
+    """A step's symbolic argument dims (path -> dims) and the declared ranges of marked ones."""
+
+    def __init__(self) -> None:
+        self.dims: dict[str, frozenset[int]] = {}
+        self.ranges: dict[tuple[str, int], Range] = {}
+
+    def observe(self, call: StepCall) -> None:
+        """Take this call's marks, then check every declared range: a size outside one is refused (nothing has
+        changed yet)."""
+        tensors = [(path, leaf) for name, v in call.arguments for path, leaf in iter_leaves(v, name)]
+        tensors = [(path, t) for path, t in tensors if isinstance(t, Tensor)]
+        for path, t in tensors:
+            for dim, bounds in _marks(t).items():
+                self.ranges[(path, dim)] = bounds
+                self.add(path, [dim])
+        for path, t in tensors:
+            for dim in self.dims.get(path, ()):
+                self._check(call, path, t, dim)
+
+    def _check(self, call: StepCall, path: str, t: Tensor, dim: int) -> None:
+        lo, hi = self.ranges.get((path, dim), (None, None))
+        if dim >= t.dim():
+            if (path, dim) in self.ranges:
+                raise CaptureError(
+                    f"argument `{path}` of step `{call.name}` was marked dynamic in dim {dim} "
+                    f"(zgraph.mark_dynamic), but this call passes a tensor of shape {tuple(t.shape)}, which has no "
+                    f"dim {dim}. Pass a tensor with the same number of dims as the marked one."
+                )
+            return
+        size = t.shape[dim]
+        if (lo is not None and size < lo) or (hi is not None and size > hi):
+            raise CaptureError(
+                f"argument `{path}` of step `{call.name}` has size {size} in dim {dim}, outside the range "
+                f"[{'0' if lo is None else lo}, {'inf' if hi is None else hi}] declared with zgraph.mark_dynamic; "
+                "nothing was run. Pad or split the batch to a size in that range, or mark the dim with a wider "
+                "min / max."
+            )
+
+    def add(self, path: str, dims: Iterable[int]) -> None:
+        self.dims[path] = self.dims.get(path, frozenset()) | frozenset(dims)
+
+    def widen(self, key: tuple, cached: Iterable[tuple]) -> bool:
+        """Automatic dynamic: the argument dims in which ``key`` (a call's guard key) differs from a cached
+        variant's key, where that is all they differ in, become symbolic, and with them dim 0 of the same tensors
+        (the batch: a sequence that varies now is usually followed by a smaller last batch, which then needs no
+        capture of its own; a dim 0 that is not a batch costs nothing, the guards keep what the graph needs).
+        Whether any became symbolic."""
+        found: dict[str, set[int]] = {}
+        for other in cached:
+            dims = _size_changes(key, other)
+            for path, changed in (dims or {}).items():
+                found.setdefault(path, {0}).update(changed)
+        new = {path: dims - self.dims.get(path, frozenset()) for path, dims in found.items()}
+        for path, dims in new.items():
+            self.add(path, dims)
+        return any(new.values())
+
+    def of(self, paths: Sequence[str]) -> dict[str, frozenset[int]]:
+        """The symbolic dims of the tensors at ``paths`` (a call's user tensors)."""
+        return {path: self.dims[path] for path in paths if path in self.dims}
+
+
+def _size_changes(key: tuple, other: tuple) -> dict[str, set[int]] | None:
+    """``path -> dims`` whose sizes differ between two guard keys that differ in nothing else; None when they
+    differ in anything else (or not at all)."""
+    if len(key) != len(other) or any(a != b for i, (a, b) in enumerate(zip(key, other)) if i != _ARGUMENTS):
+        return None
+    leaves, others = key[_ARGUMENTS], other[_ARGUMENTS]
+    if len(leaves) != len(others):
+        return None
+    changes: dict[str, set[int]] = {}
+    for (path, a), (other_path, b) in zip(leaves, others):
+        if path != other_path:
+            return None
+        if a == b:
+            continue
+        dims = _tensor_size_change(a, b)
+        if not dims:
+            return None
+        changes[path] = dims
+    return changes or None
+
+
+def _tensor_size_change(a: object, b: object) -> set[int] | None:
+    """The dims two tensor leaf keys (``zgraph.binding.guards._tensor_key``) differ in, when only sizes differ."""
+    if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and a and isinstance(a[0], tuple)):
+        return None
+    if a[1:] != b[1:] or not isinstance(b[0], tuple) or len(a[0]) != len(b[0]):
+        return None
+    return {d for d, (x, y) in enumerate(zip(a[0], b[0])) if x != y}
