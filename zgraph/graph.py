@@ -347,6 +347,12 @@ def bind_sizes(gm: fx.GraphModule) -> None:
         node.kwargs = fx.node.map_aggregate(node.kwargs, bound)
 
 
+def size_symbols(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
+    """Each size symbol of the graph's inputs, by name: the input (``GraphInput.name``: an argument's path) and the
+    dimension it is the size of."""
+    return {str(symbol): (node.meta[INPUT].name, dim) for symbol, (node, dim) in _size_sources(gm).items()}
+
+
 def _size_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[fx.Node, int]]:
     """Each size symbol that is a dimension of a graph input: the placeholder and the dimension."""
     sources: dict[sympy.Symbol, tuple[fx.Node, int]] = {}

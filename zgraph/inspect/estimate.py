@@ -33,12 +33,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zgraph.binding.arguments import StepCall
+from zgraph.binding.dynamic import DynamicDims
 from zgraph.binding.guards import discover
 from zgraph.binding.session import user_tensors
 from zgraph.binding.setup import plan_state
@@ -58,6 +60,7 @@ from zgraph.graph import (
     copy_graph_module,
     output_node,
     placeholders,
+    size_symbols,
     state_key,
     tensor_bytes,
 )
@@ -113,7 +116,14 @@ class Estimate:
             (``zgraph.inspect.liveness.cuda_block_bytes``), as ``torch.cuda.max_memory_allocated`` does.
         step_seconds: predicted seconds of one call: compute and the communication it waits for, from the cost
             model (``zgraph.runtime.timeline``), plus the offload tier's transfers at the tier's bandwidth. A
-            figure to compare configs by, not a measurement.
+            figure to compare configs by, not a measurement (with symbolic sizes: at the sizes traced).
+        size_symbols: a step with symbolic sizes (arguments marked with ``zgraph.mark_dynamic``): each size
+            symbol by name, with the argument path and dimension it stands for; empty for static sizes.
+        sizes: the size each symbol was estimated at (``sizes=`` of ``step.estimate``, else the traced size): the
+            byte counts above (model state, peak, activations, live bytes) are at these sizes.
+        peak_formula: ``peak_bytes`` as an expression of the symbols (``sympy``): the bytes alive at the peak node,
+            exact around ``sizes`` (the peak may move to another node far from them: estimate there again).
+        activation_formula: ``activation_bytes`` likewise.
     """
 
     world_size: int
@@ -134,11 +144,17 @@ class Estimate:
     step_seconds: float = 0.0
     link_bytes: Mapping[str, int] = field(default_factory=dict)
     activation_bytes: int = 0
+    size_symbols: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    peak_formula: sympy.Expr | None = None
+    activation_formula: sympy.Expr | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
+        """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest; formulas as text)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "live_bytes"}
         out["alive_at_peak"] = [list(item) for item in self.alive_at_peak[:10]]
+        for name in ("peak_formula", "activation_formula"):
+            out[name] = None if out[name] is None else str(out[name])
         return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
 
@@ -154,15 +170,18 @@ def estimate_step(
     device: str | torch.device | None = None,
     ranks_per_node: int | None = None,
     inter_node_gbps: float | None = None,
+    sizes: Mapping[str | tuple[str, int], int] | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a step of ``config`` making ``call`` on ``world_size`` ranks (None: the current world),
     planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None: the device of the model's
     parameters, else the CPU). ``cost_model``: prices collectives (default: the one the step would plan with for
     the backend that serves the device). ``ranks_per_node``: consecutive ranks per node (None: torchrun's
     ``LOCAL_WORLD_SIZE``, else one node); a collective whose group spans nodes is priced at ``inter_node_gbps``
-    (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``."""
+    (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``.
+    ``sizes``: for arguments marked with ``zgraph.mark_dynamic`` (traced as size symbols), the sizes to estimate
+    at, by symbol name or ``(argument path, dim)`` (``Estimate.size_symbols``); the others at the call's sizes."""
     prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
-    return estimate_variant(prepared, config, copy=False)
+    return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
 
 
 @dataclass(frozen=True)
@@ -176,6 +195,7 @@ class Prepared:
     device: torch.device
     ran: int = 0
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group, by name, crosses nodes
+    sizes: Mapping[str | tuple[str, int], int] = field(default_factory=dict)  # where symbolic sizes are estimated
 
 
 def prepare(
@@ -217,7 +237,8 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
     records = run_pipeline(gm, ctx, config.pipeline()[prepared.ran :], check_input=not prepared.ran, keep=False)
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
-    live = liveness(final, device.type)
+    symbols = size_symbols(final)
+    live = liveness(final, device.type, symbol_sizes(symbols, prepared.sizes))
     seconds = timeline(final, binding.cost_model, prepared.crossing).total + transfer_seconds(final, device.type)
     comm = collective_totals(final, binding.cost_model, prepared.crossing)
     return Estimate(
@@ -239,7 +260,24 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
         step_seconds=seconds,
         link_bytes=comm.link_bytes,
         activation_bytes=live.activation_bytes,
+        size_symbols=symbols,
+        sizes=live.sizes,
+        peak_formula=live.peak_formula,
+        activation_formula=live.activation_formula,
     )
+
+
+def symbol_sizes(symbols: Mapping[str, tuple[str, int]], sizes: Mapping[str | tuple[str, int], int]) -> dict[str, int]:
+    """``sizes`` by symbol name: a key is a symbol's name or ``(argument path, dim)`` (``Estimate.size_symbols``)."""
+    by_place = {place: name for name, place in symbols.items()}
+    out = {}
+    for key, size in sizes.items():
+        name = by_place.get(key) if isinstance(key, tuple) else key if key in symbols else None
+        if name is None:
+            known = ", ".join(f"{n} ({p} dim {d})" for n, (p, d) in symbols.items()) or "none: its sizes are static"
+            raise ValueError(f"sizes: {key!r} is not a symbolic size of the step; its symbolic sizes: {known}")
+        out[name] = size
+    return out
 
 
 def _capture(call: StepCall, binding: Binding, config: Config, device: torch.device) -> CapturedGraph:
@@ -255,12 +293,20 @@ def _capture(call: StepCall, binding: Binding, config: Config, device: torch.dev
         user_tensors=user_tensors(binding, call),
         config=dataclasses.replace(config, autocast_dtype=None) if emulated else config,
         meta_as=torch.device("cpu") if emulated else device,
+        dynamic=_marked(call, binding),
     )
     modules = [m for _, m in binding.modules]
     with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext(), collector_paused():
         captured = capture(request, _refuse_unbound)
     assert isinstance(captured, CapturedGraph)  # _refuse_unbound never asks to bind more
     return captured
+
+
+def _marked(call: StepCall, binding: Binding) -> dict[str, frozenset[int]]:
+    """The argument dims marked with ``zgraph.mark_dynamic``, by path: the estimate traces them as size symbols."""
+    dims = DynamicDims()
+    dims.observe(call)
+    return dims.of([path for path, _ in user_tensors(binding, call)])
 
 
 def _refuse_unbound(traced: Traced) -> None:
