@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,6 +231,14 @@ def prepare(
 
 def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
     """The ``Estimate`` of the prepared step through ``config``'s passes (on a copy of its graph where ``copy``)."""
+    return estimate_sizes(prepared, config, [prepared.sizes], copy=copy)[0]
+
+
+def estimate_sizes(
+    prepared: Prepared, config: Config, sizes: Sequence[Mapping[str | tuple[str, int], int]], *, copy: bool = True
+) -> list[Estimate]:
+    """``estimate_variant`` at each of ``sizes`` (a step with symbolic sizes: ``step.estimate``'s ``sizes=``): the
+    passes run once, the liveness of their graph is evaluated at each."""
     captured, binding, device = prepared.captured, prepared.binding, prepared.device
     ctx = pass_context(binding, split=captured.split is not None)
     gm = copy_graph_module(captured.gm) if copy else captured.gm
@@ -238,33 +246,39 @@ def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
     symbols = size_symbols(final)
-    live = liveness(final, device.type, symbol_sizes(symbols, prepared.sizes))
     seconds = timeline(final, binding.cost_model, prepared.crossing).total + transfer_seconds(final, device.type)
     comm = collective_totals(final, binding.cost_model, prepared.crossing)
-    return Estimate(
-        world_size=prepared.group.world_size,
-        stage=config.stage,
-        params=sum(r.tensor.numel() for r in binding.params),
-        model_state_bytes=_model_state(final, captured, binding, config, device.type),
-        peak_bytes=live.peak_bytes,
-        peak_node=live.peak_node,
-        alive_at_peak=live.alive_at_peak,
-        comm_bytes=comm.sent,
-        comm_count=comm.counts,
-        comm_seconds=comm.seconds,
-        cost_model_source=binding.cost_model.source,
-        comm_ops=comm.ops,
-        live_bytes=live.live_bytes,
-        nodes=len(final.graph.nodes),
-        device=device.type,
-        step_seconds=seconds,
-        link_bytes=comm.link_bytes,
-        activation_bytes=live.activation_bytes,
-        size_symbols=symbols,
-        sizes=live.sizes,
-        peak_formula=live.peak_formula,
-        activation_formula=live.activation_formula,
-    )
+    state = _model_state(final, captured, binding, config, device.type)
+    out = []
+    for at in sizes:
+        live = liveness(final, device.type, symbol_sizes(symbols, at))
+        out.append(
+            Estimate(
+                world_size=prepared.group.world_size,
+                stage=config.stage,
+                params=sum(r.tensor.numel() for r in binding.params),
+                model_state_bytes=state,
+                peak_bytes=live.peak_bytes,
+                peak_node=live.peak_node,
+                alive_at_peak=live.alive_at_peak,
+                comm_bytes=comm.sent,
+                comm_count=comm.counts,
+                comm_seconds=comm.seconds,
+                cost_model_source=binding.cost_model.source,
+                comm_ops=comm.ops,
+                live_bytes=live.live_bytes,
+                nodes=len(final.graph.nodes),
+                device=device.type,
+                step_seconds=seconds,
+                link_bytes=comm.link_bytes,
+                activation_bytes=live.activation_bytes,
+                size_symbols=symbols,
+                sizes=live.sizes,
+                peak_formula=live.peak_formula,
+                activation_formula=live.activation_formula,
+            )
+        )
+    return out
 
 
 def symbol_sizes(symbols: Mapping[str, tuple[str, int]], sizes: Mapping[str | tuple[str, int], int]) -> dict[str, int]:
