@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,8 +36,6 @@ from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
-from torch.utils._sympy.interp import sympy_interp
-from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 # ---------------------------------------------------------------------------------------------------- phases
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -320,37 +319,53 @@ def symbolic_bytes(value: Any) -> sympy.Expr:
 def bind_sizes(gm: fx.GraphModule) -> None:
     """Every symbolic size an op takes as an argument (a pass wrote a symbolic value's ``shape`` into an op's
     arguments: a reshape, a collective's splits, a position's offset) computed by the graph from its inputs' sizes
-    (``aten.sym_size.int`` and Python arithmetic, right before the op, as ``make_fx`` writes them), so the graph
-    runs at every size; a no-op on a graph of static sizes. Run by the pass pipeline after each pass."""
-    sources = _size_sources(gm)
-    if not sources:
+    (torch's ``Graph.materialize_symints``: ``aten.sym_size.int`` of an input and Python arithmetic, right before
+    the op), so the graph runs at every size; a no-op on a graph of static sizes. Run by the pass pipeline after
+    each pass."""
+    if not _size_sources(gm):
         return
-    known: dict[sympy.Expr, fx.Node] = {}
-    for node in list(gm.graph.nodes):
+    graph = gm.graph
+    known: dict[sympy.Expr, fx.Node] = {}  # nodes computing a size, before the node being looked at
+    for node in list(graph.nodes):
         val = node.meta.get(VAL)
         if node.op == "call_function" and isinstance(val, torch.SymInt):
             known.setdefault(val.node.expr, node)
-        if node.op not in ("call_function", "output") or not _takes_symbol(node):
+        if node.op not in ("call_function", "output"):
             continue
+        wanted = [a for a in _flat(node.args, node.kwargs) if isinstance(a, torch.SymInt)]
+        new = list({a.node.expr: a for a in wanted if a.node.expr not in known and not a.node.expr.is_number}.values())
+        if not wanted:
+            continue
+        if new:
+            first = node.prev
+            with graph.inserting_before(node):
+                made = graph.materialize_symints(new)
+            known.update({a.node.expr: m for a, m in zip(new, made) if isinstance(m, fx.Node)})
+            made_node = node.prev
+            while made_node is not first:
+                made_node.meta.setdefault(PHASE, node.meta.get(PHASE, FORWARD))
+                made_node = made_node.prev
 
-        def bound(arg: Any, node: fx.Node = node) -> Any:
+        def bound(arg: Any) -> Any:
             if not isinstance(arg, torch.SymInt):
                 return arg
-            expr = arg.node.expr
-            if expr.is_number:
-                return int(expr)
-            if expr not in known:
-                known[expr] = _size_node(gm, expr, node, sources, known)
-            return known[expr]
+            return int(arg.node.expr) if arg.node.expr.is_number else known[arg.node.expr]
 
         node.args = fx.node.map_aggregate(node.args, bound)
         node.kwargs = fx.node.map_aggregate(node.kwargs, bound)
 
 
+def _flat(*args: Any) -> list:
+    flat: list = []
+    fx.node.map_aggregate(args, flat.append)
+    return flat
+
+
 def size_symbols(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
     """Each size symbol of the graph's inputs, by name: the input (``GraphInput.name``: an argument's path) and the
     dimension it is the size of."""
-    return {str(symbol): (node.meta[INPUT].name, dim) for symbol, (node, dim) in _size_sources(gm).items()}
+    sources = _size_sources(gm).items()
+    return {str(symbol): (getattr(node.meta.get(INPUT), "name", node.name), dim) for symbol, (node, dim) in sources}
 
 
 def _size_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[fx.Node, int]]:
@@ -363,47 +378,6 @@ def _size_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[fx.Node, int]]
                 if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                     sources.setdefault(size.node.expr, (node, dim))
     return sources
-
-
-def _takes_symbol(node: fx.Node) -> bool:
-    found = False
-
-    def look(arg: Any) -> Any:
-        nonlocal found
-        found = found or isinstance(arg, torch.SymInt)
-        return arg
-
-    fx.node.map_aggregate((node.args, node.kwargs), look)
-    return found
-
-
-def _size_node(
-    gm: fx.GraphModule, expr: sympy.Expr, before: fx.Node, sources: dict, known: dict[sympy.Expr, fx.Node]
-) -> fx.Node:
-    """Nodes computing ``expr`` right before ``before`` (``torch.utils._sympy.interp`` over graph proxies)."""
-    graph, mode = gm.graph, fake_mode(gm)
-    tracer = fx.proxy.GraphAppendingTracer(graph)
-    env = {}
-    for symbol in expr.free_symbols:
-        if symbol in known:
-            env[symbol] = fx.Proxy(known[symbol], tracer)
-            continue
-        if symbol not in sources:
-            raise ValueError(f"size symbol {symbol} of {before.name} is not a dimension of any graph input")
-        node = insert(gm, torch.ops.aten.sym_size.int, sources[symbol], before=before, mode=mode)
-        known[symbol] = node
-        env[symbol] = fx.Proxy(node, tracer)
-    first = before.prev
-    with graph.inserting_before(before):
-        result = sympy_interp(PythonReferenceAnalysis, env, expr).node
-    made, node = [], before.prev
-    while node is not first:
-        made.append(node)
-        node = node.prev
-    for node in reversed(made):
-        node.meta[PHASE] = before.meta.get(PHASE, FORWARD)
-        compute_val(node, mode)
-    return result
 
 
 # ------------------------------------------------------------------------------------------ graph mechanics
@@ -477,7 +451,9 @@ def insert(
     """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value and a phase."""
     graph = gm.graph
     context = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
-    with context:
+    with context, warnings.catch_warnings():
+        # a symbolic size among the arguments is computed by the graph after the pass (``bind_sizes``)
+        warnings.filterwarnings("ignore", message="Raw SymInt value", category=UserWarning)
         node = graph.call_function(target, args, kwargs or {})
     anchor = before if before is not None else after
     node.meta[PHASE] = phase or anchor.meta.get(PHASE, FORWARD)
