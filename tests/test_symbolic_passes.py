@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from symbolic_pass_cases import CONFIG, train_step
+from symbolic_pass_cases import CLIP, CONFIG, eager, train_step
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import zgraph
 from zgraph.binding.arguments import StepCall
 from zgraph.demos.models import GPT
 from zgraph.graph import PHASE, VAL, bind_sizes, fake_mode, insert, size_symbols
-from zgraph.inspect.estimate import estimate_sizes, prepare
+from zgraph.inspect.estimate import estimate_sizes, prepare, symbol_sizes
 from zgraph.inspect.liveness import liveness
 
 aten = torch.ops.aten
@@ -108,21 +108,21 @@ def test_estimate_at_sizes_and_a_budget_planned_for_the_largest():
     call = _marked_call(16)
     step = zgraph.distribute(zgraph.Config(backend="eager", remat="selective"))(train_step)  # fewer plans to try
     model, opt, idx, _ = call.args
-    small, large = (step.estimate(model, opt, idx, idx, sizes={("idx", 1): n}) for n in (16, 48))
-    assert large.activation_bytes > small.activation_bytes and large.sizes != small.sizes
-    plan = step.estimate(model, opt, idx, idx, memory_budget=large.peak_bytes, sizes={("idx", 1): 48})
-    assert plan.chosen.estimate.peak_bytes <= large.peak_bytes
-    assert plan.chosen.estimate.sizes == large.sizes
+    plan = step.estimate(model, opt, idx, idx, memory_budget=2**40, sizes={("idx", 1): 48})
+    large = plan.chosen.estimate
+    (symbol,) = large.size_symbols
+    assert large.sizes == {symbol: 48}
+    small = large.activation_formula.subs({s: 16 for s in large.activation_formula.free_symbols})
+    assert large.activation_bytes > small > 0
     with pytest.raises(ValueError, match="not a symbolic size"):
-        step.estimate(model, opt, idx, idx, sizes={("targets", 0): 3})
+        symbol_sizes(large.size_symbols, {("targets", 0): 3})
 
 
-def _equal(got: dict) -> None:
-    symbolic, static = got["symbolic"], got["static"]
-    for a, b in zip(symbolic["losses"], static["losses"], strict=True):
-        assert torch.equal(a, b), (a, b)
-    for name, value in static["params"].items():
-        assert torch.equal(symbolic["params"][name], value), name
+def _close(got: dict, want: dict) -> None:
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert got["variants"] == 1
 
 
@@ -131,7 +131,7 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("symbolic_passes") / "results.pt"
-    names = ["sequence_parallel_remat", "offload_bf16_clip"]
+    names = ["sequence_parallel_remat", "offload_clip"]
     run_ranks(2, "symbolic_pass_cases.run", str(path), names, timeout=600)
     results = torch.load(path, weights_only=False)
     for name in names:
@@ -139,8 +139,13 @@ def two_ranks(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ["sequence_parallel_remat", "offload_bf16_clip"])
-def test_two_ranks_symbolic_graphs_equal_static_graphs(two_ranks, name):
-    """On 2 ranks: Ulysses at stage 3 with remat (a symbolic slice of the sequence; rank 1's positions moved by a
-    symbolic offset), and stage 2 with activations offloaded, bf16 states and clipping."""
-    _equal(two_ranks[name])
+def test_sequence_parallel_and_remat_on_a_symbolic_sequence_equal_eager(two_ranks):
+    """Ulysses over 2 ranks at stage 3 with every block recomputed: each rank's slice of the sequence is a symbol,
+    rank 1's positions move by a symbolic offset; every length equals eager PyTorch on the whole sequences."""
+    _close(two_ranks["sequence_parallel_remat"], eager())
+
+
+def test_activation_offload_remat_and_clipping_on_a_symbolic_sequence_equal_eager(two_ranks):
+    """Stage 2 with saved activations stashed to files and back (their symbolic shapes computed by the graph),
+    selective remat and clipping of the global gradient norm, on 2 ranks: equal eager PyTorch on the global batch."""
+    _close(two_ranks["offload_clip"], eager(max_grad_norm=CLIP))
