@@ -23,11 +23,11 @@ from zgraph.graph import (
     fake_mode,
     insert,
     output_node,
-    same_shape,
     set_input_layout,
     shard_rows,
 )
 from zgraph.ops import SHARD, UNSHARD
+from zgraph.sizes import same_shape
 
 aten = torch.ops.aten
 

@@ -33,9 +33,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, VAL, insert, offload_moves, size_hint, tensor_bytes
+from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, VAL, insert, offload_moves, tensor_bytes
 from zgraph.ops import STASH, UNSTASH
 from zgraph.passes.pipeline import PassContext
+from zgraph.sizes import size_hint
 
 TIERS = ("cpu", "nvme")
 

@@ -21,10 +21,11 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PipelineError
-from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, bind_sizes, copy_graph_module
+from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 from zgraph.passes.provenance import run_pass
 from zgraph.sequence_ops import SEQUENCE_OPS
+from zgraph.sizes import bind_sizes
 
 # Properties the captured graph has before any pass runs (see zgraph.capture.trace); checked before the first pass.
 CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})

@@ -30,20 +30,11 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PipelineError
-from zgraph.graph import (
-    FORWARD,
-    INPUT,
-    PHASE,
-    Axis,
-    compute_val,
-    eliminate_dead_code,
-    fake_mode,
-    insert,
-    same_size,
-)
+from zgraph.graph import FORWARD, INPUT, PHASE, Axis, compute_val, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE
 from zgraph.passes.pipeline import PassContext
 from zgraph.sequence_ops import HEADS_TO_SEQ, SEQ_TO_HEADS
+from zgraph.sizes import same_size
 
 aten = torch.ops.aten
 ATTENTION = {

@@ -47,10 +47,10 @@ from zgraph.graph import (
     fake_mode,
     insert,
     output_node,
-    same_shape,
     state_key,
 )
 from zgraph.ops import RELOAD, WRITE_BACK
+from zgraph.sizes import same_shape
 
 
 def _inplace_variant(target: object) -> object | None:

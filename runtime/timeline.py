@@ -23,9 +23,10 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from zgraph.graph import VAL, CostModel, collective_bytes, collective_kind, size_hint, tensor_bytes
+from zgraph.graph import VAL, CostModel, collective_bytes, collective_kind, tensor_bytes
 from zgraph.ops import RELOAD, STASH, UNSTASH, WRITE_BACK
 from zgraph.runtime.cost_model import LINK_CLASSES, crosses, link_seconds
+from zgraph.sizes import size_hint
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Bytes per second an offload tier moves, by the device whose state it holds: a GPU's state goes to pinned host

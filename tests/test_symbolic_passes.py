@@ -17,9 +17,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import zgraph
 from zgraph.binding.arguments import StepCall
 from zgraph.demos.models import GPT
-from zgraph.graph import PHASE, VAL, bind_sizes, fake_mode, insert, size_symbols
+from zgraph.graph import PHASE, VAL, fake_mode, insert
 from zgraph.inspect.estimate import estimate_sizes, prepare, symbol_sizes
 from zgraph.inspect.liveness import liveness
+from zgraph.sizes import bind_sizes, size_symbols
 
 aten = torch.ops.aten
 

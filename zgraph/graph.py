@@ -24,18 +24,16 @@ import copy
 import dataclasses
 import functools
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import sympy
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext
 from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 # ---------------------------------------------------------------------------------------------------- phases
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -258,9 +256,10 @@ def offload_moves(tier: str | None, device_type: str) -> bool:
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of a tensor, or of the tensors in a list/tuple; of a tensor with symbolic sizes, at their hints
-    (``size_hint``: the sizes it was captured at; ``symbolic_bytes`` keeps the symbols)."""
+    (``zgraph.sizes.size_hint``: the sizes it was captured at; ``zgraph.sizes.symbolic_bytes`` keeps the symbols)."""
     if isinstance(value, torch.Tensor):
-        return size_hint(value.numel()) * value.element_size()
+        numel = value.numel()
+        return (optimization_hint(numel) if isinstance(numel, torch.SymInt) else numel) * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     return 0
@@ -271,113 +270,6 @@ def collective_bytes(node: fx.Node) -> int:
     out = tensor_bytes(node.meta.get(VAL))
     ins = sum(tensor_bytes(arg.meta.get(VAL)) for arg in node.all_input_nodes)
     return max(out, ins)
-
-
-# ------------------------------------------------------------------------------------------- symbolic sizes
-# A graph captured with symbolic sizes (some dimensions of the step's tensor arguments: the batch, the sequence)
-# carries backed ``torch.SymInt``s in its values' shapes. Passes decide at the sizes it was captured at (their
-# hints: no guard is added) and write the symbols, not ints, where the graph computes with a size.
-
-
-def size_hint(value: int | torch.SymInt) -> int:
-    """A size as an int: a symbolic one's hint (the size it was captured at), without adding a guard. For decisions
-    (what to recompute, offload, bucket, prefetch); where the graph computes with the size, keep the symbol."""
-    return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)
-
-
-def is_symbolic(value: object) -> bool:
-    """Whether ``value`` (a size, or a tensor's shape) depends on a size symbol."""
-    if isinstance(value, torch.Tensor):
-        return any(is_symbolic(d) for d in value.shape)
-    return isinstance(value, torch.SymInt) and bool(value.node.expr.free_symbols)
-
-
-def same_size(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
-    """``a == b`` for every value of the size symbols (decided without adding a guard: False when it may not be)."""
-    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return statically_known_true(a == b)
-    return a == b
-
-
-def same_shape(a: Sequence[int | torch.SymInt], b: Sequence[int | torch.SymInt]) -> bool:
-    """Two shapes equal for every value of the size symbols (``same_size`` of each dimension; no guard)."""
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
-
-
-def symbolic_bytes(value: Any) -> sympy.Expr:
-    """Bytes of a tensor (or of the tensors in a list/tuple) as an expression of the size symbols (a number when its
-    sizes are static)."""
-    if isinstance(value, torch.Tensor):
-        numel = value.numel()
-        expr = numel.node.expr if isinstance(numel, torch.SymInt) else sympy.Integer(numel)
-        return expr * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sympy.Add(*(symbolic_bytes(v) for v in value))
-    return sympy.Integer(0)
-
-
-def bind_sizes(gm: fx.GraphModule) -> None:
-    """Every symbolic size an op takes as an argument (a pass wrote a symbolic value's ``shape`` into an op's
-    arguments: a reshape, a collective's splits, a position's offset) computed by the graph from its inputs' sizes
-    (torch's ``Graph.materialize_symints``: ``aten.sym_size.int`` of an input and Python arithmetic, right before
-    the op), so the graph runs at every size; a no-op on a graph of static sizes. Run by the pass pipeline after
-    each pass."""
-    if not _size_sources(gm):
-        return
-    graph = gm.graph
-    known: dict[sympy.Expr, fx.Node] = {}  # nodes computing a size, before the node being looked at
-    for node in list(graph.nodes):
-        val = node.meta.get(VAL)
-        if node.op == "call_function" and isinstance(val, torch.SymInt):
-            known.setdefault(val.node.expr, node)
-        if node.op not in ("call_function", "output"):
-            continue
-        wanted = [a for a in _flat(node.args, node.kwargs) if isinstance(a, torch.SymInt)]
-        new = list({a.node.expr: a for a in wanted if a.node.expr not in known and not a.node.expr.is_number}.values())
-        if not wanted:
-            continue
-        if new:
-            first = node.prev
-            with graph.inserting_before(node):
-                made = graph.materialize_symints(new)
-            known.update({a.node.expr: m for a, m in zip(new, made) if isinstance(m, fx.Node)})
-            made_node = node.prev
-            while made_node is not first:
-                made_node.meta.setdefault(PHASE, node.meta.get(PHASE, FORWARD))
-                made_node = made_node.prev
-
-        def bound(arg: Any) -> Any:
-            if not isinstance(arg, torch.SymInt):
-                return arg
-            return int(arg.node.expr) if arg.node.expr.is_number else known[arg.node.expr]
-
-        node.args = fx.node.map_aggregate(node.args, bound)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, bound)
-
-
-def _flat(*args: Any) -> list:
-    flat: list = []
-    fx.node.map_aggregate(args, flat.append)
-    return flat
-
-
-def size_symbols(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
-    """Each size symbol of the graph's inputs, by name: the input (``GraphInput.name``: an argument's path) and the
-    dimension it is the size of."""
-    sources = _size_sources(gm).items()
-    return {str(symbol): (getattr(node.meta.get(INPUT), "name", node.name), dim) for symbol, (node, dim) in sources}
-
-
-def _size_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[fx.Node, int]]:
-    """Each size symbol that is a dimension of a graph input: the placeholder and the dimension."""
-    sources: dict[sympy.Symbol, tuple[fx.Node, int]] = {}
-    for node in placeholders(gm):
-        val = node.meta.get(VAL)
-        if isinstance(val, torch.Tensor):
-            for dim, size in enumerate(val.shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    sources.setdefault(size.node.expr, (node, dim))
-    return sources
 
 
 # ------------------------------------------------------------------------------------------ graph mechanics

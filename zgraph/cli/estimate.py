@@ -12,9 +12,7 @@ at ``--micro-batch`` (``zgraph.inspect.budget``: remat, offload, reuse), without
 ``--ranks-per-node`` says which collectives cross nodes (their groups' ranks lie on more than one node): they are
 priced at ``--inter-node-gbps`` and ``--inter-node-latency-us`` (defaults: ``zgraph.runtime.cost_model.INTER_NODE``)
 and their bytes are printed apart from those within a node; ``--shard-group-size`` (hybrid sharding) and
-``--secondary-shard-group-size`` (hpZ) set the ``Config`` fields of those names. ``--seq-lens 128,256,512`` traces
-the step once with the sequence length a size symbol (``zgraph.mark_dynamic``) and prints the peak and activations
-at each length, and both as formulas in the symbol.
+``--secondary-shard-group-size`` (hpZ) set the ``Config`` fields of those names.
 """
 
 from __future__ import annotations
@@ -31,13 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from zgraph.binding.arguments import StepCall
-from zgraph.binding.dynamic import mark_dynamic
 from zgraph.config import Config
 from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama, LlamaConfig
 from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, lm_loss
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.budget import MemoryPlan, plan_memory
-from zgraph.inspect.estimate import DEVICES, Estimate, estimate_sizes, estimate_step, prepare
+from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model, with_inter_node
 from zgraph.runtime.hybrid import check_group_size
 
@@ -118,12 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --budget: the memory plan (remat, offload, reuse) Config(memory_budget=...) runs at --micro-batch",
     )
-    parser.add_argument(
-        "--seq-lens",
-        default=None,
-        help="comma-separated sequence lengths, e.g. 128,256,512: one trace with the length a size symbol, the peak "
-        "and activations per rank at each, and their formulas in it",
-    )
     parser.add_argument("--plot", default=None, help="PNG of live bytes over the step's nodes (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -176,62 +167,14 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
     return loss.detach()
 
 
-def _meta_call(setting: Setting, micro_batch: int, dynamic: bool = False) -> StepCall:
-    """A call of the plain AdamW step on the setting's model built on the meta device, at ``micro_batch``;
-    ``dynamic``: the sequence dim marked dynamic (``zgraph.mark_dynamic``)."""
+def _meta_call(setting: Setting, micro_batch: int) -> StepCall:
+    """A call of the plain AdamW step on the setting's model built on the meta device, at ``micro_batch``."""
     build, _, _ = MODELS[setting.model]
     with torch.device("meta"):
         model = build(setting.seq)
         idx = torch.zeros(micro_batch, setting.seq // (setting.sequence_parallel or 1), dtype=torch.long)
-    if dynamic:
-        mark_dynamic(idx, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return StepCall.of(_train_step, (model, opt, idx, idx), {})
-
-
-def run_seq_lens(setting: Setting, micro_batch: int, lengths: list[int]) -> list[Estimate]:
-    """Estimates at each of ``lengths`` from one trace with the sequence length a size symbol (the model's position
-    table as long as the longest)."""
-    longest = replace(setting, seq=max(lengths))
-    call = _meta_call(longest, micro_batch, dynamic=True)
-    per_rank = setting.sequence_parallel or 1
-    with _gc_paused():
-        config = setting.config()
-        rpn = setting.ranks_per_node
-        prepared = prepare(call, config, setting.world, _cost_model(setting), setting.device, ranks_per_node=rpn)
-        return estimate_sizes(prepared, config, [{("idx", 1): n // per_rank} for n in lengths], copy=False)
-
-
-def seq_lens_table(setting: Setting, micro_batch: int, lengths: list[int], estimates: list[Estimate]) -> str:
-    """The estimates over sequence lengths as a table, with the formulas (at the longest)."""
-    symbol = ", ".join(estimates[-1].size_symbols) or "none"
-    per_rank = " per rank (the sequence / --sequence-parallel)" if setting.sequence_parallel else ""
-    rows = [
-        f"zgraph estimate: {setting.model}, {setting.world} rank(s), {setting.describe()}, micro-batch {micro_batch}, "
-        f"one trace with the sequence length the symbol {symbol}{per_rank}",
-        f"  {'sequence':>10}  {'peak per rank':>14}  {'activations':>14}",
-    ]
-    for n, e in zip(lengths, estimates):
-        rows.append(f"  {n:>10}  {gib(e.peak_bytes):>14}  {gib(e.activation_bytes):>14}")
-    last = estimates[-1]
-    rows.append(f"  peak bytes (around sequence {lengths[-1]}): {last.peak_formula}")
-    rows.append(f"  activation bytes: {last.activation_formula}")
-    return "\n".join(rows)
-
-
-def _seq_lens(text: str, sequence_parallel: int | None) -> list[int]:
-    try:
-        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError as error:
-        raise EstimateInputError(f"--seq-lens takes comma-separated integers, got {text!r}") from error
-    per_rank = sequence_parallel or 1
-    bad = [n for n in lengths if n % per_rank or n // per_rank < 2]
-    if not lengths or bad:
-        raise EstimateInputError(
-            f"--seq-lens {text!r}: every length must give each rank at least 2 positions (a size of 1 is not "
-            f"symbolic) and divide by --sequence-parallel ({per_rank}); not {bad}"
-        )
-    return lengths
 
 
 def run_plan(setting: Setting, micro_batch: int, budget: int) -> MemoryPlan:
@@ -417,11 +360,6 @@ def run(args: argparse.Namespace) -> str:
         chosen = {"changes": plan.chosen.changes, **plan.chosen.estimate.to_json()}
         out = {"model": setting.model, "micro_batch": args.micro_batch, "budget_bytes": budget, "plan": chosen}
         return json.dumps(out, indent=2) if args.json else "\n".join(plan.lines())
-    if args.seq_lens is not None:
-        lengths = _seq_lens(args.seq_lens, setting.sequence_parallel)
-        found = run_seq_lens(setting, args.micro_batch, lengths)
-        rows = [{"seq": n, **e.to_json()} for n, e in zip(lengths, found)]
-        return json.dumps(rows, indent=2) if args.json else seq_lens_table(setting, args.micro_batch, lengths, found)
     e = run_estimate(setting, args.micro_batch)
     out: dict = {"model": setting.model, "micro_batch": args.micro_batch, "seq": setting.seq, **e.to_json()}
     lines = [table(setting, args.micro_batch, e)]

@@ -27,7 +27,6 @@ attention and autocast CUDA's.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,8 +35,6 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from zgraph.binding.arguments import StepCall
 from zgraph.binding.dynamic import DynamicDims
@@ -50,7 +47,6 @@ from zgraph.capture.protocol import capture
 from zgraph.compile.build import collector_paused, pass_context
 from zgraph.compile.lower import lower
 from zgraph.config import Config
-from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
     OUTPUTS,
@@ -60,11 +56,11 @@ from zgraph.graph import (
     copy_graph_module,
     output_node,
     placeholders,
-    size_symbols,
     state_key,
     tensor_bytes,
 )
 from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
+from zgraph.inspect.shadow import EstimateError, shadow_call
 from zgraph.passes import run_pipeline
 from zgraph.runtime.cost_model import CostModel as RuntimeCostModel
 from zgraph.runtime.cost_model import analytical_cost_model, crossing_groups, known_cost_model, with_inter_node
@@ -74,6 +70,7 @@ from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensur
 from zgraph.runtime.state import Binding
 from zgraph.runtime.timeline import collective_totals, transfer_seconds
 from zgraph.runtime.timeline import estimate as timeline
+from zgraph.sizes import size_symbols
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
@@ -158,10 +155,6 @@ class Estimate:
         return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
 
-class EstimateError(CaptureError):
-    """The step cannot be estimated (what it reaches cannot be copied to stand-ins, or it cannot be traced)."""
-
-
 def estimate_step(
     call: StepCall,
     config: Config,
@@ -212,7 +205,7 @@ def prepare(
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    shadow, found = _shadow(call)
+    shadow, found = shadow_call(call)
     device = _planned_device(device, found)
     group = _group(world_size, device)
     if group.distributed:
@@ -369,64 +362,6 @@ def _cost_model(config: Config, group: ProcessGroupInfo, device: torch.device) -
     if config.measure_collectives:
         return known_cost_model(backend, device.type, group.world_size)
     return analytical_cost_model(backend)
-
-
-def _meta(t: Tensor) -> Tensor:
-    """A meta tensor with ``t``'s (logical) shape and dtype."""
-    if isinstance(t, DTensor) or t.device.type != "meta":
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return t.detach()
-
-
-def _shadow(call: StepCall) -> tuple[StepCall, torch.device]:
-    """Copies of the arguments whose modules and optimizers hold meta stand-ins of every tensor (tied tensors
-    stay tied, tensors outside modules and optimizers are shared, not copied), and the device the stand-ins
-    stand for."""
-    modules, optimizers = discover(call)
-    memo: dict[int, object] = {}
-    devices = []
-    grads = []
-    for _, root in modules:
-        for p in root.parameters():
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(_meta(p), requires_grad=p.requires_grad)
-                devices.append(p.device)
-                if p.grad is not None:
-                    grads.append((memo[id(p)], _meta(p.grad)))
-        for b in root.buffers():  # a 0-d one keeps its value: a host counter the step may branch on
-            memo.setdefault(id(b), _meta(b) if b.dim() else b.detach().clone())
-    for _, opt in optimizers:
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, Tensor) and value.dim() > 0:
-                    memo.setdefault(id(value), _meta(value))
-    _share_other_tensors((call.args, call.kwargs), memo)
-    shadow_args, shadow_kwargs = copy.deepcopy((call.args, call.kwargs), memo)
-    shadow = StepCall.of(call.fn, shadow_args, shadow_kwargs)
-    for p, grad in grads:
-        p.grad = grad
-    ids = {id(obj) for _, obj in [*modules, *optimizers]}
-    copied_modules, copied_optimizers = discover(shadow)
-    left = [name for name, obj in [*copied_modules, *copied_optimizers] if id(obj) in ids]
-    if left:
-        raise EstimateError(
-            f"step.estimate needs the modules and optimizers the step uses among its arguments, to trace copies of "
-            f"them; it reaches {', '.join(left)} through its closure or globals. Pass them as arguments."
-        )
-    real = [d for d in devices if d.type != "meta"]
-    return shadow, real[0] if real else torch.device("cpu")
-
-
-def _share_other_tensors(value: object, memo: dict[int, object]) -> None:
-    """Map every tensor among the arguments that is not a module's or optimizer's to itself (shared, not copied)."""
-    if isinstance(value, Tensor):
-        memo.setdefault(id(value), value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _share_other_tensors(v, memo)
-    elif isinstance(value, (list, tuple, set)):
-        for v in value:
-            _share_other_tensors(v, memo)
 
 
 def _model_state(

@@ -36,8 +36,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from zgraph.graph import BACKWARD, FORWARD, PHASE, VAL, fake_mode, symbolic_bytes
+from zgraph.graph import BACKWARD, FORWARD, PHASE, VAL, fake_mode
 from zgraph.ops import RELOAD
+from zgraph.sizes import symbolic_bytes
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # ops whose result is (or shares the memory of) their first input though their schema declares no alias
