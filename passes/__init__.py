@@ -28,6 +28,7 @@ Files::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -37,9 +38,9 @@ from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.loss_scale import loss_scale
-from zgraph.passes.lower_collectives import lower_collectives
-from zgraph.passes.offload import offload
-from zgraph.passes.offload_activations import offload_activations
+from zgraph.passes.lower_collectives import lower_collectives, lower_collectives_applies
+from zgraph.passes.offload import offload, offload_applies
+from zgraph.passes.offload_activations import offload_activations, offload_activations_applies
 from zgraph.passes.pipeline import (
     CAPTURED_PROPERTIES,
     PROPERTY_CHECKS,
@@ -49,14 +50,32 @@ from zgraph.passes.pipeline import (
     build_pipeline,
     check_contracts,
     run_pipeline,
+    with_group,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
-from zgraph.passes.remat import remat
+from zgraph.passes.remat import remat, remat_applies
 from zgraph.passes.schedule import schedule
-from zgraph.passes.secondary_shards import secondary_shards
-from zgraph.passes.sequence_parallel import sequence_parallel
-from zgraph.passes.shard_optimizer import shard_optimizer
-from zgraph.passes.shard_params import shard_params
+from zgraph.passes.secondary_shards import secondary_shards, secondary_shards_applies
+from zgraph.passes.sequence_parallel import sequence_parallel, sequence_parallel_applies
+from zgraph.passes.shard_optimizer import shard_optimizer, shard_optimizer_applies
+from zgraph.passes.shard_params import shard_params, shard_params_applies
+
+# each default pass's ``Pass.applies``: where its options and the context leave it nothing to do, it is not run
+_APPLIES = {
+    "sequence_parallel": sequence_parallel_applies,
+    "remat": remat_applies,
+    "offload_activations": offload_activations_applies,
+    "shard_optimizer": shard_optimizer_applies,
+    "shard_params": shard_params_applies,
+    "cast": with_group,
+    "clip_grad": with_group,
+    "loss_scale": with_group,
+    "offload": offload_applies,
+    "secondary_shards": secondary_shards_applies,
+    "bucket": with_group,
+    "lower_collectives": lower_collectives_applies,
+    "schedule": with_group,
+}
 
 
 def default_pipeline(
@@ -79,7 +98,7 @@ def default_pipeline(
     The options are ``zgraph.Config``'s (``Config.pipeline_options()``; the defaults are ``Config()``'s), except
     ``reduce_dtype``: the dtype gradients are reduced in (``Config.reduce_dtype``, else ``param_dtype``)."""
     bind, reduced = functools.partial, {"grads_reduced"}
-    return [
+    passes = [
         Pass("cse", eliminate_common_subexpressions),
         Pass("sequence_parallel", sequence_parallel, requires={"phases"}),
         Pass("remat", bind(remat, policy=remat_policy), requires={"phases"}),
@@ -117,6 +136,7 @@ def default_pipeline(
             requires={"collectives_lowered"},
         ),
     ]
+    return [dataclasses.replace(p, applies=_APPLIES.get(p.name)) for p in passes]
 
 
 __all__ = [

@@ -88,6 +88,12 @@ def _contiguous(gm: fx.GraphModule, x: fx.Node, before: fx.Node, mode: object, p
     return insert(gm, aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, before=before, phase=phase)
 
 
+def lower_collectives_applies(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether ``lower_collectives`` changes the graph: only where it has an operator to lower (``Pass.applies``)."""
+    lowered = {GRAD_NORM, NONFINITE, *SEQUENCE_OPS, *LAYOUT_OPS}
+    return any(node.target in lowered for node in gm.graph.nodes)
+
+
 def lower_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace shard/unshard/reduce/reduce_shard by slices and functional collectives with their waits."""
     mode = fake_mode(gm)

@@ -73,6 +73,13 @@ def plan_param_offload(gm: fx.GraphModule) -> list[fx.Node]:
     ]
 
 
+def offload_applies(
+    gm: fx.GraphModule, ctx: PassContext, *, tier: str | None = None, fraction: float = 1.0, params: str | None = None
+) -> bool:
+    """Whether ``offload`` may change the graph: only where a tier moves state off the device (``Pass.applies``)."""
+    return offload_moves(tier, ctx.device_type) or offload_moves(params, ctx.device_type)
+
+
 def offload(
     gm: fx.GraphModule,
     ctx: PassContext,
@@ -86,6 +93,8 @@ def offload(
 
     ``tier``: ``Config.offload_optimizer``; ``fraction``: ``Config.offload_fraction``; ``params``:
     ``Config.offload_params`` (``"cpu"`` changes the graph only when ``ctx.device_type`` is not the CPU)."""
+    if not offload_applies(gm, ctx, tier=tier, fraction=fraction, params=params):
+        return gm
     chosen = plan_offload(gm, fraction) if offload_moves(tier, ctx.device_type) else []
     chosen += plan_param_offload(gm) if offload_moves(params, ctx.device_type) else []
     if not chosen:

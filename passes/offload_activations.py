@@ -41,6 +41,14 @@ from zgraph.sizes import size_hint
 TIERS = ("cpu", "nvme")
 
 
+def offload_activations_applies(
+    gm: fx.GraphModule, ctx: PassContext, *, tier: str | None = None, min_bytes: int = 0
+) -> bool:
+    """Whether ``offload_activations`` changes the graph: only where ``tier`` moves values off the device, in a
+    whole step (``Pass.applies``)."""
+    return offload_moves(tier, ctx.device_type) and not ctx.split
+
+
 def offload_activations(
     gm: fx.GraphModule, ctx: PassContext, *, tier: str | None = None, min_bytes: int = 0
 ) -> fx.GraphModule:
@@ -48,7 +56,7 @@ def offload_activations(
 
     ``tier``: ``Config.offload_activations`` (``"cpu"`` changes the graph only when ``ctx.device_type`` is not the
     CPU); ``min_bytes``: smaller values stay where they are."""
-    if not offload_moves(tier, ctx.device_type) or ctx.split:
+    if not offload_activations_applies(gm, ctx, tier=tier, min_bytes=min_bytes):
         return gm
     offload_values(gm, plan_offload_activations(gm, min_bytes=min_bytes, host_too=tier == "nvme"))
     return gm

@@ -1,7 +1,9 @@
 """The pass pipeline: named passes with contracts, run in order, each leaving a graph to inspect.
 
 A pass is ``fn(gm, ctx) -> gm``. It receives its own copy of the previous graph (so it may edit in place) and
-returns the graph it produced; the pipeline keeps every pass's output for ``step.graphs``.
+returns the graph it produced; the pipeline keeps every pass's output for ``step.graphs``. A pass that says it
+does not apply to a graph (``Pass.applies``: its config or the context leaves it nothing to do) is neither run nor
+given a copy: its record shares the previous graph.
 
 Contracts are sets of property names. A pass ``requires`` properties some earlier pass (or capture)
 ``provides``; the pipeline is checked before anything runs, so a disabled pass another one depends on, or a
@@ -99,6 +101,10 @@ class Pass:
             the graph the pass returns.
         after: for user passes, the pass to run right after (default: at the end of the pipeline).
         doc: one line for ``explain()``; defaults to the first line of ``fn``'s docstring.
+        applies: ``applies(gm, ctx, **options)`` with the options bound to ``fn`` (the pass's own signature):
+            False only where ``fn`` would return ``gm`` unchanged (a check of its options and the context, or a
+            cheap scan of the graph); the pipeline then skips the copy and the run, and the record shares the
+            previous graph. None: the pass always runs.
     """
 
     name: str
@@ -107,6 +113,7 @@ class Pass:
     provides: frozenset[str] = field(default_factory=frozenset)
     after: str | None = None
     doc: str = ""
+    applies: Callable[..., bool] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "requires", frozenset(self.requires))
@@ -166,12 +173,14 @@ def check_contracts(passes: Sequence[Pass], default: Sequence[Pass] = ()) -> Non
 
 @dataclass
 class PassRecord:
-    """One pass's result, for inspection."""
+    """One pass's result, for inspection. ``applied``: False when the pass did not apply (``Pass.applies``): ``gm``
+    is then the previous graph itself."""
 
     name: str
     gm: fx.GraphModule
     seconds: float
     doc: str = ""
+    applied: bool = True
 
 
 def check_properties(gm: fx.GraphModule, properties: frozenset[str] | set[str], who: str) -> None:
@@ -190,15 +199,21 @@ def run_pipeline(
     ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every node a pass
     creates carries ``meta[MADE_BY]``, the pass's name (``zgraph.passes.provenance.run_pass`` runs it: a
     create-node hook on the module the pass edits, the copy below when ``keep``).
-    A symbolic size a pass wrote into an op's arguments is then computed by the graph (``zgraph.graph.bind_sizes``).
+    A symbolic size a pass wrote into an op's arguments is then computed by the graph (``zgraph.sizes.bind_sizes``).
     ``keep``: each pass edits a copy, leaving ``gm`` and every record's graph as it was; False: each pass edits
     the graph it receives, ``gm`` included (only the last record's graph is then the pass's output as made).
+    A pass that does not apply (``Pass.applies``) is not run: its record holds the graph it received, whose
+    properties are checked against what the pass provides.
     """
     if check_input:
         check_properties(gm, CAPTURED_PROPERTIES, "the captured graph")
     records = []
     for p in passes:
         start = time.perf_counter()
+        if not pass_applies(p, gm, ctx):
+            check_properties(gm, p.provides, f"pass {p.name!r}")
+            records.append(PassRecord(p.name, gm, time.perf_counter() - start, p.doc, applied=False))
+            continue
         before = copy_graph_module(gm) if keep else gm
         out = run_pass(p.name, before, p.fn, ctx)
         if not isinstance(out, fx.GraphModule):
@@ -210,6 +225,19 @@ def run_pipeline(
         records.append(PassRecord(p.name, out, time.perf_counter() - start, p.doc))
         gm = out
     return records
+
+
+def pass_applies(p: Pass, gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """``p.applies(gm, ctx, **options)``, with the options bound to ``p.fn``; True without ``p.applies``."""
+    if p.applies is None:
+        return True
+    options = p.fn.keywords if isinstance(p.fn, functools.partial) else {}
+    return p.applies(gm, ctx, **options)
+
+
+def with_group(gm: fx.GraphModule, ctx: PassContext, **options: object) -> bool:
+    """``Pass.applies`` of a pass that changes nothing without a process group (whatever its options)."""
+    return ctx.distributed
 
 
 def _check_functional(gm: fx.GraphModule) -> str | None:

@@ -72,12 +72,17 @@ SAVED_OPS = frozenset(
 _UNDEFINED = frozenset({aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided})
 
 
+def remat_applies(gm: fx.GraphModule, ctx: PassContext, *, policy: Policy | None = None) -> bool:
+    """Whether ``remat`` changes the graph: only with a policy (``Pass.applies``)."""
+    return policy is not None
+
+
 def remat(gm: fx.GraphModule, ctx: PassContext, *, policy: Policy | None = None) -> fx.GraphModule:
     """Recompute forward values in the backward instead of saving them (``Config.remat``).
 
     ``policy``: None (the pass does nothing), ``"selective"``, ``"full"``, or a mapping from block names to either
     (see the module's docstring)."""
-    if policy is None:
+    if not remat_applies(gm, ctx, policy=policy):
         return gm
     if isinstance(policy, Mapping):
         for value in policy.values():

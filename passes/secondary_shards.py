@@ -40,13 +40,18 @@ def parameter_of(gather: fx.Node) -> fx.Node | None:
     return node if node.meta[INPUT].kind == "param" else None
 
 
+def secondary_shards_applies(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> bool:
+    """Whether ``secondary_shards`` changes the graph: at stage 3 with a secondary group (``Pass.applies``)."""
+    return stage >= 3 and ctx.secondary_group is not None and ctx.distributed
+
+
 def secondary_shards(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:
     """hpZ: backward gathers of stage-3 parameters run within the secondary group, from shards kept from the
     forward.
 
     ``stage``: ``Config.stage`` (below 3 the pass does nothing)."""
     secondary = ctx.secondary_group
-    if stage < 3 or secondary is None or not ctx.distributed:
+    if secondary is None or not secondary_shards_applies(gm, ctx, stage=stage):
         return gm
     mode = fake_mode(gm)
     kept: dict[tuple, fx.Node] = {}  # (parameter, dtype) -> the secondary shard of its latest forward gather

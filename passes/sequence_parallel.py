@@ -58,10 +58,15 @@ _BACKWARD_ARGS = {
 _ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 
 
+def sequence_parallel_applies(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether ``sequence_parallel`` changes the graph: only with a sequence group (``Pass.applies``)."""
+    return ctx.sequence_group is not None and ctx.distributed
+
+
 def sequence_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Ulysses: all-to-alls around attention so it sees whole sequences; positions moved to each slice's place."""
     axis = ctx.sequence_group
-    if axis is None or not ctx.distributed:
+    if axis is None or not sequence_parallel_applies(gm, ctx):
         return gm
     mode = fake_mode(gm)
     forwards = [n for n in gm.graph.nodes if n.target in ATTENTION]

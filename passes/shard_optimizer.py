@@ -22,11 +22,16 @@ from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_i
 from zgraph.passes.pipeline import PassContext
 
 
+def shard_optimizer_applies(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> bool:
+    """Whether ``shard_optimizer`` changes the graph: from stage 1, with a process group (``Pass.applies``)."""
+    return stage >= 1 and ctx.distributed
+
+
 def shard_optimizer(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:
     """Stage >= 1: optimizer state enters and leaves as shards; the update runs on shards.
 
     ``stage``: ``Config.stage`` (below 1 the pass does nothing)."""
-    if stage < 1 or not ctx.distributed:
+    if not shard_optimizer_applies(gm, ctx, stage=stage):
         return gm
     mode = fake_mode(gm)
     world, rank, group = ctx.shard.size, ctx.shard.rank, ctx.shard.name  # hybrid: within the shard group

@@ -72,6 +72,11 @@ _RECOMPUTABLE = (
 )
 
 
+def shard_params_applies(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0, max_reuse_distance: int = 0) -> bool:
+    """Whether ``shard_params`` changes the graph: at stage 3, with a process group (``Pass.applies``)."""
+    return stage >= 3 and ctx.distributed
+
+
 def shard_params(
     gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0, max_reuse_distance: int = 0
 ) -> fx.GraphModule:
@@ -79,7 +84,7 @@ def shard_params(
 
     ``stage``: ``Config.stage`` (below 3 the pass does nothing). ``max_reuse_distance``:
     ``Config.max_reuse_distance``, in elements (see the module's docstring)."""
-    if stage < 3 or not ctx.distributed:
+    if not shard_params_applies(gm, ctx, stage=stage):
         return gm
     mode = fake_mode(gm)
     world, rank, group = ctx.shard.size, ctx.shard.rank, ctx.shard.name  # hybrid: within the shard group

@@ -184,6 +184,12 @@ def test_graphs_explain_and_dump(tmp_path):
     for name in names[:-1]:
         assert name in table
     assert "final (eager)" in table and "all_gather" in table
+    # one process: stage 3 sharding has nothing to do; its row is listed, its graph is the previous one (not copied)
+    graphs = step.graphs
+    assert graphs["shard_params"] is graphs["reduce_scatter_grads"] and graphs["remat"] is graphs["cse"]
+    assert graphs["reduce_scatter_grads"] is not graphs["remat"]
+    row = next(line for line in table.splitlines() if line.startswith("shard_params "))
+    assert "(nothing to do) Stage 3: parameters enter sharded" in row
     paths = step.dump(tmp_path / "graphs")
     assert len(paths) == len(names)
     assert os.path.basename(paths[0]) == "00_captured.py"

@@ -34,6 +34,26 @@ def test_changing_sizes_are_captured_twice_and_equal_eager():
     assert got["variants"] == [1, 2, 2, 2, 2, 3, 3, 3]
 
 
+def test_an_optimizer_traced_as_written_is_captured_twice():
+    """RMSprop's first step creates its state in the graph: the second call's key differs in the state as well as
+    in the sizes, and still makes the sizes symbolic (a third capture would otherwise follow)."""
+    sizes = SIZES[:3]
+    m, ref = model(), model()
+    opt, ref_opt = torch.optim.RMSprop(m.parameters(), lr=1e-2), torch.optim.RMSprop(ref.parameters(), lr=1e-2)
+    step = zgraph.distribute(zgraph.Config(backend="eager"))(train_step)
+    for idx, targets in batches(sizes):
+        assert torch.equal(step(m, opt, idx, targets), train_step(ref, ref_opt, idx, targets))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    assert step._dispatch.variants() == 2
+
+
+def test_stage_3_on_one_process():
+    config = zgraph.Config(stage=3, backend="eager", param_persistence_threshold=0)
+    got = zgraph_run(config, sizes=SIZES[:3])
+    _equal(got, eager(sizes=SIZES[:3]))
+    assert got["variants"] == [1, 2, 2]
+
+
 def test_mark_dynamic_captures_once_and_refuses_a_size_outside_its_range():
     m, opt = model(), None
     opt = adamw(m)
@@ -107,3 +127,25 @@ def test_stages_on_two_ranks_equal_ddp_at_every_size(two_ranks, stage):
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert got["variants"][-1] == 2
+
+
+def test_a_size_the_step_fixes_warns_and_is_captured_again():
+    m, ref = model(), model()
+    opt, ref_opt = adamw(m), adamw(ref)
+
+    def fixed_step(net, o, idx, targets):
+        if idx.shape[1] == 12:  # a Python branch on a size: the graph holds for 12 alone
+            idx = idx.flip(1)
+        return train_step(net, o, idx, targets)
+
+    step = zgraph.distribute(zgraph.Config(backend="eager"))(fixed_step)
+    for i, (idx, targets) in enumerate(batches(SIZES[:2])):
+        if i == 0:
+            zgraph.mark_dynamic(idx, 1)
+        if i == 0:
+            with pytest.warns(RuntimeWarning, match=r"fixed dim 1 of `idx` to 12"):
+                got = step(m, opt, idx, targets)
+        else:
+            got = step(m, opt, idx, targets)
+        assert torch.equal(got, fixed_step(ref, ref_opt, idx, targets))
+    assert step._dispatch.variants() == 2

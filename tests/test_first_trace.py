@@ -85,3 +85,25 @@ def test_the_collector_is_paused_while_a_step_is_built_and_restored_after(monkey
     with pytest.raises(zgraph.CaptureError):
         zgraph.distribute(stage=0, backend="eager")(branches)(model, torch.randn(4, 8))
     assert gc.isenabled()
+
+
+def test_what_is_made_while_the_collector_is_paused_goes_to_the_oldest_generation():
+    """The young generations' collections do not walk a step's graphs after it is built (they live as long as the
+    step); nothing stays frozen, and what the program froze itself stays frozen."""
+    import gc
+
+    from zgraph.compile.build import collector_paused
+
+    with collector_paused():
+        made = [[] for _ in range(3)]
+    assert any(o is made for o in gc.get_objects(generation=2)) and gc.get_freeze_count() == 0
+    gc.freeze()
+    gc.disable()  # no collection moves ``young`` before it is looked for
+    try:
+        frozen = gc.get_freeze_count()
+        with collector_paused():
+            young = [[]]
+        assert gc.get_freeze_count() == frozen and any(o is young for o in gc.get_objects(generation=0))
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -1,6 +1,7 @@
 """One call of a step, along the data's way: bind its state (``zgraph.binding``), find its compiled variant by guard
 key or capture (``zgraph.capture.protocol``) and compile (``zgraph.compile.build``) one, agree on it with the other
-ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step).
+ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step). A call that misses every
+variant only in the sizes of argument dims makes those dims symbolic first (``zgraph.binding.dynamic``).
 
 On several ranks a call takes part in the failure protocol (``zgraph.runtime.agreement``): the ranks compare a
 fingerprint of the graph they are about to run, a rank that fails records its error for the others, and a rank
@@ -24,6 +25,7 @@ from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
 from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
+from zgraph.capture.size_guards import SizeGuards
 from zgraph.compile.build import collector_paused, compile_step
 from zgraph.compile.run import reserve_offload, run
 from zgraph.compile.split_runner import Peers, run_split
@@ -43,7 +45,8 @@ _RECAPTURE_WARNING = 8  # captures for the same state after which the step warns
 
 class Dispatcher:
     """Runs the calls of one step; holds its state between calls (bindings, compiled variants by guard key: those
-    of one key differ in the branches the step took on host-known values, ``HostGuards``)."""
+    of one key differ in the branches the step took on host-known values, ``HostGuards``, or in the conditions on
+    symbolic sizes, ``SizeGuards``; the arguments' symbolic dims, ``DynamicDims``)."""
 
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
@@ -191,10 +194,12 @@ class Dispatcher:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             with collector_paused():
-                return compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+                compiled = compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise
+        _warn_fixed_sizes(captured.size_guards, bound.call)
+        return compiled
 
     def _warn_if_recaptured_often(self, key: tuple, call: StepCall) -> None:
         """Warn once when the step has been captured ``_RECAPTURE_WARNING`` times for the same state, naming what
@@ -209,6 +214,11 @@ class Dispatcher:
             "module's 0-d integer buffer) changed: read a number that changes every call with .item(), which stays "
             "symbolic"
         )
+        if part is None and any(v.captured.size_guards is not None for v in self.cache.get(key, ())):
+            why = (
+                "an argument's size broke a condition the graph's symbolic sizes rely on (a size 0 or 1, sizes "
+                "that were equal, a size the step fixed: zgraph warned when it captured that)"
+            )
         if part is not None:
             why = KEY_PARTS[part]
         if part == KEY_PARTS.index("an argument"):
@@ -237,3 +247,18 @@ class Dispatcher:
             scheduler.step()
         guarded = compiled.captured.host_guards is not None
         return bool(first) and (guarded or any(not lifts(unwrap_optimizer(scheduler.optimizer)) for scheduler in first))
+
+
+def _warn_fixed_sizes(guards: SizeGuards | None, call: StepCall) -> None:
+    """Warn when the capture fixed a symbolic dim to one size: each new size of it is captured again."""
+    fixed = guards.fixed() if guards is not None else []
+    if fixed:
+        shown = ", ".join(f"dim {dim} of `{path}` to {size}" for path, dim, size in fixed)
+        warnings.warn(
+            f"zgraph: `{call.name}` was captured with symbolic sizes, but the step fixed {shown}: its code (a Python "
+            "branch on the size, a reshape to a fixed shape, int() of a size) needs that size, so each new size "
+            "of it is captured again. Compute shapes from the tensors (x.shape, -1 in view/reshape) to keep the "
+            "size symbolic.",
+            RuntimeWarning,
+            stacklevel=7,
+        )

@@ -1,7 +1,7 @@
 """Which dimensions of a step's tensor arguments are symbolic sizes: marked by the user (``zgraph.mark_dynamic``,
 or ``torch._dynamo.mark_dynamic``) from the first call, or found automatically, as torch.compile's "automatic
-dynamic shapes" does: when a call misses every compiled variant and one of them differs from it only in the sizes
-of some dimensions of tensor arguments (same rank, dtype, device, structure and all else), those dimensions (and
+dynamic shapes" does: when a call misses every compiled variant and the arguments of one of them differ from its
+own only in the sizes of some dimensions of tensors (same rank, dtype, device, structure), those dimensions (and
 dim 0, the batch, of the same tensors) become symbolic for the step, and the next capture traces them as symbols
 (``zgraph.capture.inputs``). That variant then serves every size its size guards (``zgraph.capture.size_guards``)
 accept. Parameters, gradients and optimizer state keep static shapes: only argument tensors' dims become symbolic.
@@ -20,6 +20,8 @@ from zgraph.tree import iter_leaves
 
 _MARK = "_zgraph_dynamic_dims"  # {dim: (min, max)} on a tensor zgraph.mark_dynamic marked
 _ARGUMENTS = KEY_PARTS.index("an argument")
+_BINDING = KEY_PARTS.index("the modules and optimizers")
+_STRUCTURE = KEY_PARTS.index("the structure of the arguments")
 
 Range = tuple[int | None, int | None]
 
@@ -98,9 +100,9 @@ class DynamicDims:
 
     def widen(self, key: tuple, cached: Iterable[tuple]) -> bool:
         """Automatic dynamic: the argument dims in which ``key`` (a call's guard key) differs from a cached
-        variant's key, where that is all they differ in, become symbolic, and with them dim 0 of the same tensors
-        (the batch: a sequence that varies now is usually followed by a smaller last batch, which then needs no
-        capture of its own; a dim 0 that is not a batch costs nothing, the guards keep what the graph needs).
+        variant's key, where that is all their arguments differ in, become symbolic, and with them dim 0 of the same
+        tensors (the batch: a sequence that varies now is usually followed by a smaller last batch, which then needs
+        no capture of its own; a dim 0 that is not a batch costs nothing, the guards keep what the graph needs).
         Whether any became symbolic."""
         found: dict[str, set[int]] = {}
         for other in cached:
@@ -112,15 +114,21 @@ class DynamicDims:
             self.add(path, dims)
         return any(new.values())
 
-    def of(self, paths: Sequence[str]) -> dict[str, frozenset[int]]:
-        """The symbolic dims of the tensors at ``paths`` (a call's user tensors)."""
-        return {path: self.dims[path] for path in paths if path in self.dims}
+    def of(self, paths: Sequence[str]) -> dict[str, dict[int, Range]]:
+        """The symbolic dims of the tensors at ``paths`` (a call's user tensors), each with its declared range."""
+        return {
+            path: {d: self.ranges.get((path, d), (None, None)) for d in sorted(self.dims[path])}
+            for path in paths
+            if path in self.dims
+        }
 
 
 def _size_changes(key: tuple, other: tuple) -> dict[str, set[int]] | None:
-    """``path -> dims`` whose sizes differ between two guard keys that differ in nothing else; None when they
-    differ in anything else (or not at all)."""
-    if len(key) != len(other) or any(a != b for i, (a, b) in enumerate(zip(key, other)) if i != _ARGUMENTS):
+    """``path -> dims`` whose sizes differ between two guard keys of the same state whose arguments have the same
+    structure and differ in nothing but sizes; None otherwise (or when they do not differ). The keys' other parts
+    may differ: a first optimizer step traced as written creates the state the next call's key has (the sizes
+    that changed since are still the ones to make symbolic; a symbolic dim is never wrong, its guards hold)."""
+    if len(key) != len(other) or key[_BINDING] != other[_BINDING] or key[_STRUCTURE] != other[_STRUCTURE]:
         return None
     leaves, others = key[_ARGUMENTS], other[_ARGUMENTS]
     if len(leaves) != len(others):

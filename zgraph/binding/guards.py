@@ -106,7 +106,7 @@ def binding_key(modules: list, optimizers: list) -> tuple:
 def _tensor_key(t: Tensor, dynamic: Collection[int] = ()) -> tuple:
     """A tensor's part of the key; its sizes in ``dynamic`` (symbolic dims) are wildcards (None)."""
     shape = tuple(None if d in dynamic else n for d, n in enumerate(t.shape))
-    return (shape, t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.grad is not None)
+    return (shape, t.dtype, t.device, t.requires_grad, t.is_contiguous(), t.is_leaf and t.grad is not None)
 
 
 def _value_key(value: object, dynamic: Collection[int] = ()) -> object:

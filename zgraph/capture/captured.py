@@ -46,7 +46,8 @@ class CaptureRequest:
     """``torch.compile`` wrappers the step reaches are traced through (``zgraph.capture.compiled``): set by the
     capture once a trace stopped at one."""
     dynamic: Mapping[str, Collection[int]] = field(default_factory=dict)
-    """Argument path -> the dims of that tensor argument traced as symbolic sizes (``zgraph.capture.inputs``)."""
+    """Argument path -> the dims of that tensor argument traced as symbolic sizes (``zgraph.capture.inputs``): a
+    collection of dims, or a mapping of each to its declared ``(min, max)`` (``zgraph.mark_dynamic``)."""
 
 
 @dataclass

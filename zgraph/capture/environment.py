@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -323,6 +324,14 @@ def refuse_created_state(binding: Binding) -> Iterator[None]:
         )
 
 
+def _python_dispatcher(fakes: list[Tensor]) -> contextlib.AbstractContextManager:
+    """Torch's Python dispatcher where a fake input has symbolic sizes (as ``make_fx``'s symbolic mode has): composite
+    ops then run their Python kernels, which keep sizes symbolic (C++ ``F.pad`` reads its input's sizes as ints, which
+    would fix a symbolic size to the capturing call's)."""
+    symbolic = any(isinstance(n, torch.SymInt) for f in fakes if isinstance(f, Tensor) for n in f.shape)
+    return enable_python_dispatcher() if symbolic else contextlib.nullcontext()
+
+
 def traced_arguments(args: tuple, kwargs: dict) -> bool:
     """Whether a step's arguments are tensors (or modules holding tensors) of a trace in progress: the step is
     called from inside another step zgraph is capturing."""
@@ -346,7 +355,7 @@ def group_values(binding: Binding) -> list:
 def trace(traced_step: Callable, fakes: list[Tensor], mode: FakeTensorMode, fn: Callable) -> fx.GraphModule:
     name = getattr(fn, "__qualname__", repr(fn))
     try:
-        with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True):
+        with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True), _python_dispatcher(fakes):
             return make_fx(
                 traced_step,
                 tracing_mode="fake",

@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext, StrictMinMaxConstraint
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from zgraph.capture.as_written import hyperparameters
 from zgraph.errors import CaptureError
@@ -59,7 +61,7 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
     for leaf_index, (path, t) in enumerate(user_tensors):
         add(GraphInput("input", path, leaf_index), t)
     for leaf_index, (path, t) in enumerate(user_tensors):
-        if t.grad is not None:
+        if t.is_leaf and t.grad is not None:  # a non-leaf holds none (and torch warns when it is read)
             add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
     for name, value in binding.loss_scale_state.items():
         add(GraphInput("loss_scale", f"loss_scale:{name}", 0, field=name), value)
@@ -106,9 +108,13 @@ def _symbolic(
     mode: FakeTensorMode, value: Tensor, name: str, dims: Collection[int], meta_as: torch.device | None = None
 ) -> Tensor:
     """A fake of ``value`` whose sizes in ``dims`` are backed symbols (torch's duck sizing: equal sizes share one;
-    sizes 0 and 1 are specialized, as torch does); a meta ``value`` stands for one on ``meta_as`` (estimates)."""
+    sizes 0 and 1 are specialized, as torch does); ``dims`` may map a dim to its declared ``(min, max)`` (either
+    None), which becomes the symbol's value range (as ``torch._dynamo.mark_dynamic``'s does); a meta ``value``
+    stands for one on ``meta_as`` (estimates)."""
     sizes = [DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(value.dim())]
-    context = StatelessSymbolicContext(dynamic_sizes=sizes)
+    ranges = dims if isinstance(dims, Mapping) else {}
+    constraints = [_range_constraint(ranges.get(d, (None, None))) for d in range(value.dim())]
+    context = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=constraints)
     from torch._dynamo.source import LocalSource  # torch._dynamo is imported only where needed
 
     stands_for = meta_as if value.is_meta and meta_as is not None else None
@@ -119,6 +125,14 @@ def _symbolic(
         with mode:
             fake = fake.to(stands_for)
     return fake
+
+
+def _range_constraint(bounds: tuple[int | None, int | None]) -> StrictMinMaxConstraint | None:
+    lo, hi = bounds
+    if lo is None and hi is None:
+        return None
+    upper = int_oo if hi is None else hi
+    return StrictMinMaxConstraint(vr=ValueRanges(lower=lo or 0, upper=upper), warn_only=False)
 
 
 def check_dense(inputs: Inputs) -> None:

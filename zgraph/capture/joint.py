@@ -37,7 +37,7 @@ def needs_split(traced: Traced) -> bool:
 @contextlib.contextmanager
 def _without_grads(tensors: list[Tensor]) -> Iterator[None]:
     """``.grad`` of ``tensors`` set to None for the duration (restored after)."""
-    saved = [(t, t.grad) for t in tensors if t.grad is not None]
+    saved = [(t, t.grad) for t in tensors if t.is_leaf and t.grad is not None]
     for t, _ in saved:
         t.grad = None
     try:

@@ -15,7 +15,7 @@ compute something else.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from types import CodeType
 
 import torch
@@ -31,10 +31,30 @@ class SizeGuards:
     ``input`` / ``input_grad``) whose sizes are symbols. The expression is made on first use, after the passes
     (which may add guards of their own, such as a sequence that must divide by the sequence-parallel degree)."""
 
-    def __init__(self, shape_env: ShapeEnv, specs: Sequence[GraphInput], fakes: Sequence[Tensor]):
+    def __init__(
+        self,
+        shape_env: ShapeEnv,
+        specs: Sequence[GraphInput],
+        fakes: Sequence[Tensor],
+        dims: Sequence[Collection[int]],
+    ):
         self.shape_env = shape_env
         self.specs = list(specs)
         self.fakes = list(fakes)
+        self.dims = list(dims)  # the symbolic dims of each (asked for: a size 0 or 1 is specialized at once)
+
+    def fixed(self) -> list[tuple[str, int, int]]:
+        """``(path, dim, size)`` of the symbolic dims the trace fixed to one size (other than 0 or 1): the step (or
+        an op) needed that size, so the graph serves it alone."""
+        out = []
+        for spec, fake, dims in zip(self.specs, self.fakes, self.dims):
+            for d in sorted(dims):
+                size = fake.shape[d]
+                if isinstance(size, torch.SymInt):
+                    value = self.shape_env.replace(size.node.expr)
+                    if value.is_number and int(value) not in (0, 1):
+                        out.append((spec.name, d, int(value)))
+        return out
 
     def expression(self) -> str | None:
         """The guards as one Python expression over ``L['t<i>']``, the i-th of ``specs``; None if there are none."""
@@ -50,8 +70,9 @@ class SizeGuards:
     def of_step(self, n_user: int) -> SizeGuards:
         """The guards on the step's own ``n_user`` user tensors (a split step's joint trace adds tangents after
         them, which a call does not have when it looks its variant up)."""
-        kept = [(s, f) for s, f in zip(self.specs, self.fakes) if s.index < n_user]
-        return SizeGuards(self.shape_env, [s for s, _ in kept], [f for _, f in kept])
+        kept = [i for i, s in enumerate(self.specs) if s.index < n_user]
+        pick = lambda items: [items[i] for i in kept]
+        return SizeGuards(self.shape_env, pick(self.specs), pick(self.fakes), pick(self.dims))
 
     def hold(self, user_tensors: Sequence[tuple[str, Tensor]]) -> bool:
         """Whether the guards hold for a call's user tensors (``(path, tensor)``, as the capture's)."""
@@ -71,7 +92,10 @@ class SizeGuards:
 
 
 def size_guards(
-    shape_env: ShapeEnv, specs: Sequence[GraphInput], fakes: Sequence[Tensor], dynamic: Mapping[str, object]
+    shape_env: ShapeEnv,
+    specs: Sequence[GraphInput],
+    fakes: Sequence[Tensor],
+    dynamic: Mapping[str, Collection[int]],
 ) -> SizeGuards | None:
     """The size guards of a trace whose user tensors at the paths ``dynamic`` names have symbolic dims; None
     when there are none."""
@@ -82,4 +106,6 @@ def size_guards(
     ]
     if not chosen:
         return None
-    return SizeGuards(shape_env, [s for s, _ in chosen], [f for _, f in chosen])
+    return SizeGuards(
+        shape_env, [s for s, _ in chosen], [f for _, f in chosen], [dynamic[argument_path(s)] for s, _ in chosen]
+    )
