@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from zgraph.graph import BUCKET, PHASE, CostModel, fake_mode, insert
+from zgraph.graph import BUCKET, PHASE, CostModel, fake_mode, insert, tensor_bytes
 from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, RELOAD, UNSHARD
 from zgraph.passes.graph_utils import CASTS, SIMPLE_VIEWS
 from zgraph.passes.pipeline import PassContext
@@ -55,8 +55,7 @@ class Bucket:
 
 
 def _nbytes(node: fx.Node) -> int:
-    val = node.meta["val"] if node.target is UNSHARD else node.args[0].meta["val"]
-    return val.numel() * val.element_size()
+    return tensor_bytes(node.meta["val"] if node.target is UNSHARD else node.args[0].meta["val"])
 
 
 def _collective_kind(target: object) -> str:

@@ -27,6 +27,7 @@ from zgraph.graph import (
     shard_rows,
 )
 from zgraph.ops import SHARD, UNSHARD
+from zgraph.sizes import same_shape
 
 aten = torch.ops.aten
 
@@ -148,7 +149,7 @@ def is_elementwise(node: fx.Node) -> bool:
     for arg in node.all_input_nodes:
         val = arg.meta.get("val")
         if isinstance(val, torch.Tensor):
-            if val.dim() != 0 and val.shape != out.shape:
+            if val.dim() != 0 and not same_shape(val.shape, out.shape):
                 return False
         elif not isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
             return False

@@ -6,7 +6,7 @@ Plan (``plan_offload_activations``): the forward nodes whose value a backward no
 
 * graph inputs and views of them (parameters, the batch: held by the caller anyway, and parameters are the
   ``offload`` pass's), values the optimizer reads or the graph returns, and values under ``min_bytes`` or
-  without elements (0-d values, tokens);
+  without elements (0-d values, tokens) at the sizes the graph was captured at (symbolic sizes: their hints);
 * on ``"cpu"``, values already on the host.
 
 Rewrite, for each planned value (``key``: its position in the plan):
@@ -33,9 +33,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, VAL, insert, offload_moves
+from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, VAL, insert, offload_moves, tensor_bytes
 from zgraph.ops import STASH, UNSTASH
 from zgraph.passes.pipeline import PassContext
+from zgraph.sizes import size_hint
 
 TIERS = ("cpu", "nvme")
 
@@ -68,9 +69,9 @@ def plan_offload_activations(gm: fx.GraphModule, min_bytes: int = 0, host_too: b
         if _phase(node) != FORWARD or not any(_phase(u) == BACKWARD for u in node.users):
             continue
         val = node.meta.get(VAL)
-        if not isinstance(val, torch.Tensor) or val.dim() == 0 or val.numel() == 0:
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or size_hint(val.numel()) == 0:
             continue
-        if val.numel() * val.element_size() < min_bytes or (not host_too and val.device.type == "cpu"):
+        if tensor_bytes(val) < min_bytes or (not host_too and val.device.type == "cpu"):
             continue
         if any(_phase(u) == OPTIMIZER or u.op == "output" for u in node.users) or _views_an_input(node):
             continue

@@ -27,6 +27,7 @@ from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, copy_graph_m
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 from zgraph.passes.provenance import run_pass
 from zgraph.sequence_ops import SEQUENCE_OPS
+from zgraph.sizes import bind_sizes
 
 # Properties the captured graph has before any pass runs (see zgraph.capture.trace); checked before the first pass.
 CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
@@ -198,6 +199,7 @@ def run_pipeline(
     ``check_input``: verify the captured graph's properties (``CAPTURED_PROPERTIES``) first. Every node a pass
     creates carries ``meta[MADE_BY]``, the pass's name (``zgraph.passes.provenance.run_pass`` runs it: a
     create-node hook on the module the pass edits, the copy below when ``keep``).
+    A symbolic size a pass wrote into an op's arguments is then computed by the graph (``zgraph.sizes.bind_sizes``).
     ``keep``: each pass edits a copy, leaving ``gm`` and every record's graph as it was; False: each pass edits
     the graph it receives, ``gm`` included (only the last record's graph is then the pass's output as made).
     A pass that does not apply (``Pass.applies``) is not run: its record holds the graph it received, whose
@@ -216,6 +218,7 @@ def run_pipeline(
         out = run_pass(p.name, before, p.fn, ctx)
         if not isinstance(out, fx.GraphModule):
             raise PipelineError(f"pass {p.name!r} returned {type(out).__name__}, expected a torch.fx.GraphModule")
+        bind_sizes(out)
         out.graph.lint()
         out.recompile()
         check_properties(out, p.provides, f"pass {p.name!r}")

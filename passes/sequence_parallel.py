@@ -34,6 +34,7 @@ from zgraph.graph import FORWARD, INPUT, PHASE, Axis, compute_val, eliminate_dea
 from zgraph.ops import COMBINE
 from zgraph.passes.pipeline import PassContext
 from zgraph.sequence_ops import HEADS_TO_SEQ, SEQ_TO_HEADS
+from zgraph.sizes import same_size
 
 aten = torch.ops.aten
 ATTENTION = {
@@ -189,15 +190,18 @@ def _back_to_sequence(gm: fx.GraphModule, node: fx.Node, strides: tuple, group: 
     node.replace_all_uses_with(value, delete_user_cb=lambda user: user is not first)
 
 
-def _move_positions(gm: fx.GraphModule, length: int, offset: int, mode: object) -> None:
+def _move_positions(gm: fx.GraphModule, length: int | torch.SymInt, offset: int | torch.SymInt, mode: object) -> None:
     """Forward ``arange`` of ``length`` elements, and ``buffer[:length]`` of a graph input, now start at
-    ``offset``: the positions of this rank's slice in the whole sequence."""
-    if offset == 0:
+    ``offset``: the positions of this rank's slice in the whole sequence. A symbolic ``length`` (a graph captured
+    with symbolic sequence sizes) is matched for every size, never at its hint only; the new bounds are then
+    symbolic too (the pipeline makes the graph compute them: ``zgraph.graph.bind_sizes``)."""
+    if same_size(offset, 0):
         return
     for node in list(gm.graph.nodes):
         if node.meta.get(PHASE) != FORWARD:
             continue
-        if node.target in _ARANGES and node.meta["val"].numel() == length and node.meta["val"].dim() == 1:
+        val = node.meta["val"]
+        if node.target in _ARANGES and val.dim() == 1 and same_size(val.numel(), length):
             start = node.args[0] if node.target is not aten.arange.default else 0
             step = node.args[2] if node.target is aten.arange.start_step else 1
             if step != 1 or not isinstance(start, int):
@@ -209,14 +213,16 @@ def _move_positions(gm: fx.GraphModule, length: int, offset: int, mode: object) 
             compute_val(node, mode)
 
 
-def _is_table_head(node: fx.Node, length: int) -> bool:
+def _is_table_head(node: fx.Node, length: int | torch.SymInt) -> bool:
     """``x[:length]`` (dim 0) of a graph input ``x`` (a buffer such as a position table)."""
     source, dim, *bounds = (*node.args, 0, None)[:4]
+    end = bounds[1].meta.get("val") if isinstance(bounds[1], fx.Node) else bounds[1]
     return (
         isinstance(source, fx.Node)
         and source.op == "placeholder"
         and source.meta[INPUT].kind in ("buffer", "input")
         and dim == 0
         and bounds[0] in (0, None)
-        and bounds[1] == length
+        and isinstance(end, (int, torch.SymInt))
+        and same_size(end, length)
     )

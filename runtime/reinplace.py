@@ -50,6 +50,7 @@ from zgraph.graph import (
     state_key,
 )
 from zgraph.ops import RELOAD, WRITE_BACK
+from zgraph.sizes import same_shape
 
 
 def _inplace_variant(target: object) -> object | None:
@@ -161,7 +162,7 @@ def _chain(source: fx.Node, value: fx.Node, outputs: list) -> list[fx.Node] | No
         if node.op != "call_function" or _inplace_variant(node.target) is None or not node.args:
             return None
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.shape != want.shape or val.dtype != want.dtype:
+        if not isinstance(val, torch.Tensor) or not same_shape(val.shape, want.shape) or val.dtype != want.dtype:
             return None
         if node is not value and (len(node.users) != 1 or node in outputs):
             return None
@@ -229,8 +230,8 @@ def reinplace_temporaries(gm: fx.GraphModule) -> int:
         if any(a is x for a in (*node.args[1:], *node.kwargs.values())):
             continue
         want = x.meta["val"]
-        same = isinstance(val, torch.Tensor) and (val.shape, val.dtype) == (want.shape, want.dtype)
-        if same and val.stride() == want.stride():
+        same = isinstance(val, torch.Tensor) and same_shape(val.shape, want.shape) and val.dtype == want.dtype
+        if same and same_shape(val.stride(), want.stride()):
             node.target = inplace
             fresh.add(node)
     gm.recompile()

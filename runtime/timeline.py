@@ -26,6 +26,7 @@ from torch.utils.flop_counter import flop_registry
 from zgraph.graph import VAL, CostModel, collective_bytes, collective_kind, tensor_bytes
 from zgraph.ops import RELOAD, STASH, UNSTASH, WRITE_BACK
 from zgraph.runtime.cost_model import LINK_CLASSES, crosses, link_seconds
+from zgraph.sizes import size_hint
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Bytes per second an offload tier moves, by the device whose state it holds: a GPU's state goes to pinned host
@@ -69,7 +70,7 @@ def _flops(node: fx.Node) -> int:
     args = [val(a) for a in node.args]
     kwargs = {k: val(v) for k, v in node.kwargs.items()}
     try:
-        return int(fn(*args, out_val=node.meta.get("val"), **kwargs))
+        return size_hint(fn(*args, out_val=node.meta.get("val"), **kwargs))  # symbolic sizes: at their hints
     except Exception:  # a signature the registry does not cover: count it as memory traffic only
         return 0
 

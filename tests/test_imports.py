@@ -3,8 +3,8 @@ parsed and checked against the house's floors, and the import graph has no circl
 
 Floors, bottom to top (a module imports its own layer and layers on lower floors, never a layer beside it):
 
-0. the contract: ``zgraph.graph``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.errors``, ``zgraph.tree``,
-   ``zgraph.version``;
+0. the contract: ``zgraph.graph``, ``zgraph.sizes``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.errors``,
+   ``zgraph.tree``, ``zgraph.version``;
 1. ``zgraph.runtime`` and ``zgraph.passes`` (never each other);
 2. ``zgraph.deepspeed`` (plain values; never ``Config``) and ``zgraph.checkpoint`` (which imports only the
    runtime and the contract);
@@ -47,6 +47,7 @@ FLOORS = {
 }
 LAYER_OF = {
     "zgraph.graph": "contract",
+    "zgraph.sizes": "contract",
     "zgraph.ops": "contract",
     "zgraph.sequence_ops": "contract",
     "zgraph.errors": "contract",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from torch._guards import TracingContext
 from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 # ---------------------------------------------------------------------------------------------------- phases
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -253,9 +255,11 @@ def offload_moves(tier: str | None, device_type: str) -> bool:
 
 
 def tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor, or of the tensors in a list/tuple."""
+    """Bytes of a tensor, or of the tensors in a list/tuple; of a tensor with symbolic sizes, at their hints
+    (``zgraph.sizes.size_hint``: the sizes it was captured at; ``zgraph.sizes.symbolic_bytes`` keeps the symbols)."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        numel = value.numel()
+        return (optimization_hint(numel) if isinstance(numel, torch.SymInt) else numel) * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     return 0
@@ -339,7 +343,9 @@ def insert(
     """Insert ``target(*args, **kwargs)`` before or after a node, with its fake value and a phase."""
     graph = gm.graph
     context = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
-    with context:
+    with context, warnings.catch_warnings():
+        # a symbolic size among the arguments is computed by the graph after the pass (``bind_sizes``)
+        warnings.filterwarnings("ignore", message="Raw SymInt value", category=UserWarning)
         node = graph.call_function(target, args, kwargs or {})
     anchor = before if before is not None else after
     node.meta[PHASE] = phase or anchor.meta.get(PHASE, FORWARD)

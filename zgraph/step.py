@@ -14,7 +14,7 @@ import functools
 import os
 import types
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from zgraph.compile.variant import CompiledStep
 from zgraph.config import Config
 from zgraph.config_checks import budget_bytes
 from zgraph.dispatch import Dispatcher
-from zgraph.inspect.budget import MemoryPlan, plan_memory
+from zgraph.inspect.budget import MemoryPlan, plan_for_sizes, plan_memory
 from zgraph.inspect.estimate import Estimate, estimate_step
 from zgraph.inspect.explain import dump_graphs, explain_table
 
@@ -89,6 +89,7 @@ class DistributedStep:
         memory_budget: int | str | None = None,
         ranks_per_node: int | None = None,
         inter_node_gbps: float | None = None,
+        sizes: Mapping[str | tuple[str, int], int] | None = None,
         **kwargs: object,
     ) -> Estimate | MemoryPlan:
         """Memory and communication per rank of calling the step with these arguments on ``world_size`` ranks
@@ -104,15 +105,20 @@ class DistributedStep:
 
         ``memory_budget`` (bytes per rank, ``"12GiB"``, ``"auto"``): returns the ``MemoryPlan`` the planner makes
         for that budget instead (``plan.chosen.estimate`` is the chosen config's estimate). Without it, a step whose
-        config has a ``memory_budget`` is estimated as planned."""
+        config has a ``memory_budget`` is estimated as planned.
+
+        Arguments marked with ``zgraph.mark_dynamic`` are traced with those sizes as symbols: the estimate is at
+        ``sizes`` (by symbol name or ``(argument path, dim)``; the others at the call's sizes) and carries the
+        peak and activation bytes as formulas in the symbols (``Estimate.peak_formula``, ``size_symbols``);
+        with ``memory_budget``, the plan is for ``sizes``."""
         call = StepCall.of(self.__wrapped__, args, kwargs)
         config = self.config
         if memory_budget is not None:
-            return plan_memory(call, config, budget_bytes(memory_budget), world_size, device)
+            return plan_for_sizes(call, config, budget_bytes(memory_budget), sizes or {}, world_size, device)
         if config.memory_budget is not None:
-            config = plan_memory(call, config, config.memory_budget, world_size, device).config(config)
+            config = plan_for_sizes(call, config, config.memory_budget, sizes or {}, world_size, device).config(config)
         links = {"ranks_per_node": ranks_per_node, "inter_node_gbps": inter_node_gbps}
-        return estimate_step(call, config, world_size, device=device, **links)
+        return estimate_step(call, config, world_size, device=device, sizes=sizes, **links)
 
 
 def distribute(

@@ -87,10 +87,10 @@ def fake_inputs(
         if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
             with mode:
                 fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
+        elif spec.kind in ("input", "input_grad") and argument_path(spec) in dynamic:
+            fake = _symbolic(mode, value.detach(), spec.name, dynamic[argument_path(spec)], meta_as)
         elif value.is_meta and meta_as is not None:
             fake = mode.fake_tensor_converter.from_meta_and_device(mode, value.detach(), meta_as)
-        elif spec.kind in ("input", "input_grad") and argument_path(spec) in dynamic:
-            fake = _symbolic(mode, value.detach(), spec.name, dynamic[argument_path(spec)])
         else:
             fake = mode.from_tensor(value.detach(), static_shapes=True)
         if spec.kind in ("param", "input") and value.requires_grad:
@@ -104,17 +104,27 @@ def argument_path(spec: GraphInput) -> str:
     return spec.name.removesuffix(".grad") if spec.kind == "input_grad" else spec.name
 
 
-def _symbolic(mode: FakeTensorMode, value: Tensor, name: str, dims: Collection[int]) -> Tensor:
+def _symbolic(
+    mode: FakeTensorMode, value: Tensor, name: str, dims: Collection[int], meta_as: torch.device | None = None
+) -> Tensor:
     """A fake of ``value`` whose sizes in ``dims`` are backed symbols (torch's duck sizing: equal sizes share one;
     sizes 0 and 1 are specialized, as torch does); ``dims`` may map a dim to its declared ``(min, max)`` (either
-    None), which becomes the symbol's value range (as ``torch._dynamo.mark_dynamic``'s does)."""
+    None), which becomes the symbol's value range (as ``torch._dynamo.mark_dynamic``'s does); a meta ``value``
+    stands for one on ``meta_as`` (estimates)."""
     sizes = [DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(value.dim())]
     ranges = dims if isinstance(dims, Mapping) else {}
     constraints = [_range_constraint(ranges.get(d, (None, None))) for d in range(value.dim())]
     context = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=constraints)
     from torch._dynamo.source import LocalSource  # torch._dynamo is imported only where needed
 
-    return mode.from_tensor(value, static_shapes=False, symbolic_context=context, source=LocalSource(name))
+    stands_for = meta_as if value.is_meta and meta_as is not None else None
+    if stands_for is not None:  # a fake is made from a tensor with memory: the CPU's, moved (as fakes) after
+        value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+    fake = mode.from_tensor(value, static_shapes=False, symbolic_context=context, source=LocalSource(name))
+    if stands_for is not None and stands_for.type != "cpu":
+        with mode:
+            fake = fake.to(stands_for)
+    return fake
 
 
 def _range_constraint(bounds: tuple[int | None, int | None]) -> StrictMinMaxConstraint | None:

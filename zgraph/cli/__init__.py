@@ -5,4 +5,5 @@ Files::
     __main__.py  ``python -m zgraph.cli``
     main.py      argument parsing and the sub-commands
     estimate.py  ``zgraph estimate``
+    estimate_lengths.py  ``zgraph estimate --seq-lens``: one trace, the sequence a size symbol; a table over lengths
 """

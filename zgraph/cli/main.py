@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from zgraph.cli import estimate as estimate_cli
+from zgraph.cli import estimate_lengths
 from zgraph.demos import gpt_demo as demo
 from zgraph.demos.ranks import DemoRankError
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory and collectives per rank, for any number of ranks, without a GPU or the model's memory.",
     )
     estimate_cli.add_arguments(estimate_parser)
+    estimate_lengths.add_arguments(estimate_parser)
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(args)
@@ -58,7 +60,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from zgraph.errors import CaptureError, PipelineError
 
     try:
-        print(estimate_cli.run(args))
+        print(estimate_lengths.run(args) if args.seq_lens is not None else estimate_cli.run(args))
     except (estimate_cli.EstimateInputError, CaptureError, PipelineError) as error:  # bad input: one line, status 1
         print("zgraph estimate: " + "; ".join(str(error).strip().split("\n")), file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ Files::
 
     explain.py   ``step.explain()`` and ``step.dump()``
     estimate.py  ``step.estimate(...)``: memory and communication per rank, on meta stand-ins
+    shadow.py    the estimate's stand-ins: the call's modules and optimizers copied onto the meta device
     liveness.py  bytes alive after each node and the peak
     budget.py    ``Config.memory_budget``: the fastest estimated combination of remat and offload that fits
 """

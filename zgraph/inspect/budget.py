@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import itertools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,24 @@ def plan_memory(
     the smallest budget that fits and what fills it, when nothing fits. ``"auto"`` takes the least free memory
     over ``process_group`` (None: the default group)."""
     prepared = prepare_plan(call, config, world_size, device)
+    nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
+    return plan_prepared(prepared, config, nbytes)
+
+
+def plan_for_sizes(
+    call: StepCall,
+    config: Config,
+    budget: int | str,
+    sizes: Mapping[str | tuple[str, int], int],
+    world_size: int | None = None,
+    device: str | torch.device | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> MemoryPlan:
+    """``plan_memory`` for a step whose arguments have symbolic sizes (``zgraph.mark_dynamic``, or found varying):
+    every combination is estimated at ``sizes`` (by symbol name or ``(argument path, dim)``: the largest the step
+    will see, a ``mark_dynamic`` ``max=`` or the largest seen so far; the others at the call's sizes), so the plan
+    fits every smaller size too. A larger size later needs a plan of its own (the caller plans again)."""
+    prepared = dataclasses.replace(prepare_plan(call, config, world_size, device), sizes=dict(sizes))
     nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
     return plan_prepared(prepared, config, nbytes)
 

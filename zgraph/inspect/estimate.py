@@ -27,18 +27,17 @@ attention and autocast CUDA's.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from zgraph.binding.arguments import StepCall
+from zgraph.binding.dynamic import DynamicDims
 from zgraph.binding.guards import discover
 from zgraph.binding.session import user_tensors
 from zgraph.binding.setup import plan_state
@@ -48,7 +47,6 @@ from zgraph.capture.protocol import capture
 from zgraph.compile.build import collector_paused, pass_context
 from zgraph.compile.lower import lower
 from zgraph.config import Config
-from zgraph.errors import CaptureError
 from zgraph.graph import (
     INPUT,
     OUTPUTS,
@@ -62,6 +60,7 @@ from zgraph.graph import (
     tensor_bytes,
 )
 from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
+from zgraph.inspect.shadow import EstimateError, shadow_call
 from zgraph.passes import run_pipeline
 from zgraph.runtime.cost_model import CostModel as RuntimeCostModel
 from zgraph.runtime.cost_model import analytical_cost_model, crossing_groups, known_cost_model, with_inter_node
@@ -71,6 +70,7 @@ from zgraph.runtime.process_group import SINGLE_PROCESS, ProcessGroupInfo, ensur
 from zgraph.runtime.state import Binding
 from zgraph.runtime.timeline import collective_totals, transfer_seconds
 from zgraph.runtime.timeline import estimate as timeline
+from zgraph.sizes import size_symbols
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
 MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
@@ -113,7 +113,14 @@ class Estimate:
             (``zgraph.inspect.liveness.cuda_block_bytes``), as ``torch.cuda.max_memory_allocated`` does.
         step_seconds: predicted seconds of one call: compute and the communication it waits for, from the cost
             model (``zgraph.runtime.timeline``), plus the offload tier's transfers at the tier's bandwidth. A
-            figure to compare configs by, not a measurement.
+            figure to compare configs by, not a measurement (with symbolic sizes: at the sizes traced).
+        size_symbols: a step with symbolic sizes (arguments marked with ``zgraph.mark_dynamic``): each size
+            symbol by name, with the argument path and dimension it stands for; empty for static sizes.
+        sizes: the size each symbol was estimated at (``sizes=`` of ``step.estimate``, else the traced size): the
+            byte counts above (model state, peak, activations, live bytes) are at these sizes.
+        peak_formula: ``peak_bytes`` as an expression of the symbols (``sympy``): the bytes alive at the peak node,
+            exact around ``sizes`` (the peak may move to another node far from them: estimate there again).
+        activation_formula: ``activation_bytes`` likewise.
     """
 
     world_size: int
@@ -134,16 +141,18 @@ class Estimate:
     step_seconds: float = 0.0
     link_bytes: Mapping[str, int] = field(default_factory=dict)
     activation_bytes: int = 0
+    size_symbols: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    peak_formula: sympy.Expr | None = None
+    activation_formula: sympy.Expr | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest)."""
+        """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest; formulas as text)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "live_bytes"}
         out["alive_at_peak"] = [list(item) for item in self.alive_at_peak[:10]]
+        for name in ("peak_formula", "activation_formula"):
+            out[name] = None if out[name] is None else str(out[name])
         return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
-
-
-class EstimateError(CaptureError):
-    """The step cannot be estimated (what it reaches cannot be copied to stand-ins, or it cannot be traced)."""
 
 
 def estimate_step(
@@ -154,15 +163,18 @@ def estimate_step(
     device: str | torch.device | None = None,
     ranks_per_node: int | None = None,
     inter_node_gbps: float | None = None,
+    sizes: Mapping[str | tuple[str, int], int] | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a step of ``config`` making ``call`` on ``world_size`` ranks (None: the current world),
     planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None: the device of the model's
     parameters, else the CPU). ``cost_model``: prices collectives (default: the one the step would plan with for
     the backend that serves the device). ``ranks_per_node``: consecutive ranks per node (None: torchrun's
     ``LOCAL_WORLD_SIZE``, else one node); a collective whose group spans nodes is priced at ``inter_node_gbps``
-    (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``."""
+    (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``.
+    ``sizes``: for arguments marked with ``zgraph.mark_dynamic`` (traced as size symbols), the sizes to estimate
+    at, by symbol name or ``(argument path, dim)`` (``Estimate.size_symbols``); the others at the call's sizes."""
     prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
-    return estimate_variant(prepared, config, copy=False)
+    return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,7 @@ class Prepared:
     device: torch.device
     ran: int = 0
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group, by name, crosses nodes
+    sizes: Mapping[str | tuple[str, int], int] = field(default_factory=dict)  # where symbolic sizes are estimated
 
 
 def prepare(
@@ -192,7 +205,7 @@ def prepare(
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    shadow, found = _shadow(call)
+    shadow, found = shadow_call(call)
     device = _planned_device(device, found)
     group = _group(world_size, device)
     if group.distributed:
@@ -211,35 +224,67 @@ def prepare(
 
 def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
     """The ``Estimate`` of the prepared step through ``config``'s passes (on a copy of its graph where ``copy``)."""
+    return estimate_sizes(prepared, config, [prepared.sizes], copy=copy)[0]
+
+
+def estimate_sizes(
+    prepared: Prepared, config: Config, sizes: Sequence[Mapping[str | tuple[str, int], int]], *, copy: bool = True
+) -> list[Estimate]:
+    """``estimate_variant`` at each of ``sizes`` (a step with symbolic sizes: ``step.estimate``'s ``sizes=``): the
+    passes run once, the liveness of their graph is evaluated at each."""
     captured, binding, device = prepared.captured, prepared.binding, prepared.device
     ctx = pass_context(binding, split=captured.split is not None)
     gm = copy_graph_module(captured.gm) if copy else captured.gm
     records = run_pipeline(gm, ctx, config.pipeline()[prepared.ran :], check_input=not prepared.ran, keep=False)
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
-    live = liveness(final, device.type)
+    symbols = size_symbols(final)
     seconds = timeline(final, binding.cost_model, prepared.crossing).total + transfer_seconds(final, device.type)
     comm = collective_totals(final, binding.cost_model, prepared.crossing)
-    return Estimate(
-        world_size=prepared.group.world_size,
-        stage=config.stage,
-        params=sum(r.tensor.numel() for r in binding.params),
-        model_state_bytes=_model_state(final, captured, binding, config, device.type),
-        peak_bytes=live.peak_bytes,
-        peak_node=live.peak_node,
-        alive_at_peak=live.alive_at_peak,
-        comm_bytes=comm.sent,
-        comm_count=comm.counts,
-        comm_seconds=comm.seconds,
-        cost_model_source=binding.cost_model.source,
-        comm_ops=comm.ops,
-        live_bytes=live.live_bytes,
-        nodes=len(final.graph.nodes),
-        device=device.type,
-        step_seconds=seconds,
-        link_bytes=comm.link_bytes,
-        activation_bytes=live.activation_bytes,
-    )
+    state = _model_state(final, captured, binding, config, device.type)
+    out = []
+    for at in sizes:
+        live = liveness(final, device.type, symbol_sizes(symbols, at))
+        out.append(
+            Estimate(
+                world_size=prepared.group.world_size,
+                stage=config.stage,
+                params=sum(r.tensor.numel() for r in binding.params),
+                model_state_bytes=state,
+                peak_bytes=live.peak_bytes,
+                peak_node=live.peak_node,
+                alive_at_peak=live.alive_at_peak,
+                comm_bytes=comm.sent,
+                comm_count=comm.counts,
+                comm_seconds=comm.seconds,
+                cost_model_source=binding.cost_model.source,
+                comm_ops=comm.ops,
+                live_bytes=live.live_bytes,
+                nodes=len(final.graph.nodes),
+                device=device.type,
+                step_seconds=seconds,
+                link_bytes=comm.link_bytes,
+                activation_bytes=live.activation_bytes,
+                size_symbols=symbols,
+                sizes=live.sizes,
+                peak_formula=live.peak_formula,
+                activation_formula=live.activation_formula,
+            )
+        )
+    return out
+
+
+def symbol_sizes(symbols: Mapping[str, tuple[str, int]], sizes: Mapping[str | tuple[str, int], int]) -> dict[str, int]:
+    """``sizes`` by symbol name: a key is a symbol's name or ``(argument path, dim)`` (``Estimate.size_symbols``)."""
+    by_place = {place: name for name, place in symbols.items()}
+    out = {}
+    for key, size in sizes.items():
+        name = by_place.get(key) if isinstance(key, tuple) else key if key in symbols else None
+        if name is None:
+            known = ", ".join(f"{n} ({p} dim {d})" for n, (p, d) in symbols.items()) or "none: its sizes are static"
+            raise ValueError(f"sizes: {key!r} is not a symbolic size of the step; its symbolic sizes: {known}")
+        out[name] = size
+    return out
 
 
 def _capture(call: StepCall, binding: Binding, config: Config, device: torch.device) -> CapturedGraph:
@@ -255,12 +300,20 @@ def _capture(call: StepCall, binding: Binding, config: Config, device: torch.dev
         user_tensors=user_tensors(binding, call),
         config=dataclasses.replace(config, autocast_dtype=None) if emulated else config,
         meta_as=torch.device("cpu") if emulated else device,
+        dynamic=_marked(call, binding),
     )
     modules = [m for _, m in binding.modules]
     with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext(), collector_paused():
         captured = capture(request, _refuse_unbound)
     assert isinstance(captured, CapturedGraph)  # _refuse_unbound never asks to bind more
     return captured
+
+
+def _marked(call: StepCall, binding: Binding) -> dict[str, frozenset[int]]:
+    """The argument dims marked with ``zgraph.mark_dynamic``, by path: the estimate traces them as size symbols."""
+    dims = DynamicDims()
+    dims.observe(call)
+    return dims.of([path for path, _ in user_tensors(binding, call)])
 
 
 def _refuse_unbound(traced: Traced) -> None:
@@ -309,64 +362,6 @@ def _cost_model(config: Config, group: ProcessGroupInfo, device: torch.device) -
     if config.measure_collectives:
         return known_cost_model(backend, device.type, group.world_size)
     return analytical_cost_model(backend)
-
-
-def _meta(t: Tensor) -> Tensor:
-    """A meta tensor with ``t``'s (logical) shape and dtype."""
-    if isinstance(t, DTensor) or t.device.type != "meta":
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return t.detach()
-
-
-def _shadow(call: StepCall) -> tuple[StepCall, torch.device]:
-    """Copies of the arguments whose modules and optimizers hold meta stand-ins of every tensor (tied tensors
-    stay tied, tensors outside modules and optimizers are shared, not copied), and the device the stand-ins
-    stand for."""
-    modules, optimizers = discover(call)
-    memo: dict[int, object] = {}
-    devices = []
-    grads = []
-    for _, root in modules:
-        for p in root.parameters():
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(_meta(p), requires_grad=p.requires_grad)
-                devices.append(p.device)
-                if p.grad is not None:
-                    grads.append((memo[id(p)], _meta(p.grad)))
-        for b in root.buffers():  # a 0-d one keeps its value: a host counter the step may branch on
-            memo.setdefault(id(b), _meta(b) if b.dim() else b.detach().clone())
-    for _, opt in optimizers:
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, Tensor) and value.dim() > 0:
-                    memo.setdefault(id(value), _meta(value))
-    _share_other_tensors((call.args, call.kwargs), memo)
-    shadow_args, shadow_kwargs = copy.deepcopy((call.args, call.kwargs), memo)
-    shadow = StepCall.of(call.fn, shadow_args, shadow_kwargs)
-    for p, grad in grads:
-        p.grad = grad
-    ids = {id(obj) for _, obj in [*modules, *optimizers]}
-    copied_modules, copied_optimizers = discover(shadow)
-    left = [name for name, obj in [*copied_modules, *copied_optimizers] if id(obj) in ids]
-    if left:
-        raise EstimateError(
-            f"step.estimate needs the modules and optimizers the step uses among its arguments, to trace copies of "
-            f"them; it reaches {', '.join(left)} through its closure or globals. Pass them as arguments."
-        )
-    real = [d for d in devices if d.type != "meta"]
-    return shadow, real[0] if real else torch.device("cpu")
-
-
-def _share_other_tensors(value: object, memo: dict[int, object]) -> None:
-    """Map every tensor among the arguments that is not a module's or optimizer's to itself (shared, not copied)."""
-    if isinstance(value, Tensor):
-        memo.setdefault(id(value), value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _share_other_tensors(v, memo)
-    elif isinstance(value, (list, tuple, set)):
-        for v in value:
-            _share_other_tensors(v, memo)
 
 
 def _model_state(

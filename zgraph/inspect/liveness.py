@@ -14,6 +14,12 @@ On CUDA (``liveness(gm, device="cuda")``) each storage is counted as the CUDA ca
 collectives are NCCL's: a reduce-scatter's work, like an all-gather's, holds its input until its wait. On the CPU,
 storages count their bytes.
 
+Symbolic sizes (a graph captured with some dims of the step's arguments as symbols): each storage's size is an
+expression of the symbols; ``liveness(gm, sizes={"s0": 512})`` evaluates them at those sizes (the others at their
+hints, the sizes the graph was captured at), and ``Liveness.peak_formula`` / ``activation_formula`` are the bytes
+alive at the peak (of all, of saved activations) as expressions of the symbols: exact while the same storages are
+alive at the peak, as they are around those sizes (evaluate again at other sizes: the peak may move).
+
 Saved activations (``Liveness.activation_bytes``): storages a forward node made that a backward node reads (node
 phases, ``zgraph.graph.PHASE``): the most of them alive at once, what grows with the sequence length and the micro
 batch, and what activation checkpointing, activation offload and sequence parallelism cut.
@@ -21,14 +27,18 @@ batch, and what activation checkpointing, activation offload and sequence parall
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 
-from zgraph.graph import BACKWARD, FORWARD, PHASE, VAL
+from zgraph.graph import BACKWARD, FORWARD, PHASE, VAL, fake_mode
 from zgraph.ops import RELOAD
+from zgraph.sizes import symbolic_bytes
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # ops whose result is (or shares the memory of) their first input though their schema declares no alias
@@ -79,6 +89,9 @@ class Liveness:
         alive_at_peak: ``(node that allocated it, bytes)`` of every storage alive at the peak, largest first.
         activation_bytes: the most bytes alive at once of saved activations (module docstring); 0 in a graph
             without a backward.
+        sizes: the value each size symbol was evaluated at (symbol name -> size); empty for static sizes.
+        peak_formula: ``peak_bytes`` as an expression of the size symbols (module docstring); None if static.
+        activation_formula: ``activation_bytes`` likewise; None if static.
     """
 
     live_bytes: tuple[int, ...]
@@ -87,15 +100,20 @@ class Liveness:
     peak_node: str
     alive_at_peak: tuple[tuple[str, int], ...]
     activation_bytes: int = 0
+    sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    peak_formula: sympy.Expr | None = None
+    activation_formula: sympy.Expr | None = None
 
 
-def _nbytes(value: object) -> int:
+def _nbytes(value: object) -> int | sympy.Expr:
+    """A storage's bytes: an int, or an expression of the size symbols."""
     if not isinstance(value, torch.Tensor):
         return 0
     try:
-        return value.untyped_storage().nbytes()
+        nbytes = value.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):  # a tensor without storage (a functional wrapper)
-        return value.numel() * value.element_size()
+        return symbolic_bytes(value)
+    return nbytes.node.expr if isinstance(nbytes, torch.SymInt) else nbytes
 
 
 def _aliased_argument(node: fx.Node, alias_set: frozenset) -> fx.Node | None:
@@ -114,7 +132,7 @@ def _aliased_argument(node: fx.Node, alias_set: frozenset) -> fx.Node | None:
     return None
 
 
-def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], owners: list[str]) -> list[int]:
+def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list, owners: list[str]) -> list[int]:
     """The storages ``node``'s value lives in: its arguments' (a view, an in-place result, a tuple element) or
     new ones, recorded in ``sizes`` / ``owners``."""
 
@@ -125,7 +143,7 @@ def _storages(node: fx.Node, of: dict[fx.Node, list[int]], sizes: list[int], own
 
     val = node.meta.get(VAL)
     if node.op in ("placeholder", "get_attr"):  # what the caller feeds: a tensor of its own (its fake may be a view)
-        sizes.append(val.numel() * val.element_size() if isinstance(val, torch.Tensor) and not offloaded(node) else 0)
+        sizes.append(symbolic_bytes(val) if isinstance(val, torch.Tensor) and not offloaded(node) else 0)
         owners.append(node.name)
         return [len(sizes) - 1]
     if node.op != "call_function":
@@ -168,21 +186,22 @@ def _waits(node: fx.Node, holding: tuple = _HOLD_INPUTS) -> list[fx.Node]:
     return [w for r in results for w in r.users if w.target is _WAIT]
 
 
-def liveness(gm: fx.GraphModule, device: str = "cpu") -> Liveness:
+def liveness(gm: fx.GraphModule, device: str = "cpu", sizes: Mapping[str, int] | None = None) -> Liveness:
     """Bytes alive after each node of ``gm`` and the peak (see the module docstring); ``device``: ``"cuda"``
     counts each storage as the CUDA caching allocator's block (``cuda_block_bytes``) and every collective as holding
-    its inputs until its wait (NCCL's)."""
+    its inputs until its wait (NCCL's). ``sizes``: symbol name -> size, for a graph with symbolic sizes (others:
+    their hints)."""
     holding = _HOLD_INPUTS_NCCL if device == "cuda" else _HOLD_INPUTS
     nodes = list(gm.graph.nodes)
     of: dict[fx.Node, list[int]] = {}
-    sizes: list[int] = []
+    exprs: list[int | sympy.Expr] = []
     owners: list[str] = []
     born: dict[int, int] = {}
     last: dict[int, int] = {}
     end = len(nodes) - 1
     index = {node: i for i, node in enumerate(nodes)}
     for i, node in enumerate(nodes):
-        of[node] = _storages(node, of, sizes, owners)
+        of[node] = _storages(node, of, exprs, owners)
         for s in of[node]:
             if s < 0:
                 continue
@@ -193,24 +212,50 @@ def liveness(gm: fx.GraphModule, device: str = "cpu") -> Liveness:
             for s in of.get(arg, []):
                 if s >= 0:
                     last[s] = end if node.op == "output" else max(last[s], waited)
+    values = _symbol_values(gm, exprs, sizes or {})
+    bytes_ = [int(e.xreplace(values)) if isinstance(e, sympy.Expr) else int(e) for e in exprs]
     if device == "cuda":
-        sizes = [cuda_block_bytes(n) for n in sizes]
-    live = _alive(born, last, sizes, len(nodes))
+        bytes_ = [cuda_block_bytes(n) for n in bytes_]
+    live = _alive(born, last, bytes_, len(nodes))
     phases = [node.meta.get(PHASE) for node in nodes]
     saved = {s: start for s, start in born.items() if phases[start] == FORWARD and phases[last[s]] == BACKWARD}
     peak_index = max(range(len(live)), key=live.__getitem__) if live else 0
     alive = sorted(
-        ((owners[s], sizes[s]) for s, start in born.items() if start <= peak_index <= last[s] and sizes[s]),
+        ((owners[s], bytes_[s]) for s, start in born.items() if start <= peak_index <= last[s] and bytes_[s]),
         key=lambda item: -item[1],
     )
+    held = _alive(saved, last, bytes_, len(nodes))
+    saved_peak = max(range(len(held)), key=held.__getitem__) if held else 0
     return Liveness(
         tuple(live),
         tuple(n.name for n in nodes),
         live[peak_index] if live else 0,
         nodes[peak_index].name if nodes else "",
         tuple(alive),
-        max(_alive(saved, last, sizes, len(nodes)), default=0),
+        max(held, default=0),
+        {str(k): int(v) for k, v in values.items()},
+        _formula(born, last, exprs, peak_index) if values else None,
+        _formula(saved, last, exprs, saved_peak) if values else None,
     )
+
+
+def _symbol_values(gm: fx.GraphModule, exprs: list, sizes: Mapping[str, int]) -> dict[sympy.Symbol, int]:
+    """The value of each size symbol of ``exprs``: ``sizes``' (by name), else its hint."""
+    symbols = set().union(*(e.free_symbols for e in exprs if isinstance(e, sympy.Expr)))
+    unknown = sorted(set(sizes) - {str(s) for s in symbols})
+    if unknown:
+        raise ValueError(
+            f"sizes names {unknown}, which are not size symbols of the graph ({sorted(map(str, symbols))})"
+        )
+    if not symbols:
+        return {}
+    env = fake_mode(gm).shape_env
+    return {s: int(sizes[str(s)]) if str(s) in sizes else int(env.optimization_hint(s)) for s in symbols}
+
+
+def _formula(born: dict[int, int], last: dict[int, int], exprs: list, at: int) -> sympy.Expr:
+    """The bytes of the storages alive at node ``at``, as an expression of the size symbols."""
+    return sympy.expand(sympy.Add(*(exprs[s] for s, start in born.items() if start <= at <= last[s])))
 
 
 def _alive(born: dict[int, int], last: dict[int, int], sizes: list[int], count: int) -> list[int]:
