@@ -175,12 +175,19 @@ def run(args: argparse.Namespace, result: RankResult) -> None:
         result.lengths.append(length)
         result.step_s.append(seconds)
         result.losses.append(loss)
-        Path(args.out).write_text(json.dumps(asdict(result)))  # so far: what a run killed on its timeout did
+        save_so_far(result, args.out)
     result.captures = captures()
     if result.peak_first_pass_mib is None:
         result.peak_first_pass_mib = peak_rss_mib()
     else:
         result.peak_steady_mib = peak_rss_mib()
+
+
+def save_so_far(result: RankResult, out: str) -> None:
+    """The result so far, replaced whole (what a run stopped on its timeout did is read from it)."""
+    partial = Path(out + ".partial")
+    partial.write_text(json.dumps(asdict(result)))
+    os.replace(partial, out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
