@@ -104,9 +104,17 @@ def run_system(system: str, args: argparse.Namespace, tmp: Path) -> tuple[Row, l
     ranks, errors = read_ranks(run_dir, world)
     if why is not None or errors:
         row.error = "; ".join(e for e in (why, errors[0] if errors else None) if e)
+        row.notes.append(done_before(ranks, args.steps))
     else:
         fill(row, ranks, len(args.lengths))
     return row, ranks
+
+
+def done_before(ranks: list[dict[str, Any]], steps: int) -> str:
+    """What a failed run finished first (each rank writes its result after every step)."""
+    done = min((len(r["step_s"]) for r in ranks), default=0)
+    seconds = sum(max(ts) for ts in zip(*(r["step_s"] for r in ranks)))
+    return f"{done} of {steps} steps done ({seconds:.0f} s)"
 
 
 def fill(row: Row, ranks: list[dict[str, Any]], first: int) -> None:
@@ -132,7 +140,7 @@ def compare(rows: list[Row]) -> None:
     eager = by_name.get("eager-1proc")
     for row in rows:
         if row.error is not None:
-            row.notes.append("FAILED: " + cause(row.error))
+            row.notes.insert(0, "FAILED: " + cause(row.error))
             continue
         ref = by_name.get(REFERENCE[row.world == 1])
         if ref is not None and ref.first_pass_s:
@@ -149,9 +157,10 @@ def compare(rows: list[Row]) -> None:
 
 # ------------------------------------------------------------------------------------------------ output
 def cause(error: str) -> str:
-    """The exception line of a traceback (its last ``SomethingError: ...`` line; else its last line), shortened."""
+    """The exception line of a traceback (its last ``SomethingError: ...`` line; else the first line: the harness's
+    reason, a timeout say), shortened."""
     found = re.findall(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b.*$", error, re.MULTILINE)
-    line = found[-1] if found else last_lines(error, 1)
+    line = found[-1] if found else error.splitlines()[0]
     return line if len(line) <= 300 else line[:297] + "..."
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +75,7 @@ def build_model(name: str, max_length: int) -> tuple[nn.Module, int, list[nn.Mod
 
         config = GPT2Config(vocab_size=1000, n_positions=max_length, n_embd=256, n_layer=12, n_head=4)
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        config.bos_token_id = config.eos_token_id = 0  # within the vocabulary
         model = GPT2LMHeadModel(config)
         return model, config.vocab_size, list(model.transformer.h)
     config = GPT_100M if name == "gpt100m" else TINY
@@ -172,11 +175,19 @@ def run(args: argparse.Namespace, result: RankResult) -> None:
         result.lengths.append(length)
         result.step_s.append(seconds)
         result.losses.append(loss)
+        save_so_far(result, args.out)
     result.captures = captures()
     if result.peak_first_pass_mib is None:
         result.peak_first_pass_mib = peak_rss_mib()
     else:
         result.peak_steady_mib = peak_rss_mib()
+
+
+def save_so_far(result: RankResult, out: str) -> None:
+    """The result so far, replaced whole (what a run stopped on its timeout did is read from it)."""
+    partial = Path(out + ".partial")
+    partial.write_text(json.dumps(asdict(result)))
+    os.replace(partial, out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
