@@ -107,8 +107,8 @@ def test_dynamic_padding_matches_ddp(results):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 41: the symbolic capture still guards on the number of shifted label tokens "
-    "(batch * (seq - 1) == its value at capture), so each new length is captured again",
+    reason="issue 41: TRL's chunked log-prob kernel (trl/kernels/chunked_logprob.py) loops in Python over "
+    "range(0, batch * (seq - 1), chunk): the symbolic capture guards on that count, so each length is captured again",
 )
 def test_dynamic_padding_captures_at_most_twice(results):
     got = results["dynamic"]
