@@ -13,7 +13,8 @@ guards on the symbols it replaces hold whenever the graph runs, so the fresh Sha
 (``guard_or_defer_runtime_assert``, as ``torch._check`` does): what an op's fake kernel decides on such a value
 (``addmm``'s ``beta == 0``) is decided as in the capture. ``decompositions`` leaves out of inductor's table an
 op's decomposition that would branch on a value no guard decides (``lerp.Scalar``'s ``weight >= 0.5``): that op
-runs its aten kernel, with the number the run computes.
+runs its aten kernel, with the number the run computes (its fallback lowering registered as overriding the
+decomposition, which inductor otherwise refuses when the ``CI`` variable is set).
 """
 
 from __future__ import annotations
@@ -100,7 +101,16 @@ def decompositions(gm: fx.GraphModule) -> dict[torch._ops.OpOverload, Callable]:
                 table[node.target](*args, **kwargs)
         except GuardOnDataDependentSymNode:
             del table[node.target]
+            _run_aten_kernel(node.target)
     return table
+
+
+def _run_aten_kernel(op: torch._ops.OpOverload) -> None:
+    """Lower ``op`` to its aten kernel where inductor has no lowering of its own for it."""
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    if op not in lowerings:
+        make_fallback(op, override_decomp=True)
 
 
 def _host_symbol(node: fx.Node) -> sympy.Symbol | None:
