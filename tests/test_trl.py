@@ -105,11 +105,6 @@ def test_dynamic_padding_matches_ddp(results):
     assert all(len(shapes) > 2 for shapes in got["shapes"]), got["shapes"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 41: TRL's chunked log-prob kernel (trl/kernels/chunked_logprob.py) loops in Python over "
-    "range(0, batch * (seq - 1), chunk): the symbolic capture guards on that count, so each length is captured again",
-)
 def test_dynamic_padding_captures_at_most_twice(results):
     got = results["dynamic"]
     assert "error" not in got, got.get("error")

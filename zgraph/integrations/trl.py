@@ -23,10 +23,13 @@ Refused when the trainer is built, naming the option: ``compute_loss_func`` and 
 this one and must not read tensor values), ``activation_offloading`` (SFTTrainer wraps its ``training_step``, which
 the zgraph step replaces: zgraph's Config offloads), sequence and context parallelism.
 
-On CUDA, TRL's fused LM head runs Triton kernels on the labelled positions only; in the step it runs its torch
-path on every position (``torch_fused_head``), which the compiler fuses.
+TRL's fused LM head scores every position in the step (on CUDA it scores the labelled ones only, a shape that
+depends on the data), and its chunked log-prob kernel is one op of the graph (``trl_logprob``) that runs TRL's own
+forward and backward (Triton on CUDA): the same arithmetic as SFTTrainer's, at any number of tokens.
 
-Each new batch shape is a new trace: pad to one length (``max_length`` with ``pad_to_multiple_of``) for one graph.
+Batches padded to their longest row (the collator's default) or padding-free ones: the step is captured for the
+first batch's sizes, once more with the sizes that changed as symbols, and that graph serves every later size; no
+``pad_to_multiple_of`` is needed.
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import trl.kernels.chunked_logprob
 import trl.trainer.utils
 from torch import nn
 from trl import SFTConfig, SFTTrainer
 
 from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
+from zgraph.integrations.trl_logprob import ChunkedLogProb
 
 
 class ZGraphSFTConfig(ZGraphTrainingArguments, SFTConfig):
@@ -91,19 +94,16 @@ class ZGraphSFTTrainer(ZGraphTrainer, SFTTrainer):
 
 @contextlib.contextmanager
 def torch_fused_head() -> Iterator[None]:
-    """TRL's fused LM head on its torch path, every position scored, while the step is traced. On CUDA it takes its
-    Triton path: kernels launched on the traced (fake) tensors, and only the labelled positions scored
-    (``hidden[mask]``, a shape that depends on the data); a zgraph trace holds neither. The compiler fuses the torch
-    path's tiles instead."""
-    modules = (trl.trainer.utils, trl.kernels.chunked_logprob)
-    saved = [module._use_triton for module in modules]
-    for module in modules:
-        module._use_triton = _no_triton
+    """TRL's fused LM head as a zgraph step traces it, while the step runs. Every position is scored: on CUDA the
+    head scores only the labelled positions (``hidden[mask]``, a shape that depends on the data, which a trace
+    cannot hold). Its chunked log-prob kernel is one op (``trl_logprob.ChunkedLogProb``): the kernel's loop over
+    the tokens would fix their number in the trace, a capture per padded length."""
+    saved = trl.trainer.utils._use_triton, trl.trainer.utils._ChunkedLogProbFunction
+    trl.trainer.utils._use_triton, trl.trainer.utils._ChunkedLogProbFunction = _no_triton, ChunkedLogProb
     try:
         yield
     finally:
-        for module, use_triton in zip(modules, saved, strict=True):
-            module._use_triton = use_triton
+        trl.trainer.utils._use_triton, trl.trainer.utils._ChunkedLogProbFunction = saved
 
 
 def _no_triton(device: torch.device) -> bool:
