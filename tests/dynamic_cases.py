@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dist_harness import run_named
+from dist_harness import all_gather_values, run_named
 from torch import nn
 
 import zgraph
@@ -82,6 +82,50 @@ def stages(rank: int, world: int) -> dict:
         stage: zgraph_run(zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0), rank, world)
         for stage in range(4)
     }
+
+
+# Each rank's (rows, length) per call, as DDP ranks whose collators pad each batch to its own longest row: the
+# first call the same on both ranks; at the second rank 0 repeats its size (its first graph serves it) while rank 1
+# changes (its sizes become symbolic): the ranks' graphs differ until rank 0 makes the same dims symbolic; then
+# every call differs between the ranks.
+RANK_SIZES = [[(2, 12), (2, 12), (2, 20), (3, 7), (2, 16)], [(2, 12), (2, 9), (3, 33), (2, 16), (2, 5)]]
+
+
+def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [batch(rows, length, 10 * rank + i) for i, (rows, length) in enumerate(RANK_SIZES[rank])]
+
+
+def eager_ranks() -> dict:
+    """DDP on ``RANK_SIZES``: the loss the mean of the ranks' losses, the gradients averaged."""
+    m = model()
+    opt = adamw(m)
+    losses = []
+    for calls in zip(*(rank_batches(rank) for rank in range(len(RANK_SIZES)))):
+        loss = sum(lm_loss(m(idx), targets) for idx, targets in calls) / len(calls)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+
+
+def ranks_differ(rank: int, world: int) -> dict:
+    """Stages 0 and 3 with each rank's own sizes (``RANK_SIZES``): losses averaged, whole parameters, and this
+    rank's and the other ranks' captures after each call."""
+    out = {}
+    for stage in (0, 3):
+        m = model()
+        opt = adamw(m)
+        config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+        step = zgraph.distribute(config)(train_step)
+        losses, variants = [], []
+        for idx, targets in rank_batches(rank):
+            loss = step(m, opt, idx, targets).detach().clone()
+            dist.all_reduce(loss)
+            losses.append(loss / world)
+            variants.append(all_gather_values(step._dispatch.variants()))
+        out[stage] = {"losses": losses, "params": zgraph.full_state_dict(m), "variants": variants}
+    return out
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -4,14 +4,16 @@ The first call captures for its sizes; the first call whose guard key differs on
 dims makes those dims (and the batch dim) symbolic, and its capture serves every later size its size guards accept
 (``zgraph.binding.dynamic``, ``zgraph.capture.size_guards``). ``zgraph.mark_dynamic`` makes a dim symbolic from the
 first call, with a range refused before anything changes. Every step equals eager PyTorch (bitwise on one process
-with the eager backend, DDP's semantics within fp32 rounding on two ranks) at stages 0-3, and in split mode.
+with the eager backend, DDP's semantics within fp32 rounding on two ranks) at stages 0-3, and in split mode. Ranks
+whose batches have sizes of their own (each padded to its own longest row) run one graph, those sizes symbolic on
+every rank (issue 41, item 5).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dynamic_cases import CONFIG, SIZES, adamw, batch, batches, eager, model, train_step, zgraph_run
+from dynamic_cases import CONFIG, SIZES, adamw, batch, batches, eager, eager_ranks, model, train_step, zgraph_run
 
 import zgraph
 from zgraph.demos.models import lm_loss
@@ -111,7 +113,7 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("dynamic") / "results.pt"
-    names = ["stages"]
+    names = ["stages", "ranks_differ"]
     run_ranks(2, "dynamic_cases.run", str(path), names, timeout=600)
     results = torch.load(path, weights_only=False)
     for name in names:
@@ -127,6 +129,18 @@ def test_stages_on_two_ranks_equal_ddp_at_every_size(two_ranks, stage):
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert got["variants"][-1] == 2
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_with_sizes_of_their_own_equal_ddp(two_ranks, stage):
+    """Each rank's batch of its own sizes (as DDP ranks whose collators pad to their own longest row): one graph
+    with the sizes that differ between ranks symbolic serves every rank; each rank captures at most twice."""
+    got, want = two_ranks["ranks_differ"][stage], eager_ranks()
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert got["variants"][0] == [1, 1] and got["variants"][-1] == [2, 2], got["variants"]
 
 
 def test_a_size_the_step_fixes_warns_and_is_captured_again():

@@ -16,7 +16,7 @@ import warnings
 import torch.distributed as dist
 
 from zgraph.binding.arguments import StepCall
-from zgraph.binding.dynamic import DynamicDims
+from zgraph.binding.dynamic import DynamicDims, argument_sizes, argument_tensors
 from zgraph.binding.guards import KEY_PARTS, describe_leaf
 from zgraph.binding.session import Bound, Session
 from zgraph.binding.setup import step_groups
@@ -34,7 +34,7 @@ from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.graph import GraphInput
 from zgraph.runtime.agreement import Channel
-from zgraph.runtime.consistency import check_same_graph
+from zgraph.runtime.consistency import check_same_graph, raise_different_graphs, same_digests
 from zgraph.runtime.devices import control_device
 from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
@@ -86,20 +86,14 @@ class Dispatcher:
             channel.enter(label)
             group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
             group = step_groups(group, self.config)
-        try:
-            compiled, bound = self._prepare(call, group, channel)
-        except Exception as error:
-            if channel is None:
-                raise
-            channel.record_failure(label, error)
-            error._zgraph_recorded = True
-            device = control_device(group.backend, self.session.device)
-            check_same_graph(channel, group.group_name, label, 0, [], error, device)  # tell the others; re-raises
-            raise
+            if self.calls == 1:  # every rank captures: dims whose sizes differ between ranks are symbols at once
+                sizes = argument_sizes(argument_tensors(call))
+                self.dynamic.widen_across_ranks(channel.exchange(f"{label} (argument sizes)", sizes))
+        compiled, bound = self._prepare_or_tell(call, group, channel, label)
         peers = None
         if channel is not None:
+            compiled, bound = self._agree(call, group, channel, label, compiled, bound)
             device = control_device(group.backend, bound.binding.device)
-            check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
             peers = Peers(channel, group.group_name, device, label)
         self.last = compiled
         try:
@@ -110,6 +104,45 @@ class Dispatcher:
                 raise
             raise failure from error
 
+    def _prepare_or_tell(
+        self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None, label: str, again: bool = False
+    ) -> tuple[CompiledStep, Bound]:
+        """``_prepare``; where it fails on several ranks, the others are told (in the digests' all-gather)."""
+        try:
+            return self._prepare(call, group, channel, again)
+        except Exception as error:
+            if channel is None:
+                raise
+            channel.record_failure(label, error)
+            error._zgraph_recorded = True
+            device = control_device(group.backend, self.session.device)
+            check_same_graph(channel, group.group_name, label, 0, [], error, device)  # tell the others; re-raises
+            raise
+
+    def _agree(
+        self,
+        call: StepCall,
+        group: ProcessGroupInfo,
+        channel: Channel,
+        label: str,
+        compiled: CompiledStep,
+        bound: Bound,
+    ) -> tuple[CompiledStep, Bound]:
+        """The variant every rank runs: this one where the ranks' graphs are the same. Where they differ, the ranks
+        exchange their arguments' sizes; dims whose sizes differ between ranks (each rank's batch padded to its own
+        longest row) become symbolic on every rank, a rank whose symbolic dims that changed captures again, and the
+        graphs are compared once more. Otherwise, or if they still differ: ``RankMismatchError`` on every rank."""
+        device = control_device(group.backend, bound.binding.device)
+        if same_digests(channel, group.group_name, label, compiled.digest, device=device):
+            return compiled, bound
+        sizes = channel.exchange(f"{label} (argument sizes)", argument_sizes(bound.user_tensors))
+        if not self.dynamic.widen_across_ranks(sizes):
+            raise_different_graphs(channel, label, compiled.description)
+        compiled, bound = self._prepare_or_tell(call, group, channel, label, again=True)
+        device = control_device(group.backend, bound.binding.device)
+        check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
+        return compiled, bound
+
     @staticmethod
     def _run(compiled: CompiledStep, bound: Bound, peers: Peers | None) -> object:
         if compiled.split is not None:
@@ -117,9 +150,12 @@ class Dispatcher:
             return run_split(compiled, split, bound.binding, bound.user_tensors, bound.call.name, peers)
         return run(compiled, bound.binding, bound.user_tensors)
 
-    def _prepare(self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None) -> tuple[CompiledStep, Bound]:
-        """The compiled variant for this call (captured now if there is none) and the call bound."""
-        schedulers_stepped = False
+    def _prepare(
+        self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None, again: bool = False
+    ) -> tuple[CompiledStep, Bound]:
+        """The compiled variant for this call (captured now if there is none) and the call bound; ``again``: the
+        call was prepared once already (its LR schedulers are not stepped twice)."""
+        schedulers_stepped = again
         self.dynamic.observe(call)  # marked dims; a size outside a declared range is refused here
         for attempt in range(_MAX_REBINDS + 1):
             bound = self.session.bind(call, group, channel)

@@ -62,9 +62,12 @@ class ZGraphSFTTrainer(ZGraphTrainer, SFTTrainer):
         super().__init__(model, args, *rest, **kwargs)
         refuse_sft_trainer(self)
 
-    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        inputs = without_flash_lengths(model, inputs)
         with torch_fused_head():  # the zgraph step is traced (forward and backward) inside ZGraphTrainer's
-            return super().training_step(*args, **kwargs)
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
@@ -108,6 +111,22 @@ def torch_fused_head() -> Iterator[None]:
 
 def _no_triton(device: torch.device) -> bool:
     return False
+
+
+FLASH_LENGTHS = ("max_length_q", "max_length_k")
+"""A padding-free batch's longest sequence, as Python ints, for flash attention's varlen kernels."""
+IGNORE_FLASH_LENGTHS = ("eager", "sdpa", "flex_attention")
+"""Attention implementations that do not read ``FLASH_LENGTHS`` (they mask packed sequences by ``position_ids``)."""
+
+
+def without_flash_lengths(model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """A padding-free batch without ``FLASH_LENGTHS`` where the model's attention does not read them. Python
+    numbers among a step's arguments are constants of its graph: a new longest sequence would capture it again.
+    Flash attention's kernels take them, so there they stay (a capture per longest sequence)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) not in IGNORE_FLASH_LENGTHS:
+        return inputs
+    return {key: value for key, value in inputs.items() if key not in FLASH_LENGTHS}
 
 
 def sft_loss(trainer: SFTTrainer, model: nn.Module, inputs: dict[str, Any], num_items: Any) -> tuple[torch.Tensor, Any]:
