@@ -1,7 +1,9 @@
 """One call of a step, along the data's way: bind its state (``zgraph.binding``), find its compiled variant by guard
 key or capture (``zgraph.capture.protocol``) and compile (``zgraph.compile.build``) one, agree on it with the other
 ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step). A call that misses every
-variant only in the sizes of argument dims makes those dims symbolic first (``zgraph.binding.dynamic``).
+variant only in the sizes of argument dims makes those dims symbolic first (``zgraph.binding.dynamic``); so do dims
+whose sizes differ between ranks (each rank's batch padded to its own longest row), compared at a step's first call
+and wherever the ranks' graphs differ (``Dispatcher._agree``): every rank then runs one graph.
 
 On several ranks a call takes part in the failure protocol (``zgraph.runtime.agreement``): the ranks compare a
 fingerprint of the graph they are about to run, a rank that fails records its error for the others, and a rank

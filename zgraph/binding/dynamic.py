@@ -4,7 +4,10 @@ dynamic shapes" does: when a call misses every compiled variant and the argument
 own only in the sizes of some dimensions of tensors (same rank, dtype, device, structure), those dimensions (and
 dim 0, the batch, of the same tensors) become symbolic for the step, and the next capture traces them as symbols
 (``zgraph.capture.inputs``). That variant then serves every size its size guards (``zgraph.capture.size_guards``)
-accept. Parameters, gradients and optimizer state keep static shapes: only argument tensors' dims become symbolic.
+accept. Dims whose sizes differ between ranks become symbolic in the same way, on every rank
+(``DynamicDims.widen_across_ranks``, from each rank's ``argument_sizes``): ranks that pad their batches each to its
+own longest row run one graph. Parameters, gradients and optimizer state keep static shapes: only argument tensors'
+dims become symbolic.
 """
 
 from __future__ import annotations

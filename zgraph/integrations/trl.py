@@ -29,7 +29,7 @@ forward and backward (Triton on CUDA): the same arithmetic as SFTTrainer's, at a
 
 Batches padded to their longest row (the collator's default) or padding-free ones: the step is captured for the
 first batch's sizes, once more with the sizes that changed as symbols, and that graph serves every later size; no
-``pad_to_multiple_of`` is needed.
+``pad_to_multiple_of`` is needed. (Padding-free batches with flash attention: ``without_flash_lengths``.)
 """
 
 from __future__ import annotations
