@@ -6,11 +6,11 @@ budget nothing fits is refused before anything changes, naming the smallest that
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import cli_runner
 import pytest
 import torch
 
@@ -183,15 +183,12 @@ def test_two_ranks_at_stage_3_with_nvme_offload_to_choose_from(tmp_path):
     assert all(torch.equal(planned["params"][k], v) for k, v in plain["params"].items())
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "zgraph.cli", "estimate", "--model", "gpt-bench", "--world", "2", *argv]
-    return subprocess.run(command, capture_output=True, text=True, cwd=root, env=env)
+def _cli(capsys: pytest.CaptureFixture, *argv: str) -> subprocess.CompletedProcess:
+    return cli_runner.here(capsys, "estimate", "--model", "gpt-bench", "--world", "2", *argv)
 
 
-def test_cli_prints_the_plan_for_a_budget():
-    done = _cli("--micro-batch", "8", "--budget", "100MiB", "--plan", "--json")
+def test_cli_prints_the_plan_for_a_budget(capsys):
+    done = _cli(capsys, "--micro-batch", "8", "--budget", "100MiB", "--plan", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)["plan"]
     remat = plan["changes"]["remat"]  # a policy on every block, or on as few blocks as fit
@@ -203,7 +200,7 @@ def test_cli_prints_the_plan_for_a_budget():
     ("argv", "says"),
     [(["--plan"], "--plan needs --budget"), (["--budget", "1MiB", "--plan"], "cannot be met: the smallest estimated")],
 )
-def test_cli_plan_refusals_are_one_line(argv, says):
-    done = _cli(*argv)
+def test_cli_plan_refusals_are_one_line(capsys, argv, says):
+    done = _cli(capsys, *argv)
     assert done.returncode == 1 and not done.stdout
     assert done.stderr.strip().splitlines()[-1].startswith("zgraph estimate: ") and says in done.stderr, done.stderr
