@@ -7,4 +7,5 @@ Files::
     shadow.py    the estimate's stand-ins: the call's modules and optimizers copied onto the meta device
     liveness.py  bytes alive after each node and the peak
     budget.py    ``Config.memory_budget``: the fastest estimated combination of remat and offload that fits
+    budget_sizes.py  the argument sizes a budget's plan is for; a larger call is planned again
 """
