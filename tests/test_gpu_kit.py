@@ -122,3 +122,14 @@ def test_dry_run_lists_the_offload_rows_of_issue_43(capsys):
     assert "PCIe GiB per step (bytes per parameter)" in offload and "host peak GiB" in offload
     assert "host optimizer: DeepSpeedCPUAdam" in offload
     assert "with offload_overlap=" in offload
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_profiled_bytes_runs_the_step_under_the_profiler():
+    import torch
+
+    from benchmarks.gpu_pcie import profiled_bytes
+
+    ran = []
+    moved = profiled_bytes(lambda: ran.append(torch.ones(8).sum()), lambda: None)
+    assert len(ran) == 1 and moved == {"host_to_device": 0, "device_to_host": 0}  # a CPU step copies nothing
