@@ -199,6 +199,8 @@ def build_deepspeed(
     import deepspeed
 
     config, optimizer = deepspeed_config(args, offload), None
+    if args.precision == "autocast":  # DeepSpeed's bf16 casts parameters only: the rotary tables too, else the
+        model.cos, model.sin = model.cos.bfloat16(), model.sin.bfloat16()  # attention gets fp32 q, k and bf16 v
     why = cpu_adam_builds() if offload else None
     if offload:
         notes.append("host optimizer: DeepSpeedCPUAdam" if why is None else f"host optimizer: torch AdamW ({why})")
