@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,18 @@ def requirements(wheel: Path) -> list[str]:
     return out
 
 
+def tracked_copy(dest: Path) -> Path:
+    """The checkout's tracked files (as they are in the working tree) copied to ``dest``: zgraph's wheel is built
+    from them, never from a stale ``build/`` or untracked files."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
 def build(kit: Path, limit: int = LIMIT_BYTES) -> dict:
     """Build the kit into the empty or new folder ``kit``; its manifest."""
     kit.mkdir(parents=True, exist_ok=True)
@@ -140,7 +153,7 @@ def build(kit: Path, limit: int = LIMIT_BYTES) -> dict:
         built = Path(tmp)
         env = {**os.environ, "DS_BUILD_OPS": "0"}
         pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(built), DEEPSPEED, env=env)
-        pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(built), str(ROOT))
+        pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(built), str(tracked_copy(built / "src")))
         ours = sorted(built.glob("*.whl"))
         impure = [p.name for p in ours if not p.name.endswith("-py3-none-any.whl")]
         if impure:
