@@ -51,7 +51,7 @@ class Dispatcher:
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
         self.process_group = process_group
-        self.pipeline = config.pipeline()
+        self.passes = config.passes()
         self.session = Session(config)
         self.cache: dict[tuple, list[CompiledStep]] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
@@ -194,7 +194,7 @@ class Dispatcher:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             with collector_paused(promote=True):
-                compiled = compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+                compiled = compile_step(captured, bound.binding, self.passes, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise

@@ -1,4 +1,4 @@
-"""Compile: a captured graph through the pass pipeline, lowered for the backend, and run against the live state.
+"""Compile: a captured graph through the pass list, lowered for the backend, and run against the live state.
 
 Files::
 

@@ -62,7 +62,7 @@ class CompiledStep:
 
     @property
     def transformed(self) -> fx.GraphModule:
-        """The pipeline's last graph: its input positions are the ones reload nodes name."""
+        """The pass list's last graph: its input positions are the ones reload nodes name."""
         return self.records[-1].gm if self.records else self.captured.gm
 
     @property
@@ -85,5 +85,5 @@ class CompiledStep:
 
 
 def reload_slots(gm: fx.GraphModule) -> tuple[int, ...]:
-    """The input positions (of the pipeline's graph) ``gm``'s ``zgraph::reload`` nodes read, in graph order."""
+    """The input positions (of the pass list's graph) ``gm``'s ``zgraph::reload`` nodes read, in graph order."""
     return tuple(n.args[1] for n in gm.graph.nodes if n.target is RELOAD)

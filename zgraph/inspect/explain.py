@@ -59,7 +59,7 @@ def _cell(summary: dict[str, tuple[int, int]], kind: str) -> str:
 
 
 def explain_table(compiled: CompiledStep, config: Config) -> str:
-    """The pipeline as a table: one row per graph (captured, each pass, final)."""
+    """The pass list as a table: one row per graph (captured, each pass, final)."""
     rows = [("captured", compiled.captured.gm, compiled.capture_seconds, "trace + functionalize")]
     rows += [(r.name, r.gm, r.seconds, r.doc if r.applied else f"(nothing to do) {r.doc}") for r in compiled.records]
     if compiled.split is not None:  # a split step runs two graphs cut from the joint one (zgraph.capture.joint)
