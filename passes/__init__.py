@@ -24,6 +24,8 @@ Files::
     lower_collectives.py     ``lower_collectives``: layout operators become functional collectives
     schedule.py              ``schedule``: the lowered graph ordered so communication overlaps compute
     partition.py             a split step's joint graph cut into a forward and a backward graph
+    stage_cut.py             ``stage_cut`` (pipeline parallelism): each node stamped with its stage and part
+    stage_graphs.py          a graph ``stage_cut`` stamped taken apart: each stage's forward, backward, update
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from zgraph.config_checks import (
     check_max_grad_norm,
     check_offload,
     check_offload_activations,
+    check_pipeline,
     check_precision,
     check_remat,
     check_sequence_parallel,
@@ -98,6 +99,30 @@ class Config:
     consecutive ranks gets one slice of every sequence (``zgraph.shard_sequence``); the ``sequence_parallel`` pass
     puts all-to-alls around attention so it runs on whole sequences for a share of the heads (the head count must
     divide by it). ZeRO shards over every rank. It must divide the world size. None (default): off."""
+
+    pipeline_parallel: int | None = None
+    """Pipeline parallelism: ranks per pipeline, ``P``. The captured step is cut into ``P * pipeline_virtual_stages``
+    stages between the model's repeated blocks (the ``stage_cut`` pass); stage ``s`` runs on rank ``s % P``, which
+    holds and updates only its stages' parameters and optimizer state, and activations and their gradients move
+    between stages by point-to-point sends. For now P is the world size (no data parallelism across pipelines),
+    with ZeRO stage 0 and the eager backend. None (default): off."""
+
+    microbatches: int | None = None
+    """Pipeline parallelism: micro-batches per step, ``M``: every tensor argument of the step is cut into M along
+    dim 0 (M must divide it), gradients are averaged over them (the whole batch's mean loss), a 0-d result is
+    averaged and another concatenated along dim 0. None (default): ``P``."""
+
+    schedule: str = "1f1b"
+    """Pipeline parallelism: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"zb_h1"`` (the backward
+    split into input and weight gradients); see ``zgraph.runtime.pipeline_schedule``."""
+
+    pipeline_virtual_stages: int = 1
+    """Pipeline parallelism: stages per rank, ``v`` (more than 1 with ``schedule="interleaved_1f1b"``)."""
+
+    pipeline_split: tuple[str, ...] = ()
+    """Pipeline parallelism: the first block of each stage after the first (``P * v - 1`` block names, as
+    ``explain()`` lists them, or without the step argument's name: ``"layers.16"``). Empty (default): blocks are
+    grouped into stages of balanced forward cost."""
 
     backend: str = "inductor"
     """``"inductor"`` compiles the transformed graph with inductor; ``"eager"`` runs the transformed FX GraphModule
@@ -278,6 +303,8 @@ class Config:
         check_choice("backend", self.backend, _BACKENDS, str)
         check_groups(self.stage, self.shard_group_size, self.secondary_shard_group_size, self.cross_group_dtype)
         check_sequence_parallel(self.sequence_parallel)
+        object.__setattr__(self, "pipeline_split", as_str_tuple("pipeline_split", self.pipeline_split))
+        check_pipeline(self)
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+from torch import Tensor
 
 from zgraph.capture.captured import CapturedGraph, SplitInfo
 from zgraph.graph import CostModel, GraphInput, GraphOutput, ParamInfo
@@ -15,6 +16,8 @@ from zgraph.ops import RELOAD
 from zgraph.passes import PassRecord
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.offload_store import TierStore
+from zgraph.runtime.pipeline_run import StageRun
+from zgraph.runtime.pipeline_schedule import Schedule
 
 
 @dataclass
@@ -37,6 +40,18 @@ class SplitCompiled:
 
 
 @dataclass
+class PipelineCompiled:
+    """This rank's part of a pipelined variant: the schedule, its stages, where each of the step's results is made
+    (``results[index] = (stage, one micro-batch's example value)``) and the stage graphs, for inspection."""
+
+    schedule: Schedule
+    rank: int
+    stages: dict[int, StageRun]
+    results: dict[int, tuple[int, Tensor]]
+    graphs: OrderedDict[str, fx.GraphModule]
+
+
+@dataclass
 class CompiledStep:
     """One captured, transformed and compiled variant of the step (one guard key)."""
 
@@ -54,6 +69,7 @@ class CompiledStep:
     split: SplitCompiled | None = None  # a split step's forward and backward
     offload: TierStore | None = None  # the binding's offload store, for explain()
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group crosses nodes, for explain()
+    pipeline: PipelineCompiled | None = None  # a pipelined step's schedule and this rank's stages
 
     @functools.cached_property
     def offloaded_inputs(self) -> tuple[int, ...]:
@@ -81,6 +97,8 @@ class CompiledStep:
         if self.split is not None:
             for part, records in (("forward", self.split.forward_records), ("backward", self.split.backward_records)):
                 out[part] = records[-1].gm
+        if self.pipeline is not None:
+            out.update(self.pipeline.graphs)
         return out
 
 

@@ -1,0 +1,104 @@
+"""Pipeline parallelism end to end (issue 42, item 4): ``Config(pipeline_parallel=P, microbatches=M, schedule=...)``
+on the user's unchanged step, each rank running its stages by the schedule with gloo point-to-point sends, against
+eager PyTorch on the whole batch: the loss every rank returns, and the parameters each rank's stages own, after 3
+AdamW steps. Also on one process (two stages on one rank, no sends), and the refusals of bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from pipeline_cases import Net, batches, step, train
+
+import zgraph
+
+CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split"]
+PARAMS = [name for name, _ in Net().named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from dist_harness import run_ranks
+
+    path = tmp_path_factory.mktemp("pipeline") / "results.pt"
+    run_ranks(2, "pipeline_cases.run", str(path), CASES, timeout=300)
+    return torch.load(path, weights_only=False)
+
+
+def assert_equals_eager(ranks: list[dict]) -> None:
+    owned = [name for result in ranks for name in result["owned"]]
+    assert sorted(owned) == sorted(PARAMS), "each parameter is updated by exactly one rank"
+    for result in ranks:
+        torch.testing.assert_close(torch.stack(result["got"]), torch.stack(result["want"]), rtol=1e-6, atol=1e-6)
+        assert result["distance"] < 1e-6, result["distance"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_stages_on_two_ranks_equal_eager_on_the_whole_batch(two_ranks, case):
+    result = two_ranks[case]
+    assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    assert_equals_eager(result)
+
+
+def test_interleaving_puts_every_other_block_on_each_rank(two_ranks):
+    first, second = two_ranks["interleaved"]
+    assert {n.split(".")[1] for n in first["owned"] if n.startswith("blocks.")} == {"0", "2"}
+    assert {n.split(".")[1] for n in second["owned"] if n.startswith("blocks.")} == {"1", "3"}
+
+
+@pytest.mark.parametrize("virtual,microbatches", [(2, 2), (4, 4)])
+def test_stages_on_one_rank_equal_eager(virtual, microbatches):
+    config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": virtual, "microbatches": microbatches}
+    assert_equals_eager([train(pipeline_parallel=1, **config)])
+
+
+def pipelined(**config: object) -> zgraph.DistributedStep:
+    return zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
+
+
+@pytest.mark.parametrize(
+    "config,error,message",
+    [
+        ({"pipeline_parallel": 2}, ValueError, r"pipeline_parallel=2 must equal the world size \(1\)"),
+        ({"pipeline_parallel": 1, "microbatches": 3}, ValueError, "microbatches=3 does not divide the batch of argu"),
+        (
+            {"pipeline_parallel": 1, "pipeline_virtual_stages": 8, "schedule": "interleaved_1f1b"},
+            zgraph.PassError,
+            "a pipeline of 8 stages needs at least 8 repeated blocks",
+        ),
+        (
+            {"pipeline_parallel": 1, "pipeline_virtual_stages": 2, "schedule": "interleaved_1f1b",
+             "pipeline_split": ("layers.2",)},
+            zgraph.PassError,
+            "pipeline_split name 'layers.2' is not one of the step's blocks",
+        ),
+    ],
+    ids=["world", "batch", "blocks", "split_name"],
+)  # fmt: skip
+def test_bad_input_is_refused_before_anything_changes(config, error, message):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    x, y = batches()[0]
+    with pytest.raises(error, match=message):
+        pipelined(**config)(model, opt, x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state, "no optimizer state was made"
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"microbatches": 2}, "Config.microbatches is a pipeline parallelism option: set Config.pipeline_parallel"),
+        ({"pipeline_parallel": 2, "backend": "inductor"}, "does not combine with backend='inductor' yet"),
+        ({"pipeline_parallel": 2, "stage": 3}, "does not combine with stage=3 yet"),
+        ({"pipeline_parallel": 2, "schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
+        ({"pipeline_parallel": 2, "pipeline_virtual_stages": 2}, "'1f1b' runs one stage per rank"),
+        ({"pipeline_parallel": 2, "pipeline_split": ("a", "b")}, "after the first, 1 for 2 x 1 stages; got 2"),
+        ({"pipeline_parallel": 0}, "Config.pipeline_parallel must be a positive int; got 0"),
+    ],
+)
+def test_bad_options_are_refused_by_the_config(config, message):
+    with pytest.raises(ValueError, match=message):
+        zgraph.Config(**{"backend": "eager", **config})
