@@ -13,9 +13,11 @@ and what reads the gradients summed over micro-batches). None marks a *free* nod
 it: a deterministic op on free inputs only (the step's arguments, optimizer hyper-parameters, buffers the step does
 not update; rotary tables, masks, the optimizer's scalars).
 
-- Forward: a block's node runs in its block's stage; another node as late as its inputs allow, but no later than
-  its first forward reader (a weight's transpose runs where the weight is used).
-- A parameter (and its gradient and optimizer state) belongs to the stage whose forward reads it.
+- Forward: a block's node runs in its block's stage; another node in its first forward reader's (a weight's
+  transpose runs where the weight is used), or its inputs' if that is later; an element of a tuple with the tuple.
+- A parameter (and its gradient and optimizer state) belongs to the stage whose forward reads it. A weight tied
+  through a value its stage makes (the head reading the embedding's transpose) reaches a later stage as that value
+  does, and its gradient comes back with the others.
 - Backward: a gradient marker (``zgraph::grad_contribution``) runs in its parameter's stage; what reads a marker
   belongs to the update. Another node runs in the latest stage, no later than the stage of any gradient it reads,
   where the forward values it reads are (made there, or received there from an earlier stage), so each stage
@@ -23,9 +25,10 @@ not update; rotary tables, masks, the optimizer's scalars).
 - Update: a node runs in the one stage whose state it reads.
 
 Refused (``PassError``, before anything runs): fewer blocks than stages; a ``split`` name that is not one of the
-step's blocks, or names out of order; a parameter read by the forwards of two stages (tied weights); an update that
-reads the state of several stages (a global gradient norm) or a per-micro-batch value; a buffer the forward updates
-(BatchNorm's running statistics: batch statistics cannot be split into micro-batches exactly).
+step's blocks, or names out of order; a parameter the forwards of two stages read themselves (an embedding's weight
+the head reads as it is); an update that reads the state of several stages (a global gradient norm) or a
+per-micro-batch value; a buffer the forward updates (BatchNorm's running statistics: batch statistics cannot be
+split into micro-batches exactly); a result no stage computes.
 """
 
 from __future__ import annotations

@@ -102,3 +102,18 @@ def test_bad_input_is_refused_before_anything_changes(config, error, message):
 def test_bad_options_are_refused_by_the_config(config, message):
     with pytest.raises(ValueError, match=message):
         zgraph.Config(**{"backend": "eager", **config})
+
+
+def test_explain_shows_each_blocks_stage_and_the_schedules_timeline():
+    compiled = pipelined(pipeline_parallel=1, pipeline_virtual_stages=2, schedule="interleaved_1f1b", microbatches=2)
+    model = Net()
+    x, y = batches()[0]
+    compiled(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)
+    text = compiled.explain()
+    assert "pipeline: interleaved_1f1b, 1 ranks x 2 stages each, 2 micro-batches; this is rank 0" in text
+    assert "stage 0 (rank 0): 2 blocks (model.blocks.0, model.blocks.1)" in text
+    assert "stage 1 (rank 0): 2 blocks (model.blocks.2, model.blocks.3)" in text
+    assert "rank 0: 0F0 1F0 1B0 1B0 0F1 0B0 0B0 1F1 1B1 1B1 0B1 0B1" in text
+    assert {"stage0.forward", "stage1.update"} <= set(compiled.graphs)
+    with pytest.raises(zgraph.EstimateError, match="does not model pipeline parallelism yet"):
+        compiled.estimate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)

@@ -150,7 +150,7 @@ def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: 
     if value is None:
         count = program.schedule.microbatches
         shape = example.shape if example.dim() == 0 else (example.shape[0] * count, *example.shape[1:])
-        value = torch.empty(shape, dtype=example.dtype)
+        value = torch.empty(shape, dtype=example.dtype, device=example.device)
     dist.broadcast(value, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
     return value
 

@@ -173,6 +173,11 @@ def estimate_step(
     (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``.
     ``sizes``: for arguments marked with ``zgraph.mark_dynamic`` (traced as size symbols), the sizes to estimate
     at, by symbol name or ``(argument path, dim)`` (``Estimate.size_symbols``); the others at the call's sizes."""
+    if config.pipeline_parallel is not None:
+        raise EstimateError(
+            "step.estimate does not model pipeline parallelism yet (Config.pipeline_parallel): estimate the step "
+            "without it, or run it and read explain() for the stages and the schedule's predicted bubble"
+        )
     prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
 
