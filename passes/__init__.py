@@ -24,6 +24,9 @@ Files::
     lower_collectives.py     ``lower_collectives``: layout operators become functional collectives
     schedule.py              ``schedule``: the lowered graph ordered so communication overlaps compute
     partition.py             a split step's joint graph cut into a forward and a backward graph
+    micro_batch_loss.py      ``micro_batch_loss`` (pipeline parallelism): how the loss combines over micro-batches
+    sample_flow.py           each forward value's batch dimension; the ops that combine samples
+    token_mean.py            a cross_entropy token mean made a sum over another count (sequence, pipeline)
     stage_cut.py             ``stage_cut`` (pipeline parallelism): each node stamped with its stage and part
     stage_graphs.py          a graph ``stage_cut`` stamped taken apart: each stage's forward, backward, update
 """

@@ -24,6 +24,7 @@ and an explicit attention mask (a mask of the slice's tokens cannot stand for th
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -33,6 +34,7 @@ from zgraph.errors import PassError
 from zgraph.graph import FORWARD, INPUT, PHASE, Axis, compute_val, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE
 from zgraph.passes.pass_list import PassContext
+from zgraph.passes.token_mean import as_sum_over, token_means
 from zgraph.sequence_ops import HEADS_TO_SEQ, SEQ_TO_HEADS
 from zgraph.sizes import same_size
 
@@ -82,35 +84,19 @@ def sequence_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _check(node, axis)
         _around(gm, node, axis, mode)
     _move_positions(gm, local, axis.rank * local, mode)
-    for node in [n for n in gm.graph.nodes if n.target is aten.nll_loss_forward.default and n.args[3] == _MEAN]:
-        _global_token_mean(gm, node, ctx, mode)
+    for node in token_means(gm):
+        as_sum_over(gm, node, functools.partial(_global_share, gm, ctx=ctx, mode=mode), mode)
     eliminate_dead_code(gm.graph)
     return gm
 
 
-_MEAN, _SUM = 1, 2  # nll_loss's reduction codes
-
-
-def _global_token_mean(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, mode: object) -> None:
-    """``nll_loss`` (mean) over this rank's tokens becomes its sum over ``count / world`` (``count``: every rank's
-    counted tokens), in the forward and in the backward."""
-    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-    if 1 not in items:
-        return
-    total, count = items.get(0), items[1]
-    node.args = (*node.args[:3], _SUM, *node.args[4:])
-    at = dict(after=count, phase=node.meta.get(PHASE), mode=mode)
+def _global_share(gm: fx.GraphModule, count: fx.Node, *, ctx: PassContext, mode: object) -> fx.Node:
+    """Every rank's counted tokens over the world size: each rank's share of the global token mean."""
+    at = dict(after=count, phase=count.meta.get(PHASE), mode=mode)
     everyone = insert(gm, COMBINE, (count, "sum", ctx.world_size, ctx.group_name), **at)
-    share = insert(
-        gm, aten.div.Tensor, (everyone, ctx.world_size), after=everyone, phase=node.meta.get(PHASE), mode=mode
+    return insert(
+        gm, aten.div.Tensor, (everyone, ctx.world_size), after=everyone, phase=count.meta.get(PHASE), mode=mode
     )
-    for user in list(count.users):
-        if user.target is aten.nll_loss_backward.default and user.args[6] is count:
-            user.args = (*user.args[:6], share)
-    if total is not None:
-        compute_val(total, mode)
-        mean = insert(gm, aten.div.Tensor, (total, share), after=share, phase=node.meta.get(PHASE), mode=mode)
-        total.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
 
 
 def _check(node: fx.Node, axis: Axis) -> None:

@@ -55,6 +55,7 @@ STAGE_PLAN = "zgraph_stage_plan"
 """``gm.meta``: the ``StagePlan``."""
 PARTS = ("forward", "backward", "update")
 FREE_KINDS = ("input", "hparam", "loss_scale")
+PER_MICRO_BATCH_RESULTS = ("user", "loss_count")  # output kinds made per micro-batch (``micro_batch_loss``)
 _MATMULS = {aten.mm: 1, aten.addmm: 2, aten.bmm: 1, aten.baddbmm: 2}  # packet -> position of the left operand
 
 
@@ -342,12 +343,12 @@ def _check_outputs(gm: fx.GraphModule, where: dict[fx.Node, Placement]) -> None:
     from a stage."""
     for value, role in zip(gm.graph.output_node().args[0], output_roles(gm)):
         placed = where.get(value) if isinstance(value, fx.Node) else None
-        if role.kind == "user" and placed is None:
+        if role.kind in PER_MICRO_BATCH_RESULTS and placed is None:
             raise PassError(
                 f"the step returns {getattr(value, 'name', value)!r}, which no pipeline stage computes (an argument, "
                 "or a value made from arguments only): return values the model computes"
             )
-        if role.kind != "user" and placed is not None and placed.part != "update":
+        if role.kind not in PER_MICRO_BATCH_RESULTS and placed is not None and placed.part != "update":
             raise PassError(
                 f"the {placed.part} writes {role.kind} {role.name} ({value.name}): with micro-batches it would be "
                 "written once per micro-batch (BatchNorm's running statistics in training mode compute statistics "

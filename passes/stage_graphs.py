@@ -30,7 +30,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from zgraph.errors import PassError
 from zgraph.graph import INPUT, OUTPUTS, VAL, GraphInput, GraphOutput, eliminate_dead_code, output_node
 from zgraph.ops import GRAD_CONTRIBUTION
-from zgraph.passes.stage_cut import STAGE, STAGE_PLAN, Placement
+from zgraph.passes.stage_cut import PER_MICRO_BATCH_RESULTS, STAGE, STAGE_PLAN, Placement
 
 PER_MICRO_BATCH = ("forward", "backward")
 
@@ -97,12 +97,12 @@ def _stage(gm: fx.GraphModule, s: int, nodes: list[fx.Node], where: dict, flow: 
     received = flow.activations[s - 1] if s else []
     forward_out = [(v, GraphOutput("activation", v.name, i)) for i, v in enumerate(flow.activations[s])]
     forward_out += [(v, GraphOutput("saved", v.name, i)) for i, v in enumerate(flow.saved[s])]
-    forward_out += [(v, r) for v, r in results if r.kind == "user" and where.get(v) == Placement(s, "forward")]
+    forward_out += [(v, r) for v, r in results if _made(v, r, where, Placement(s, "forward"))]
     forward = _graph(gm, mine["forward"], _inputs("activation", received), forward_out)
     grads_in = _inputs("activation_grad", flow.grads[s])
     saved_in = _inputs("saved", flow.saved[s])
     sent = [(v, GraphOutput("activation_grad", v.name, i)) for i, v in enumerate(flow.grads[s - 1] if s else [])]
-    sent += [(v, r) for v, r in results if r.kind == "user" and where.get(v) == Placement(s, "backward")]
+    sent += [(v, r) for v, r in results if _made(v, r, where, Placement(s, "backward"))]
     markers = [n for n in mine["backward"] if n.target is GRAD_CONTRIBUTION]
     contributions = [(m, GraphOutput("grad_contribution", m.name, m.args[1])) for m in markers]
     backward = _graph(gm, mine["backward"], saved_in + grads_in, sent + contributions)
@@ -117,9 +117,16 @@ def _inputs(kind: str, values: list[fx.Node]) -> list[tuple[fx.Node, GraphInput]
     return [(v, GraphInput(kind, v.name, i)) for i, v in enumerate(values)]
 
 
+def _made(value: object, role: GraphOutput, where: dict, placed: Placement) -> bool:
+    """Whether a result made per micro-batch comes from ``placed``."""
+    return role.kind in PER_MICRO_BATCH_RESULTS and isinstance(value, fx.Node) and where.get(value) == placed
+
+
 def _per_micro_batch(value: object, role: GraphOutput, where: dict) -> bool:
     return (
-        role.kind == "user" and isinstance(value, fx.Node) and getattr(where.get(value), "part", "") in PER_MICRO_BATCH
+        role.kind in PER_MICRO_BATCH_RESULTS
+        and isinstance(value, fx.Node)
+        and getattr(where.get(value), "part", "") in PER_MICRO_BATCH
     )
 
 

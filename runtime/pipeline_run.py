@@ -9,9 +9,10 @@ it). Each message is tagged with its stage, micro-batch and position, so sends a
 pair up whatever order the ranks' schedules run them in.
 
 Gradient contributions are summed per gradient marker over the micro-batches; the update runs once, after the last
-action, on their mean (the gradient of the whole batch's mean loss: each micro-batch's loss is the mean over its
-equal share). What a graph reads of the step's state and arguments comes from ``feed(spec, micro_batch)``
-(micro_batch None for the update).
+action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
+a mean over samples, 1 for a sum, the whole batch's counted tokens for a token mean, each micro-batch's count
+being a result of the stage that makes the loss). What a graph reads of the step's state and arguments comes
+from ``feed(spec, micro_batch)`` (micro_batch None for the update).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
 
 Feed = Callable[[GraphInput, int | None], Tensor]
+Divisor = Callable[[dict[int, Tensor]], Tensor | float]
 _TAG_SPAN = 1 << 12  # tensors one boundary may carry: a message's tag numbers its position below this
 
 
@@ -65,10 +67,13 @@ class StageRun:
 class Results:
     """What a step's actions left on this rank: ``user[(stage, index)]``, each micro-batch's value of the step's
     result ``index`` (made by ``stage``); ``updates[stage]``, the update's inputs and outputs (``StageRun.update``
-    says what each is)."""
+    says what each is); ``counts[mb]``, a token mean's count of each micro-batch (where this rank's stage makes it);
+    ``divisor``, what the gradients summed over micro-batches were divided by."""
 
     user: dict[tuple[int, int], dict[int, Tensor]] = field(default_factory=dict)
     updates: dict[int, tuple[list[Tensor], list]] = field(default_factory=dict)
+    counts: dict[int, Tensor] = field(default_factory=dict)
+    divisor: Tensor | float = 1.0
 
 
 @dataclass
@@ -82,8 +87,11 @@ class Peers:
 class RankRunner:
     """Runs one rank's actions of one step (a new runner per step)."""
 
-    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageRun], feed: Feed, peers: Peers):
+    def __init__(
+        self, schedule: Schedule, rank: int, stages: dict[int, StageRun], feed: Feed, peers: Peers, divisor: Divisor
+    ):
         self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
+        self.divisor = divisor
         self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.outbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.saved: dict[tuple[int, int], list[Tensor]] = {}
@@ -109,6 +117,7 @@ class RankRunner:
             handlers[action.kind](action)
         for work, _ in self.sends:
             work.wait()
+        self.results.divisor = self.divisor(self.results.counts)
         for s, stage in sorted(self.stages.items()):
             self.results.updates[s] = self._update(s, stage.update)
         return self.results
@@ -151,6 +160,8 @@ class RankRunner:
             if role.kind == "grad_contribution":
                 key = (a.stage, role.name)
                 self.sums[key] = value if key not in self.sums else self.sums[key] + value
+            elif role.kind == "loss_count":
+                self.results.counts[a.mb] = value
             elif role.kind == "user":
                 self.results.user.setdefault((a.stage, role.index), {})[a.mb] = value
 
@@ -200,7 +211,7 @@ class RankRunner:
         inputs = []
         for spec in part.inputs:
             if spec.kind == "grad_mean":
-                inputs.append(self.sums.pop((s, spec.name)) / self.schedule.microbatches)
+                inputs.append(self.sums.pop((s, spec.name)) / self.results.divisor)
             else:
                 inputs.append(self.feed(spec, None))
         return inputs, list(part.run(inputs))

@@ -43,12 +43,25 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
+def step_of(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    """The training step of a loss ``loss_fn(logits, labels)``."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+step = step_of(F.cross_entropy)
+LOSSES = {
+    "sum": lambda logits, y: F.cross_entropy(logits, y, reduction="sum"),
+    "token_mean": lambda logits, y: F.cross_entropy(logits, y.masked_fill(y == 0, -100)),  # uneven counts
+    "scaled_mean": lambda logits, y: 0.5 * F.mse_loss(logits, F.one_hot(y, 3).float()) + logits.pow(2).mean(),
+}
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -56,17 +69,18 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(STEPS)]
 
 
-def train(make: Callable[[], nn.Module] = Net, **config: object) -> dict:
+def train(make: Callable[[], nn.Module] = Net, loss: str = "", **config: object) -> dict:
     """Eager and pipelined runs of the same steps of ``make()``: losses, and for the parameters this rank's stages
     update, the largest distance between the two."""
     eager_model = make()
     model = copy.deepcopy(eager_model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
+    run = step_of(LOSSES[loss]) if loss else step
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(run)
     want, got = [], []
     for x, y in batches():
-        want.append(step(eager_model, eager_opt, x, y))
+        want.append(run(eager_model, eager_opt, x, y))
         got.append(compiled(model, opt, x, y))
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     eager = dict(eager_model.named_parameters())
@@ -92,6 +106,8 @@ one_f_one_b = on_ranks(schedule="1f1b", microbatches=4)
 zb_h1 = on_ranks(schedule="zb_h1", microbatches=4)
 interleaved = on_ranks(schedule="interleaved_1f1b", pipeline_virtual_stages=2, microbatches=4)
 split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
+sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
+token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -9,11 +9,12 @@ import copy
 
 import pytest
 import torch
-from pipeline_cases import Net, batches, step, train
+import torch.nn.functional as F
+from pipeline_cases import Net, batches, step, step_of, train
 
 import zgraph
 
-CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split"]
+CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean"]
 PARAMS = [name for name, _ in Net().named_parameters()]
 
 
@@ -117,3 +118,53 @@ def test_explain_shows_each_blocks_stage_and_the_schedules_timeline():
     assert {"stage0.forward", "stage1.update"} <= set(compiled.graphs)
     with pytest.raises(zgraph.EstimateError, match="does not model pipeline parallelism yet"):
         compiled.estimate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)
+
+
+@pytest.mark.parametrize("loss", ["sum", "token_mean", "scaled_mean"])
+def test_losses_combine_over_micro_batches_as_eager_on_the_whole_batch(loss):
+    """A sum is summed, a cross_entropy mean over the labels not ignored (micro-batches count 0 to 2 of them) is
+    the whole batch's sum over its count, a mean (times a constant, plus another) is averaged."""
+    config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "microbatches": 4}
+    assert_equals_eager([train(pipeline_parallel=1, loss=loss, **config)])
+
+
+def _contrastive(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = F.normalize(logits, dim=-1)
+    return F.cross_entropy(z @ z.T, torch.arange(len(z)))
+
+
+def _batch_statistics(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out - out.mean(0), y)
+
+
+def _batch_norm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.batch_norm(out, None, None, training=True), y)
+
+
+def _ratio(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.sum(-1) * (y > 0)).sum() / (y > 0).sum()
+
+
+@pytest.mark.parametrize(
+    "loss,message",
+    [
+        (_contrastive, r"mm combines the samples of the batch \(aten.mm.default contracts the batch or multiplies"),
+        (_batch_statistics, r"mean combines the samples of the batch \(aten.mean.dim across dim 0, the batch"),
+        (_batch_norm, r"combines the samples of the batch \(batch norm in training mode"),
+        (lambda out, y: F.cross_entropy(F.dropout(out, 0.1), y), r"the forward draws random numbers \(bernoulli"),
+        (lambda out, y: F.cross_entropy(out, y, reduction="sum") / len(out), "div divides a sum by 4, a multiple of"),
+        (_ratio, r"div \(aten.div.Tensor\) makes a loss or 0-d result zgraph cannot split into micro-batches"),
+        (lambda out, y: F.cross_entropy(out, y) + out.pow(2).sum(), "adds a sum and a cross_entropy token mean, which"),
+    ],
+    ids=["contrastive", "batch_statistics", "batch_norm", "dropout", "sum_over_batch_size", "ratio", "mixed_kinds"],
+)
+def test_what_micro_batches_cannot_combine_exactly_is_refused_before_anything_changes(loss, message):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    x, y = batches()[0]
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))(step_of(loss))
+    with pytest.raises(zgraph.PassError, match=message):
+        compiled(model, opt, x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state, "no optimizer state was made"

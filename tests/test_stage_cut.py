@@ -167,7 +167,7 @@ def clipped(model, opt, x, y):
     "model,fn,message",
     [
         (Tied, step, r"param emb.weight is read by the forwards of stages \[0, 1\] \(a weight tied"),
-        (Normed, step, "writes buffer blocks.0.ln.running_mean .*BatchNorm's running statistics"),
+        (Normed, step, r"_native_batch_norm_legit_functional combines the samples of the batch \(batch norm in train"),
         (Net, clipped, r"reads the state of stages \[0, 1\] \(a norm over every gradient"),
     ],
     ids=["tied_weights", "batch_norm", "global_norm"],

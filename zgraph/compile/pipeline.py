@@ -26,6 +26,7 @@ from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, run_passes
+from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import stage_cut
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
 from zgraph.runtime.consistency import describe_graph, digest
@@ -53,13 +54,16 @@ def compile_pipeline(
     stages = config.pipeline_parallel * config.pipeline_virtual_stages
     cut = functools.partial(stage_cut, stages=stages, split=config.pipeline_split)
     passes = [p for p in config.passes() if p.name in _PASSES_BEFORE_THE_CUT]
-    records = run_passes(captured.gm, ctx, [*passes, Pass("stage_cut", cut, requires={"phases"})])
+    loss = Pass("micro_batch_loss", micro_batch_loss, requires={"phases"})
+    records = run_passes(captured.gm, ctx, [loss, *passes, Pass("stage_cut", cut, requires={"phases"})])
     every = stage_graphs(records[-1].gm)
     count = config.microbatches or config.pipeline_parallel
     schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
     mine = {g.stage: _compile_stage(g, ctx, graphs) for g in every if schedule.rank_of(g.stage) == group.rank}
-    program = PipelineCompiled(schedule, group.rank, mine, _results(every), graphs)
+    combine = records[0].gm.meta[LOSS_COMBINE]
+    count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
+    program = PipelineCompiled(schedule, group.rank, mine, _results(every), graphs, combine, count_stage)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
     executable = Executable(_runs_by_schedule, "eager", seconds)
@@ -120,7 +124,8 @@ def run_pipeline(
         return state[spec]
 
     peers = _peers(group)
-    results = RankRunner(program.schedule, program.rank, program.stages, feed, peers).run()
+    divisor = functools.partial(_divisor, program, peers)
+    results = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor).run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
         part = program.stages[s].update
@@ -131,14 +136,36 @@ def run_pipeline(
             else:
                 io.write(role, value, micro[0])
     for (_, index), values in results.user.items():
-        user[index] = _combined([values[mb] for mb in sorted(values)])
+        kind = program.combine.results.get(index, "mean")
+        user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
     values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
     return finish_call(compiled, binding, micro[0], values)
 
 
-def _combined(values: list[Tensor]) -> Tensor:
-    """A result over the micro-batches: a 0-d one averaged, another concatenated along dim 0."""
-    return torch.stack(values).mean() if values[0].dim() == 0 else torch.cat(values)
+def _combined(values: list[Tensor], kind: str, divisor: Tensor | float) -> Tensor:
+    """A result over the micro-batches: a 0-d one by its kind (``LossCombine``), another concatenated along dim 0."""
+    if values[0].dim():
+        return torch.cat(values)
+    total = torch.stack(values).sum()
+    if kind == "sum":
+        return total
+    return total / (divisor if kind == "token" else len(values))
+
+
+def _divisor(program: PipelineCompiled, peers: Peers, counts: dict[int, Tensor]) -> Tensor | float:
+    """What the summed gradients are divided by: the micro-batch count for a mean, 1 for a sum, the whole batch's
+    counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast)."""
+    kind = program.combine.kind
+    if kind != "token":
+        return 1.0 if kind == "sum" else float(program.schedule.microbatches)
+    stage = program.count_stage
+    total = torch.stack([counts[mb] for mb in sorted(counts)]).sum() if counts else None
+    if len(peers.ranks) > 1:
+        if total is None:
+            total = torch.empty((), dtype=program.combine.count_dtype)
+        dist.broadcast(total, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
+    assert total is not None
+    return total
 
 
 def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers) -> Tensor:

@@ -14,6 +14,7 @@ from zgraph.capture.captured import CapturedGraph, SplitInfo
 from zgraph.graph import CostModel, GraphInput, GraphOutput, ParamInfo
 from zgraph.ops import RELOAD
 from zgraph.passes import PassRecord
+from zgraph.passes.micro_batch_loss import LossCombine
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.offload_store import TierStore
 from zgraph.runtime.pipeline_run import StageRun
@@ -49,6 +50,8 @@ class PipelineCompiled:
     stages: dict[int, StageRun]
     results: dict[int, tuple[int, Tensor]]
     graphs: OrderedDict[str, fx.GraphModule]
+    combine: LossCombine = field(default_factory=LossCombine)
+    count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
 
 
 @dataclass
