@@ -14,10 +14,11 @@ batch), each of one *kind*:
   counts, the gradient likewise (the runtime divides once all micro-batches' counts are known).
 
 A value made without the batch (of parameters only) is the same on every micro-batch (kind ``same``). The step's
-0-d results are combined by the same rule (``gm.meta[LOSS_COMBINE]``). Refused (``PassError``, before anything
-runs): losses of different kinds in one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean
-written by hand), two token means, any other way of reaching the loss (a ratio of batch values), and an op that
-combines samples otherwise (batch statistics, an in-batch contrastive loss: ``sample_flow``).
+0-d results are combined by the same rule (``gm.meta[LOSS_COMBINE]``); another result must hold the samples along
+dim 0 (the runtime concatenates it). Refused (``PassError``, before anything runs): losses of different kinds in
+one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by hand), two token means,
+any other way of reaching the loss (a ratio of batch values), an op that combines samples otherwise (batch
+statistics, an in-batch contrastive loss: ``sample_flow``), and random draws (dropout).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for value, role in zip(out.args[0], output_roles(gm)):
         if role.kind == "user" and isinstance(value, fx.Node) and _is_scalar(value):
             results[role.index] = walk.kind(value)
+        elif role.kind == "user" and isinstance(value, fx.Node) and getattr(flow.get(value), "dim", None) != 0:
+            raise PassError(
+                f"the step returns {value.name}, which is not 0-d and does not hold the samples along dim 0; a "
+                "pipelined step concatenates such a result's micro-batches along dim 0. Return per-sample values "
+                "with the batch first, or 0-d ones"
+            )
     for node, why in mixing.items():
         if node not in walk.terms:
             raise PassError(
@@ -85,10 +92,11 @@ def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 "batch: train without Config.pipeline_parallel)"
             )
     kind = losses.pop() if losses else "mean"
-    if len(walk.tokens) > 1:
+    if len(walk.tokens) > 1 or (walk.tokens and kind != "token"):
         raise PassError(
-            f"the step takes {len(walk.tokens)} cross_entropy token means ({', '.join(n.name for n in walk.tokens)}); "
-            "pipeline parallelism combines one over micro-batches"
+            f"the step takes {len(walk.tokens)} cross_entropy token mean(s) ({', '.join(n.name for n in walk.tokens)}) "
+            f"and its loss is a {_NAMES[kind]}; pipeline parallelism combines one token mean over micro-batches, "
+            "and only as the loss"
         )
     for node in walk.tokens:
         count = as_sum_over(gm, node, None, fake_mode(gm))

@@ -168,3 +168,17 @@ def test_what_micro_batches_cannot_combine_exactly_is_refused_before_anything_ch
         compiled(model, opt, x, y)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state, "no optimizer state was made"
+
+
+def test_a_result_without_the_samples_along_dim_0_is_refused():
+    def step_returning_logits_transposed(model, opt, x, y):
+        logits = model(x)
+        F.cross_entropy(logits, y).backward()
+        opt.step()
+        opt.zero_grad()
+        return logits.detach().T
+
+    model = Net()
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))
+    with pytest.raises(zgraph.PassError, match="does not hold the samples along dim 0"):
+        compiled(step_returning_logits_transposed)(model, torch.optim.AdamW(model.parameters(), lr=1e-2), *batches()[0])
