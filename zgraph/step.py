@@ -98,7 +98,7 @@ class DistributedStep:
         return self._compiled().graphs()
 
     def explain(self) -> str:
-        """A table of the pipeline: per pass, node count, collectives (count and bytes by kind), time."""
+        """A table of the pass list: per pass, node count, collectives (count and bytes by kind), time."""
         table = explain_table(self._compiled(), self._dispatch.config)
         return table if self.memory_plan is None else "\n".join([table, *self.memory_plan.lines()])
 
