@@ -47,7 +47,7 @@ from zgraph.graph import (
 )
 from zgraph.ops import RELOAD, WRITE_BACK
 from zgraph.passes.graph_utils import insert_per_region, outputs, set_outputs, use_regions
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 
 def plan_offload(gm: fx.GraphModule, fraction: float) -> list[fx.Node]:

@@ -27,4 +27,7 @@ Files::
     memory.py          live tensor bytes on any device, measured exactly
     cost_model.py      cost of collectives and compute, for bucket sizes and schedules
     timeline.py        how a lowered graph runs: one compute and one communication stream
+    pipeline_schedule.py  pipeline parallelism's schedules: each rank's forwards, backwards, sends and receives
+    pipeline_simulate.py  a pipeline schedule checked (no deadlock) and timed: its predicted bubble, a timeline
+    pipeline_run.py    one rank's actions of a pipelined step: its stages' graphs, point-to-point sends, the update
 """

@@ -3,7 +3,7 @@
 ``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. The graph already holds
 the backward pass as explicit ops and its inputs do not require grad, so nothing is recorded for autograd.
 
-Each backend rewrites the pipeline's last graph before it runs it (``backend_rewrites``); the step runs these
+Each backend rewrites the pass list's last graph before it runs it (``backend_rewrites``); the step runs these
 rewrites as recorded passes, so the graph it shows as ``final`` is exactly the one that runs:
 
 - eager: ``reinplace`` (``zgraph.runtime.reinplace``): state updates and all-reduces in place, functional copies

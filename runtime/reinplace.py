@@ -1,6 +1,6 @@
 """Updates in place for the eager backend: the optimizer writes into its state as ``torch.optim`` does.
 
-The pipeline's graphs are functional: an optimizer step makes new parameter and state tensors while the old ones,
+The pass list's graphs are functional: an optimizer step makes new parameter and state tensors while the old ones,
 still referenced by the model and the optimizer, stay alive until the step returns — twice the optimizer's memory
 at the end of every step, and fresh allocations each call. Inductor removes this itself; for the FX executor this
 rewrite does, on the final graph only:

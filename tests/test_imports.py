@@ -8,7 +8,7 @@ Floors, bottom to top (a module imports its own layer and layers on lower floors
 1. ``zgraph.runtime`` and ``zgraph.passes`` (never each other);
 2. ``zgraph.deepspeed`` (plain values; never ``Config``) and ``zgraph.checkpoint`` (which imports only the
    runtime and the contract);
-3. ``zgraph.config`` (with ``zgraph.config_checks`` and ``zgraph.config_docs``);
+3. ``zgraph.config`` (with ``zgraph.config_checks``, ``zgraph.config_docs`` and ``zgraph.config_loss_scale``);
 4. ``zgraph.capture``;
 5. ``zgraph.binding`` and ``zgraph.compile`` (never each other);
 6. ``zgraph.inspect`` and ``zgraph.weights`` (never each other);
@@ -56,6 +56,7 @@ LAYER_OF = {
     "zgraph.config": "config",
     "zgraph.config_checks": "config",
     "zgraph.config_docs": "config",
+    "zgraph.config_loss_scale": "config",
     "zgraph.step": "step",
     "zgraph.dispatch": "step",
     "zgraph.sequence": "step",

@@ -16,7 +16,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     runtime/ (zgraph.runtime), passes/ (zgraph.passes)   process groups and state; the graph passes
     deepspeed/     DeepSpeed JSON configs read as plain values
     checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict, stream_state_dict
-    config.py config_checks.py config_docs.py   zgraph.Config
+    config.py config_checks.py config_docs.py config_loss_scale.py   zgraph.Config (DynamicLossScale)
     capture/       the step traced into one functional aten graph (the capture protocol)
     binding/       the state a call reaches, bound once and laid out; the guard key
     compile/       a captured graph through the passes, lowered, and run against the live state
@@ -37,6 +37,7 @@ from zgraph.errors import (
     CaptureError,
     CheckpointError,
     MemoryBudgetError,
+    PassError,
     PipelineError,
     RankFailedError,
     RankMismatchError,
@@ -61,6 +62,7 @@ __all__ = [
     "Estimate",
     "EstimateError",
     "MemoryBudgetError",
+    "PassError",
     "PipelineError",
     "RankFailedError",
     "RankMismatchError",

@@ -16,11 +16,13 @@ import time
 import warnings
 
 import torch.distributed as dist
+from torch import Tensor
 
 from zgraph.binding.arguments import StepCall
 from zgraph.binding.dynamic import DynamicDims, argument_sizes, argument_tensors
 from zgraph.binding.guards import KEY_PARTS, describe_leaf
-from zgraph.binding.session import Bound, Session
+from zgraph.binding.micro_batches import microbatches, split_call
+from zgraph.binding.session import Bound, Session, user_tensors
 from zgraph.binding.setup import step_groups
 from zgraph.capture.as_written import hyperparameters, lifts
 from zgraph.capture.compiled import WRAPPER_WARNING
@@ -29,6 +31,7 @@ from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.capture.size_guards import SizeGuards
 from zgraph.compile.build import collector_paused, compile_step
+from zgraph.compile.pipeline import compile_pipeline, run_pipeline
 from zgraph.compile.run import reserve_offload, run
 from zgraph.compile.split_runner import Peers, run_split
 from zgraph.compile.variant import CompiledStep
@@ -53,12 +56,13 @@ class Dispatcher:
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
         self.process_group = process_group
-        self.pipeline = config.pipeline()
+        self.passes = config.passes()
         self.session = Session(config)
         self.cache: dict[tuple, list[CompiledStep]] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
         self.calls = 0  # calls made, for naming the call in errors other ranks see
         self.dynamic = DynamicDims()  # the arguments' symbolic dims (marked, or found by automatic dynamic)
+        self.own_sizes = config.pipeline_parallel is None  # ranks may pass sizes of their own (a pipeline: one batch)
 
     def __call__(self, call: StepCall) -> object:
         if traced_arguments(call.args, call.kwargs):
@@ -70,11 +74,12 @@ class Dispatcher:
         group = ensure_process_group(self.process_group, lambda: self.session.device_of(call))
         label = f"call {self.calls} of step `{call.name}`"
         self.calls += 1
+        micro = split_call(call, microbatches(self.config)) if self.config.pipeline_parallel is not None else None
         if not group.distributed:
-            return self._call(call, None, group, label)
+            return self._call(call, None, group, label, micro)
         channel = Channel(group, self.config.collective_timeout)
         try:
-            result = self._call(call, channel, group, label)
+            result = self._call(call, channel, group, label, micro)
         except Exception as error:
             if not getattr(error, "_zgraph_recorded", False):
                 channel.record_failure(label, error)
@@ -82,23 +87,29 @@ class Dispatcher:
         channel.clear_failure()  # a good call on the group: this rank's earlier failure (any step's) is over
         return result
 
-    def _call(self, call: StepCall, channel: Channel | None, group: ProcessGroupInfo, label: str) -> object:
-        """One call: bind, look up or capture, agree with the other ranks on the graph, run it."""
+    def _call(
+        self, call: StepCall, channel: Channel | None, group: ProcessGroupInfo, label: str, micro: list | None
+    ) -> object:
+        """One call: bind, look up or capture, agree with the other ranks on the graph, run it. ``micro``: a
+        pipelined step's micro-batch calls; the first is bound and captured."""
         if channel is not None:
             channel.enter(label)
             group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
             group = step_groups(group, self.config)
-            if self.calls == 1:  # every rank captures: dims whose sizes differ between ranks are symbols at once
-                sizes = argument_sizes(argument_tensors(call))
-                self.dynamic.widen_across_ranks(channel.exchange(f"{label} (argument sizes)", sizes))
-        compiled, bound = self._prepare_or_tell(call, group, channel, label)
+            if self.calls == 1 and self.own_sizes:  # every rank captures: sizes differing between ranks are symbols
+                self._widen_across_ranks(channel, label, argument_tensors(call))
+        prepared = call if micro is None else micro[0]
+        compiled, bound = self._prepare_or_tell(prepared, group, channel, label)
         peers = None
         if channel is not None:
-            compiled, bound = self._agree(call, group, channel, label, compiled, bound)
+            compiled, bound = self._agree(prepared, group, channel, label, compiled, bound)
             device = control_device(group.backend, bound.binding.device)
             peers = Peers(channel, group.group_name, device, label)
         self.last = compiled
         try:
+            if micro is not None:
+                tensors = [user_tensors(bound.binding, m, bound.located) for m in micro]
+                return run_pipeline(compiled, bound.binding, tensors, group)
             return self._run(compiled, bound, peers)
         except Exception as error:
             failure = error if channel is None else channel.failed_running(label, error)
@@ -137,13 +148,18 @@ class Dispatcher:
         device = control_device(group.backend, bound.binding.device)
         if same_digests(channel, group.group_name, label, compiled.digest, device=device):
             return compiled, bound
-        sizes = channel.exchange(f"{label} (argument sizes)", argument_sizes(bound.user_tensors))
-        if not self.dynamic.widen_across_ranks(sizes):
+        if not (self.own_sizes and self._widen_across_ranks(channel, label, bound.user_tensors)):
             raise_different_graphs(channel, label, compiled.description)
         compiled, bound = self._prepare_or_tell(call, group, channel, label, again=True)
         device = control_device(group.backend, bound.binding.device)
         check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
         return compiled, bound
+
+    def _widen_across_ranks(self, channel: Channel, label: str, tensors: list[tuple[str, Tensor]]) -> bool:
+        """The ranks exchange their argument tensors' sizes; those that differ between ranks become symbolic dims.
+        Whether any did (the same on every rank)."""
+        sizes = channel.exchange(f"{label} (argument sizes)", argument_sizes(tensors))
+        return self.dynamic.widen_across_ranks(sizes)
 
     @staticmethod
     def _run(compiled: CompiledStep, bound: Bound, peers: Peers | None) -> object:
@@ -165,7 +181,7 @@ class Dispatcher:
             if compiled is None and self.dynamic.widen(self._key(bound), self.cache):
                 compiled = self._lookup(bound)  # automatic dynamic: sizes that changed are symbols from now on
             if compiled is None:
-                compiled = self._compile(bound)
+                compiled = self._compile(bound, group)
                 if isinstance(compiled, Rebind):  # the trace found state to bind first: bind it, capture again
                     if attempt == _MAX_REBINDS:
                         raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
@@ -208,7 +224,7 @@ class Dispatcher:
         """How many variants of the step have been captured."""
         return sum(len(variants) for variants in self.cache.values())
 
-    def _compile(self, bound: Bound) -> CompiledStep | Rebind:
+    def _compile(self, bound: Bound, group: ProcessGroupInfo) -> CompiledStep | Rebind:
         """Capture, transform and compile the call's step; or what the trace found to bind first."""
         start = time.perf_counter()
         fresh = stateless_pairs(bound.binding)
@@ -232,7 +248,10 @@ class Dispatcher:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             with collector_paused(promote=True):
-                compiled = compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+                if self.config.pipeline_parallel is not None:
+                    compiled = compile_pipeline(captured, bound.binding, self.config, group, capture_seconds)
+                else:
+                    compiled = compile_step(captured, bound.binding, self.passes, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise

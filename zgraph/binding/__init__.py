@@ -10,4 +10,5 @@ Files::
     locate.py     where the tensors a step reads outside its arguments live
     setup.py      the one binding set-up (check, then lay out), for a call and for an estimate
     session.py    what a step remembers between calls (bindings, observed state, located tensors); a call bound
+    micro_batches.py  a pipelined step's call cut into micro-batches along its tensor arguments' dim 0
 """

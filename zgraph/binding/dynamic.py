@@ -51,7 +51,7 @@ def mark_dynamic(tensor: Tensor, dim: int, *, min: int | None = None, max: int |
     return tensor
 
 
-def _marks(t: Tensor) -> dict[int, Range]:
+def marked_ranges(t: Tensor) -> dict[int, Range]:
     """The dims marked dynamic on ``t``, with their ranges: zgraph's marks and ``torch._dynamo.mark_dynamic``'s."""
     marks: dict[int, Range] = {d: (None, None) for d in getattr(t, "_dynamo_dynamic_indices", ())}
     for r in getattr(t, "_dynamo_dynamic_range", ()):
@@ -72,7 +72,7 @@ class DynamicDims:
         changed yet)."""
         tensors = argument_tensors(call)
         for path, t in tensors:
-            for dim, bounds in _marks(t).items():
+            for dim, bounds in marked_ranges(t).items():
                 self.ranges[(path, dim)] = bounds
                 self.add(path, [dim])
         for path, t in tensors:

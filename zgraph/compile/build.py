@@ -1,5 +1,5 @@
 """From a captured graph to a compiled variant: what the passes know of the bound state (``pass_context``), the
-pass pipeline, lowering for the backend (both halves of a split step), and the fingerprint the ranks compare."""
+pass list, lowering for the backend (both halves of a split step), and the fingerprint the ranks compare."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ from zgraph.capture.captured import CapturedGraph
 from zgraph.compile.lower import lower, lower_split
 from zgraph.compile.variant import CompiledStep
 from zgraph.graph import ParamInfo, input_specs, output_roles
-from zgraph.passes import Pass, PassContext, run_pipeline
+from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.runtime.consistency import describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import crossing_groups
 from zgraph.runtime.state import Binding
 
 
 def compile_step(
-    captured: CapturedGraph, binding: Binding, pipeline: Sequence[Pass], backend: str, capture_seconds: float
+    captured: CapturedGraph, binding: Binding, passes: Sequence[Pass], backend: str, capture_seconds: float
 ) -> CompiledStep:
-    """Transform ``captured`` with ``pipeline`` and compile it for ``backend``."""
+    """Transform ``captured`` with ``passes`` and compile it for ``backend``."""
     assert captured.gm is not None
     ctx = pass_context(binding, split=captured.split is not None)
-    records = run_pipeline(captured.gm, ctx, list(pipeline))
+    records = run_passes(captured.gm, ctx, list(passes))
     transformed = records[-1].gm if records else captured.gm
     split = None
     if captured.split is not None:
