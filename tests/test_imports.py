@@ -3,7 +3,8 @@ parsed and checked against the house's floors, and the import graph has no circl
 
 Floors, bottom to top (a module imports its own layer and layers on lower floors, never a layer beside it):
 
-0. the contract: ``zgraph.graph``, ``zgraph.sizes``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.errors``,
+0. the contract: ``zgraph.graph``, ``zgraph.sizes``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.host_ops``,
+   ``zgraph.errors``,
    ``zgraph.tree``, ``zgraph.version``;
 1. ``zgraph.runtime`` and ``zgraph.passes`` (never each other);
 2. ``zgraph.deepspeed`` (plain values; never ``Config``) and ``zgraph.checkpoint`` (which imports only the
@@ -50,6 +51,7 @@ LAYER_OF = {
     "zgraph.sizes": "contract",
     "zgraph.ops": "contract",
     "zgraph.sequence_ops": "contract",
+    "zgraph.host_ops": "contract",
     "zgraph.errors": "contract",
     "zgraph.tree": "contract",
     "zgraph.version": "contract",

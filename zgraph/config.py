@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zgraph.config_checks import (
+    DynamicLossScale,
     PassFunction,
     as_pass_tuple,
     as_str_tuple,
@@ -26,6 +27,7 @@ from zgraph.config_checks import (
     check_choice,
     check_float_dtype,
     check_groups,
+    check_host_update,
     check_max_grad_norm,
     check_offload,
     check_offload_activations,
@@ -262,6 +264,17 @@ class Config:
     parameters first; 1.0 (default) moves all, 0.0 none. DeepSpeed's ``offload_optimizer.ratio``
     (ZeRO-Offload++)."""
 
+    offload_update: str = "auto"
+    """Where the update of ``offload_optimizer="cpu"`` states runs, the model on a device. ``"host"`` (ZeRO-Offload):
+    master parameters and states live only in host memory; each gradient goes to the host once reduced and the host
+    updates it with torch's CPU kernels while the backward goes on (SGD, Adam, AdamW; ``offload_fraction=1``).
+    ``"device"``: the states are copied to the device for the update. ``"auto"`` (default): ``"host"`` where it can
+    run, else ``"device"`` (``explain()`` says why). README: "Offload of optimizer states and parameters"."""
+
+    offload_overlap: str | None = None
+    """``"one_step"``: each step's host update runs during the next step, which computes with the parameters from
+    before it (applied one step late, as ZenFlow / SuperOffload do). None (default): exact."""
+
     offload_activations: str | None = field(default=None, metadata=_pass_option("offload_activations_tier"))
     """Where saved activations (forward values the backward reads) live between their last forward use and their
     first backward use: None (default), in memory. ``"cpu"``: host memory, for a model on a GPU (pinned, copied on a
@@ -304,6 +317,12 @@ class Config:
             offload_params=self.offload_params,
             offload_dir=self.offload_dir,
             offload_fraction=self.offload_fraction,
+        )
+        check_host_update(
+            offload_optimizer=self.offload_optimizer,
+            offload_fraction=self.offload_fraction,
+            offload_update=self.offload_update,
+            offload_overlap=self.offload_overlap,
         )
         check_offload_activations(self.offload_activations, self.offload_dir)
         object.__setattr__(self, "disable_passes", as_str_tuple("disable_passes", self.disable_passes))
@@ -355,41 +374,6 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated like a new Config)."""
         return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class DynamicLossScale:
-    """Dynamic fp16 loss scaling, with DeepSpeed's meaning and defaults.
-
-    Attributes:
-        init_scale: first scale (DeepSpeed ``initial_scale_power`` 16: 2**16).
-        growth_factor: the scale is multiplied by this after ``growth_interval`` steps without overflow.
-        backoff_factor: the scale is multiplied by this when a step overflows (after ``hysteresis`` overflows).
-        growth_interval: steps without overflow before the scale grows (DeepSpeed ``loss_scale_window``).
-        hysteresis: overflows tolerated before the scale backs off (DeepSpeed ``hysteresis``); every
-            overflowing step is skipped regardless.
-        min_scale: the scale never goes below this (DeepSpeed ``min_loss_scale``).
-    """
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        checks = {
-            "init_scale": self.init_scale > 0,
-            "growth_factor": self.growth_factor >= 1,
-            "backoff_factor": 0 < self.backoff_factor <= 1,
-            "growth_interval": isinstance(self.growth_interval, int) and self.growth_interval >= 1,
-            "hysteresis": isinstance(self.hysteresis, int) and self.hysteresis >= 1,
-            "min_scale": 0 < self.min_scale <= self.init_scale,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"DynamicLossScale.{name} is out of range: {getattr(self, name)!r}")
 
 
 Config.__doc__ = doc_with_attributes(Config.__doc__ or "", field_docs(Config))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -204,6 +205,33 @@ def check_offload(
         )
 
 
+def check_host_update(
+    *, offload_optimizer: object, offload_fraction: object, offload_update: object, offload_overlap: object
+) -> None:
+    """``Config.offload_update`` (``"auto"``, ``"host"``, ``"device"``) and ``Config.offload_overlap`` (None,
+    ``"one_step"``): ``"host"`` needs ``offload_optimizer="cpu"`` with every state offloaded; an overlap needs the
+    update on the host."""
+    check_choice("offload_update", offload_update, ("auto", "host", "device"), str)
+    if offload_overlap is not None:
+        check_choice("offload_overlap", offload_overlap, ("one_step",), str)
+    if offload_update == "host" and offload_optimizer != "cpu":
+        raise ValueError(
+            f'Config.offload_update="host" needs offload_optimizer="cpu" (got {offload_optimizer!r}): the host '
+            "updates the states that host memory keeps"
+        )
+    if offload_update == "host" and offload_fraction != 1.0:
+        raise ValueError(
+            f'Config.offload_update="host" with offload_fraction={offload_fraction}: the host updates a parameter '
+            'only when all of its states live there; use offload_fraction=1.0, or offload_update="device"'
+        )
+    if offload_overlap is not None and (offload_optimizer != "cpu" or offload_update == "device"):
+        raise ValueError(
+            f"Config.offload_overlap={offload_overlap!r} overlaps the host update with the next step: it needs "
+            f'offload_optimizer="cpu" with the update on the host (offload_update "auto" or "host"); got '
+            f"offload_optimizer={offload_optimizer!r}, offload_update={offload_update!r}"
+        )
+
+
 def check_offload_activations(tier: object, offload_dir: object) -> None:
     """``Config.offload_activations``: None, ``"cpu"`` or ``"nvme"`` (which needs ``offload_dir``); any stage."""
     if tier not in _OFFLOAD_TIERS or isinstance(tier, bool):
@@ -303,3 +331,38 @@ def check_sequence_parallel(value: object) -> None:
     world = known_world_size()
     if world is not None:
         check_group_size("sequence_parallel", value, world)
+
+
+@dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic fp16 loss scaling, with DeepSpeed's meaning and defaults.
+
+    Attributes:
+        init_scale: first scale (DeepSpeed ``initial_scale_power`` 16: 2**16).
+        growth_factor: the scale is multiplied by this after ``growth_interval`` steps without overflow.
+        backoff_factor: the scale is multiplied by this when a step overflows (after ``hysteresis`` overflows).
+        growth_interval: steps without overflow before the scale grows (DeepSpeed ``loss_scale_window``).
+        hysteresis: overflows tolerated before the scale backs off (DeepSpeed ``hysteresis``); every
+            overflowing step is skipped regardless.
+        min_scale: the scale never goes below this (DeepSpeed ``min_loss_scale``).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "init_scale": self.init_scale > 0,
+            "growth_factor": self.growth_factor >= 1,
+            "backoff_factor": 0 < self.backoff_factor <= 1,
+            "growth_interval": isinstance(self.growth_interval, int) and self.growth_interval >= 1,
+            "hysteresis": isinstance(self.hysteresis, int) and self.hysteresis >= 1,
+            "min_scale": 0 < self.min_scale <= self.init_scale,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"DynamicLossScale.{name} is out of range: {getattr(self, name)!r}")

@@ -80,6 +80,7 @@ def pass_context(binding: Binding, split: bool = False) -> PassContext:
         replicate_group=group.replicate,
         secondary_group=group.secondary,
         sequence_group=group.sequence,
+        host_params=binding.host_params,
     )
 
 

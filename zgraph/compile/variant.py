@@ -14,6 +14,7 @@ from zgraph.graph import CostModel, GraphInput, GraphOutput, ParamInfo
 from zgraph.ops import RELOAD
 from zgraph.passes import PassRecord
 from zgraph.runtime.executor import Executable
+from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.offload_store import TierStore
 
 
@@ -53,6 +54,8 @@ class CompiledStep:
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
     split: SplitCompiled | None = None  # a split step's forward and backward
     offload: TierStore | None = None  # the binding's offload store, for explain()
+    host: HostRunner | None = None  # the binding's runner of the update on the host, for explain()
+    host_fallback: str | None = None  # why the update does not run on the host where it was to, for explain()
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group crosses nodes, for explain()
 
     @functools.cached_property

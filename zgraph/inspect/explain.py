@@ -25,6 +25,7 @@ from zgraph.graph import (
 )
 from zgraph.ops import STASH, UNSHARD
 from zgraph.runtime.cost_model import LINK_CLASSES, analytical_cost_model
+from zgraph.runtime.host_update import describe as describe_host
 from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import collective_totals, estimate
 
@@ -96,6 +97,7 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines += _link_lines(compiled)
     lines += _timeline_lines(compiled)
     lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
+    lines += describe_host(compiled.host, compiled.host_fallback, compiled.final, compiled.params)
     return "\n".join(lines)
 
 
