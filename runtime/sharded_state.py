@@ -96,7 +96,7 @@ class ShardingPlan:
         # offload keeps its shards)
         moves = local.device.type != self.mesh.device_type and not local.is_meta
         dt = DTensor.from_local(
-            local.to("meta") if moves else local,
+            torch.empty(local.shape, dtype=local.dtype, device="meta") if moves else local,
             self.mesh,
             self.placements,
             run_check=False,
