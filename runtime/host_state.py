@@ -42,32 +42,39 @@ def home_device(t: object) -> torch.device | None:
 def host_parameters(
     config: object, binding: Binding, device: torch.device, runnable: Callable[[torch.optim.Optimizer], bool]
 ) -> tuple[frozenset[int], str | None]:
-    """The parameters whose update runs on the host, and why the others' does not (None: nothing to say).
-    ``runnable(optimizer)``: the host can run its update. Raises ``OffloadError`` where ``"host"`` was asked for
-    and cannot be honoured."""
+    """The parameters whose update runs on the host — with those another step already keeps there —, and why the
+    others' does not (None: nothing to say). ``runnable(optimizer)``: the host can run its update. Raises
+    ``OffloadError`` where ``"host"`` was asked for and cannot be honoured."""
     update = getattr(config, "offload_update", "auto")
+    already = frozenset(r.index for r in binding.params if home_device(r.tensor) is not None)
     if config.offload_optimizer != "cpu" or update == "device" or (update == "auto" and device.type == "cpu"):
-        return frozenset(), None
+        return already, None
     refused = [o for o in binding.optimizers if not runnable(o.optimizer)]
     if refused:
         names = ", ".join(f"{o.name} ({type(o.optimizer).__name__})" for o in refused)
         why = f"the host runs the update of the optimizers zgraph has update rules for ({HOST_OPTIMIZERS}), not {names}"
         if update == "host":
             raise OffloadError(f'zgraph: Config.offload_update="host": {why}; use offload_update="device"')
-        return frozenset(), f"{why}: their states are brought to the device for the update"
+        return already, f"{why}: their states are brought to the device for the update"
     if config.offload_fraction != 1.0:
-        return frozenset(), "offload_fraction < 1 keeps some states on the device: the update runs there"
+        return already, "offload_fraction < 1 keeps some states on the device: the update runs there"
     indices = {i for o in binding.optimizers for group in o.group_params for i in group}
-    return frozenset(i for i in indices if binding.params[i].tensor.requires_grad), None
+    return already | frozenset(i for i in indices if binding.params[i].tensor.requires_grad), None
 
 
-def check_overlap(config: object, group: object, host: frozenset[int]) -> None:
-    """Raise ``OffloadError`` (before anything changes) for a ``Config.offload_overlap`` the step cannot honour:
-    nothing is updated on the host, or stages 1 and 2 on several ranks (the update's shards are all-gathered
-    within the step)."""
+def check_overlap(config: object, group: object, binding: Binding, host: frozenset[int]) -> None:
+    """Raise ``OffloadError`` (before anything changes) for a ``Config.offload_overlap`` the step cannot honour: a
+    step without the optimizer (split mode's forward, a forward/backward step), nothing updated on the host, or
+    stages 1 and 2 on several ranks (the update's shards are all-gathered within the step)."""
     overlap = getattr(config, "offload_overlap", None)
     if overlap is None:
         return
+    if not binding.optimizers:
+        raise OffloadError(
+            f"zgraph: Config.offload_overlap={overlap!r} overlaps a step's update on the host with the next step's "
+            "forward, so the step must hold the forward, the backward and the optimizer's update; this one has no "
+            "optimizer (split mode's forward step, or a forward/backward step). Use offload_overlap=None"
+        )
     if not host:
         raise OffloadError(
             f"zgraph: Config.offload_overlap={overlap!r} overlaps the update on the host with the next step, but no "

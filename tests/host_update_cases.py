@@ -56,14 +56,14 @@ def train(options: dict[str, Any], rank: int = 0, overflow_at: int | None = None
 
 
 PARITY = {
-    "stage 1": {"stage": 1},
-    "stage 2, bf16 parameters, fp32 master, clipping": {
-        "stage": 2,
-        "param_dtype": torch.bfloat16,
-        "max_grad_norm": 0.5,
+    "stage 1, clipping": {"stage": 1, "max_grad_norm": 0.5},
+    "stage 2, bf16 parameters, fp32 master": {"stage": 2, "param_dtype": torch.bfloat16},
+    "stage 3, fp16 loss scaling (a step overflows), parameters offloaded too": {
+        "stage": 3,
+        "param_dtype": torch.float16,
+        "loss_scale": "dynamic",
+        "offload_params": "cpu",
     },
-    "stage 3, fp16 loss scaling, a step overflows": {"stage": 3, "param_dtype": torch.float16, "loss_scale": "dynamic"},
-    "stage 3, bf16, parameters offloaded too": {"stage": 3, "param_dtype": torch.bfloat16, "offload_params": "cpu"},
 }
 
 

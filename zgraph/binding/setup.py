@@ -27,7 +27,7 @@ from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.devices import allocation_device, check_served, served_backend, state_device
 from zgraph.runtime.host_memory import keep_freed_host_memory
-from zgraph.runtime.host_state import check_host_memory, check_overlap, host_parameters, move_to_host
+from zgraph.runtime.host_state import check_host_memory, check_overlap, home_device, host_parameters, move_to_host
 from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.hybrid import hybrid_group
 from zgraph.runtime.meta_init import (
@@ -96,11 +96,10 @@ def lay_out(
     check_served(group.backend, device)
     check_offload_device(config, device)
     host, binding.host_fallback = host_parameters(config, binding, device, _host_runnable)
-    if host and device.type != "cpu":
-        check_host_memory(
-            _host_bytes(binding, host, config, group), f"{len(host)} parameters' master values and states"
-        )
-    check_overlap(config, group, host)
+    moving = frozenset(i for i in host if home_device(binding.params[i].tensor) is None)  # not there already
+    if moving and device.type != "cpu":
+        check_host_memory(_host_bytes(binding, moving, config, group), f"{len(moving)} parameters' masters and states")
+    check_overlap(config, group, binding, host)
     check_owners(config.stage, group, binding)
     source = None if standin else meta_source(binding, group, channel)
     routes = fill_routes(binding, values) if source == "init" else []
