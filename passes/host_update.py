@@ -32,13 +32,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
 
 from zgraph.graph import (
     INPUT,
     OPTIMIZER,
     PHASE,
     VAL,
-    compute_val,
     eliminate_dead_code,
     fake_mode,
     insert,
@@ -160,7 +160,8 @@ class _Placement:
             if arg not in self.placed and isinstance(arg.meta.get(VAL), torch.Tensor):
                 node.replace_input_with(arg, self.copy_to_host(arg))
         self.mark(node)
-        compute_val(node, self.mode)
+        # the same values on the host (not run again: a scalar read, ``.item()``, would make a new symbol)
+        node.meta[VAL] = tree_map_only(torch.Tensor, lambda v: _on_host(v, self.mode), node.meta[VAL])
 
     def pull(self, node: fx.Node) -> None:
         """An optimizer-phase device op whose every reader reads it on the host (through its copy) runs on the host

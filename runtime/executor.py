@@ -40,7 +40,7 @@ from torch import Tensor
 from zgraph.graph import PHASE, UPDATED_INPUTS, copy_graph_module, fake_mode, insert, placeholders
 from zgraph.host_ops import HOST_PARTS
 from zgraph.runtime.float64_scalars import float64_scalars
-from zgraph.runtime.host_partitions import host_partitions
+from zgraph.runtime.host_partitions import has_host_ops, host_partitions
 from zgraph.runtime.reinplace import reinplace
 from zgraph.runtime.unbacked_scalars import decompositions, reads_host_scalars, unbacked_scalars
 
@@ -63,12 +63,16 @@ class Executable:
     host_parts: list[fx.GraphModule] | None = None  # the update on the host's partitions; None: no host ops
 
 
-def backend_rewrites(backend: str) -> list[tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]]:
-    """``[(name, rewrite)]`` a backend applies to the graph before ``compile_graph`` (each in place, returning it)."""
+def backend_rewrites(
+    backend: str, gm: fx.GraphModule | None = None
+) -> list[tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]]:
+    """``[(name, rewrite)]`` a backend applies to the graph (``gm``) before ``compile_graph`` (each in place,
+    returning it); ``host_partitions`` only where ``gm`` has the update on the host's operators."""
+    hosted = [("host_partitions", host_partitions)] if gm is not None and has_host_ops(gm) else []
     if backend == "eager":
-        return [("reinplace", reinplace), ("host_partitions", host_partitions)]
+        return [("reinplace", reinplace), *hosted]
     if backend == "inductor":
-        return [("host_partitions", host_partitions), ("explicit_alpha", explicit_alpha)]
+        return [*hosted, ("explicit_alpha", explicit_alpha)]
     raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
 
 

@@ -18,6 +18,9 @@ of either backend (the graph shown as ``final`` is the one that runs).
   state that cannot be is fetched (the exact update only: with ``offload_overlap`` the runtime refuses it).
 * **Release.** ``zgraph::host_release`` right after the last node of the graph that reads a host parameter: with
   ``Config.offload_overlap="one_step"`` the previous step's update may overwrite them from there on.
+* **Within the step.** A partition a value of which the graph fetches (an updated shard a parameter whole on every
+  rank all-gathers), and the earlier partitions it reads, is marked ``meta[WITHIN_STEP]``: with ``one_step`` it
+  still runs within its step (those parameters' update is not delayed).
 
 Each partition's pointwise temporaries are made in place (``reinplace_temporaries``), as eager ``torch.optim``
 computes.
@@ -42,16 +45,17 @@ from zgraph.graph import (
     state_key,
 )
 from zgraph.host_ops import HOST, HOST_FETCH, HOST_PARTS, HOST_RELEASE, HOST_SUBMIT, PLACE, TO_DEVICE, TO_HOST
-from zgraph.runtime.host_update import ENV_INPUTS, ENV_OUTPUTS
+from zgraph.runtime.host_update import ENV_INPUTS, ENV_OUTPUTS, WITHIN_STEP
 from zgraph.runtime.reinplace import reinplace_state_updates, reinplace_temporaries
 
 aten = torch.ops.aten
+READS = "zgraph_reads_parts"  # a partition's meta: the earlier partitions whose values it reads
 
 
 def host_partitions(gm: fx.GraphModule) -> fx.GraphModule:
     """Cut ``gm``'s optimizer host nodes into partitions (module docstring); in place, returns ``gm``."""
     is_host = lambda n: n.meta.get(PLACE) == HOST and n.op == "call_function"  # noqa: E731
-    if not any(is_host(n) or n.target in (TO_HOST, TO_DEVICE) for n in gm.graph.nodes):
+    if not has_host_ops(gm):
         return gm
     updated = set(gm.meta.get(UPDATED_INPUTS, ())) | set(reinplace_state_updates(gm, only=is_host))
     mode = fake_mode(gm)
@@ -61,6 +65,9 @@ def host_partitions(gm: fx.GraphModule) -> fx.GraphModule:
     parts = []
     for j, (nodes, close) in enumerate(cuts):
         parts.append(_outline(gm, j, nodes, close, owner, updated, mode))
+    for sub in reversed(parts):  # what a partition the step waits for reads is waited for too
+        for j in sub.meta[READS] if sub.meta[WITHIN_STEP] else ():
+            parts[j].meta[WITHIN_STEP] = True
     for nodes, _ in reversed(cuts):
         for node in reversed(nodes):
             gm.graph.erase_node(node)
@@ -69,6 +76,11 @@ def host_partitions(gm: fx.GraphModule) -> fx.GraphModule:
     gm.meta[UPDATED_INPUTS] = frozenset(updated)
     gm.recompile()
     return gm
+
+
+def has_host_ops(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` has nodes the host runs, or copies between the host and the device."""
+    return any(n.meta.get(PLACE) == HOST or n.target in (TO_HOST, TO_DEVICE) for n in gm.graph.nodes)
 
 
 def _cut(gm: fx.GraphModule, members: set[fx.Node]) -> list[tuple[list[fx.Node], fx.Node]]:
@@ -106,6 +118,8 @@ def _outline(
     outside = [n for n in nodes if any(u not in inside for u in n.users)]
     fetched = [n for n in outside if any(u not in owner for u in n.users)]
     sub = _module(handed, earlier, nodes, outside, writes)
+    sub.meta[WITHIN_STEP] = bool(fetched)
+    sub.meta[READS] = sorted({owner[a] for a in earlier})
     token = insert(gm, HOST_SUBMIT, (handed, j), before=close, phase=OPTIMIZER, mode=mode)
     token.meta[PLACE] = HOST
     for node in fetched:

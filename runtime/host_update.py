@@ -17,11 +17,13 @@ thread of its own while the graph goes on.
   update, every partition of the step; their errors are the step's. A failed graph (``abort``) leaves nothing
   running.
 
-``Config.offload_overlap="one_step"``: a step's partitions wait until the next step has read the host parameters
-for the last time (``host_release``, the graph's; by the next ``finish`` at the latest), so they run during the next
-step's backward while it computes with the parameters from before them; a step waits, before its graph, for the
-update released in the step before it. ``flush`` (anything that reads the state outside a step: ``state_dict()``,
-``zgraph.save``, an eager ``step()``...) runs what is still waiting now.
+``Config.offload_overlap="one_step"``: a step's partitions wait, on a thread of their own, until the next step has
+read the host parameters for the last time (``host_release``, the graph's; by the next ``finish`` at the latest), so
+they run during the next step's backward while it computes with the parameters from before them; a step waits,
+before its graph, for the update released in the step before it. A partition whose values the step reads itself
+(``WITHIN_STEP``: the update of a parameter whole on every rank, all-gathered in the step) runs within its step.
+``flush`` (anything that reads the state outside a step: ``state_dict()``, ``zgraph.save``, an eager ``step()``...)
+runs what is still waiting now.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from zgraph.ops import host_read
 
 ENV_INPUTS = "zgraph_env_inputs"  # a partition's meta: names of the values of earlier partitions it reads (last)
 ENV_OUTPUTS = "zgraph_env_outputs"  # a partition's meta: names of the values it returns, in order
+WITHIN_STEP = "zgraph_within_step"  # a partition's meta: its values are read within its step (never delayed)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _Step:
     gate: threading.Event
     values: dict[str, Any] = field(default_factory=dict)
     jobs: dict[int, Future] = field(default_factory=dict)
+    late: set[int] = field(default_factory=set)  # one_step: the partitions that wait for the next step
     released: Any = None  # one_step: an event on the copy stream once the next step's reads of the state are issued
 
 
@@ -68,10 +72,12 @@ class HostRunner(HostTier):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.bytes_to_host = 0  # what the last step copied each way (explain())
         self.bytes_to_device = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # a daemon thread: an update still waiting for a next step never holds the process at exit
-        threading.Thread(target=_work, args=(self._queue,), name="zgraph-host-update", daemon=True).start()
-        self._finalizer = weakref.finalize(self, self._queue.put, None)
+        # daemon threads: an update still waiting for a next step never holds the process at exit; the update of
+        # the step runs on one, the update waiting for the next step (one_step) on another
+        self._queues: tuple[queue.SimpleQueue, ...] = (queue.SimpleQueue(), queue.SimpleQueue())
+        for q in self._queues[: 1 if overlap is None else 2]:
+            threading.Thread(target=_work, args=(q,), name="zgraph-host-update", daemon=True).start()
+        self._finalizer = weakref.finalize(self, _stop, self._queues)
         self._step: _Step | None = None  # the graph running now
         self._pending: _Step | None = None  # one_step: the last step's update, waiting for this step's release
         self._running: _Step | None = None  # one_step: the update released in the last step
@@ -94,8 +100,8 @@ class HostRunner(HostTier):
         step, self._step = self._step, None
         if self.stream is not None:
             self.stream.synchronize()
+        self._wait(step, late=False)
         if self.overlap is None:
-            self._wait(step)
             return
         if self._pending is not None:  # this graph read no host parameter: the last step's update runs now
             self.release()
@@ -165,14 +171,17 @@ class HostRunner(HostTier):
 
     def submit(self, part: int, inputs: list[Tensor]) -> None:
         step = self._step
-        issued = self._copies_issued()
+        late = self.overlap is not None and not step.parts[part].meta.get(WITHIN_STEP, False)
         job: Future = Future()
-        self._queue.put((job, functools.partial(HostRunner._job, step, part, inputs, issued)))
+        work = functools.partial(HostRunner._job, step, part, inputs, self._copies_issued(), late)
+        self._queues[late].put((job, work))
         step.jobs[part] = job
+        if late:
+            step.late.add(part)
 
     def fetch(self, part: int, index: int) -> Tensor:
         step = self._step
-        if not step.gate.is_set():
+        if part in step.late:
             raise ZGraphError(
                 'zgraph: Config.offload_overlap="one_step" cannot be honoured here: the step reads a value of its '
                 "own host update (an all-gather of updated shards at stage 1 or 2, or a state the update cannot "
@@ -199,9 +208,10 @@ class HostRunner(HostTier):
         return event
 
     @staticmethod
-    def _job(step: _Step, part: int, inputs: list[Tensor], issued: Any) -> None:
-        step.gate.wait()
-        for event in (issued, step.released):
+    def _job(step: _Step, part: int, inputs: list[Tensor], issued: Any, late: bool) -> None:
+        if late:  # one_step: the next step has read the parameters
+            step.gate.wait()
+        for event in (issued, step.released if late else None):
             if event is not None:
                 event.synchronize()
         gm = step.parts[part]
@@ -211,11 +221,13 @@ class HostRunner(HostTier):
         step.values.update(zip(gm.meta[ENV_OUTPUTS], values))
 
     @staticmethod
-    def _wait(step: _Step, raise_error: bool = True) -> None:
-        for job in step.jobs.values():
-            error = job.exception()
-            if error is not None and raise_error:
-                raise error
+    def _wait(step: _Step, raise_error: bool = True, late: bool = True) -> None:
+        """Wait for ``step``'s partitions (``late``: those waiting for the next step too)."""
+        for part, job in step.jobs.items():
+            if late or part not in step.late:
+                error = job.exception()
+                if error is not None and raise_error:
+                    raise error
 
 
 def describe(runner: HostRunner | None, fallback: str | None, final: fx.GraphModule, params: tuple) -> list[str]:
@@ -238,15 +250,22 @@ def describe(runner: HostRunner | None, fallback: str | None, final: fx.GraphMod
         f"device: {copies / max(1, size):.1f} bytes per parameter",
     ]
     if runner.overlap == "one_step":
+        within = sum(1 for gm in parts if gm.meta.get(WITHIN_STEP))
         lines.append(
-            'offload_overlap="one_step": each step\'s host update runs during the next step, which computes with '
-            "the parameters from before it (every update applied one step late)"
+            f'offload_overlap="one_step": {len(parts) - within} partitions run during the next step, which computes '
+            f"with the parameters from before them (their update applied one step late); {within} within the step "
+            "(the update of parameters whole on every rank, all-gathered in the step, and what it reads)"
         )
     if runner.device.type == "cuda":
         lines.append(
             f"the update on the host has not yet run on a GPU in zgraph's own checks: untested on {runner.device}"
         )
     return lines
+
+
+def _stop(queues: tuple[queue.SimpleQueue, ...]) -> None:
+    for q in queues:
+        q.put(None)
 
 
 def _work(jobs: queue.SimpleQueue) -> None:

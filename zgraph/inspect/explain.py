@@ -96,7 +96,8 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines += _activation_lines(compiled, config)
     lines += _link_lines(compiled)
     lines += _timeline_lines(compiled)
-    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
+    hosted = compiled.host is not None
+    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload, hosted)
     lines += describe_host(compiled.host, compiled.host_fallback, compiled.final, compiled.params)
     return "\n".join(lines)
 
