@@ -159,6 +159,8 @@ class _Placement:
         for arg in node.all_input_nodes:
             if arg not in self.placed and isinstance(arg.meta.get(VAL), torch.Tensor):
                 node.replace_input_with(arg, self.copy_to_host(arg))
+        if "device" in node.kwargs:  # made where the state lives: on the host now
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
         self.mark(node)
         # the same values on the host (not run again: a scalar read, ``.item()``, would make a new symbol)
         node.meta[VAL] = tree_map_only(torch.Tensor, lambda v: _on_host(v, self.mode), node.meta[VAL])
