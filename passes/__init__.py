@@ -19,6 +19,7 @@ Files::
     loss_scale.py            ``loss_scale``: the fp16 overflow check sees every rank's gradients
     cast.py                  ``cast``: dtype casts moved to where they save the most
     offload.py               ``offload``: optimizer states and parameter shards moved to a slower tier
+    host_update.py           ``host_update``: the optimizer update of host-resident state placed on the host
     secondary_shards.py      ``secondary_shards`` (hpZ): the backward re-gathers within a group, from the forward
     bucket.py                ``bucket``: layout operators of one kind merged into buckets
     lower_collectives.py     ``lower_collectives``: layout operators become functional collectives
@@ -42,6 +43,7 @@ from zgraph.passes.bucket import bucket
 from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
+from zgraph.passes.host_update import host_update, host_update_applies
 from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives, lower_collectives_applies
 from zgraph.passes.offload import offload, offload_applies
@@ -76,6 +78,7 @@ _APPLIES = {
     "clip_grad": with_group,
     "loss_scale": with_group,
     "offload": offload_applies,
+    "host_update": host_update_applies,
     "secondary_shards": secondary_shards_applies,
     "bucket": with_group,
     "lower_collectives": lower_collectives_applies,
@@ -128,6 +131,7 @@ def default_passes(
             bind(offload, tier=offload_optimizer, fraction=offload_fraction, params=offload_params),
             requires={"grads_reduced"},
         ),
+        Pass("host_update", bind(host_update, offload_params=offload_params), requires={"grads_reduced"}),
         Pass("secondary_shards", bind(secondary_shards, stage=stage), requires={"phases"}),
         Pass(
             "bucket",

@@ -58,6 +58,8 @@ class PassContext:
             parameters from, out of a secondary shard kept from the forward's gather; None without hpZ.
         sequence_group: sequence parallelism (``Config.sequence_parallel``): the ranks holding a slice each of the
             same sequences, among which attention's all-to-alls run; None without it.
+        host_params: the parameters (indices) whose master value and optimizer state live in host memory and
+            whose update runs on the host (``Config.offload_update``; the ``host_update`` pass places them).
     """
 
     world_size: int = 1
@@ -72,6 +74,7 @@ class PassContext:
     replicate_group: Axis | None = None
     secondary_group: Axis | None = None
     sequence_group: Axis | None = None
+    host_params: frozenset[int] = frozenset()
 
     @property
     def distributed(self) -> bool:

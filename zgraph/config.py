@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from zgraph.config_checks import (
     check_choice,
     check_float_dtype,
     check_groups,
+    check_host_update,
     check_max_grad_norm,
     check_offload,
     check_offload_activations,
@@ -38,6 +38,7 @@ from zgraph.config_checks import (
     check_timeout,
     module_classes,
 )
+from zgraph.config_deprecated import DeprecatedNames
 from zgraph.config_docs import doc_with_attributes, field_docs
 from zgraph.config_loss_scale import DynamicLossScale, loss_scale_value
 from zgraph.deepspeed.config import config_fields_from_deepspeed
@@ -67,7 +68,7 @@ def _pass_option(keyword: str, *, fallback: str | None = None) -> dict[str, str]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
+class Config(DeprecatedNames):
     """Options of ``@zgraph.distribute``. Frozen; every field is checked when the object is created."""
 
     # --- Sharding, backend and passes ---
@@ -289,6 +290,17 @@ class Config:
     parameters first; 1.0 (default) moves all, 0.0 none. DeepSpeed's ``offload_optimizer.ratio``
     (ZeRO-Offload++)."""
 
+    offload_update: str = "auto"
+    """Where the update of ``offload_optimizer="cpu"`` states runs, the model on a device. ``"host"`` (ZeRO-Offload):
+    master parameters and states live only in host memory; each gradient goes to the host once reduced and the host
+    updates it with torch's CPU kernels while the backward goes on (SGD, Adam, AdamW; ``offload_fraction=1``).
+    ``"device"``: the states are copied to the device for the update. ``"auto"`` (default): ``"host"`` where it can
+    run, else ``"device"`` (``explain()`` says why). README: "Offload of optimizer states and parameters"."""
+
+    offload_overlap: str | None = None
+    """``"one_step"``: each step's host update runs during the next step, which computes with the parameters from
+    before it (applied one step late, as ZenFlow / SuperOffload do). None (default): exact."""
+
     offload_activations: str | None = field(default=None, metadata=_pass_option("offload_activations_tier"))
     """Where saved activations (forward values the backward reads) live between their last forward use and their
     first backward use: None (default), in memory. ``"cpu"``: host memory, for a model on a GPU (pinned, copied on a
@@ -334,6 +346,12 @@ class Config:
             offload_dir=self.offload_dir,
             offload_fraction=self.offload_fraction,
         )
+        check_host_update(
+            offload_optimizer=self.offload_optimizer,
+            offload_fraction=self.offload_fraction,
+            offload_update=self.offload_update,
+            offload_overlap=self.offload_overlap,
+        )
         check_offload_activations(self.offload_activations, self.offload_dir)
         object.__setattr__(self, "disable_passes", as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", as_pass_tuple(self.extra_passes))
@@ -355,18 +373,6 @@ class Config:
         """The passes this Config runs, in order: ``default_passes`` with ``pass_options()`` bound, less
         ``disable_passes``, plus ``extra_passes`` at their places (contracts checked: ``zgraph.PassError``)."""
         return build_pass_list(default_passes(**self.pass_options()), self.disable_passes, self.extra_passes)
-
-    def pipeline(self) -> list[Pass]:
-        """Deprecated (removed in the next release): ``passes()``. "Pipeline" now means pipeline parallelism."""
-        warnings.warn("Config.pipeline() is deprecated: use Config.passes()", DeprecationWarning, stacklevel=2)
-        return self.passes()
-
-    def pipeline_options(self) -> dict[str, Any]:
-        """Deprecated (removed in the next release): ``pass_options()``."""
-        warnings.warn(
-            "Config.pipeline_options() is deprecated: use Config.pass_options()", DeprecationWarning, stacklevel=2
-        )
-        return self.pass_options()
 
     @classmethod
     def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:

@@ -206,6 +206,33 @@ def check_offload(
         )
 
 
+def check_host_update(
+    *, offload_optimizer: object, offload_fraction: object, offload_update: object, offload_overlap: object
+) -> None:
+    """``Config.offload_update`` (``"auto"``, ``"host"``, ``"device"``) and ``Config.offload_overlap`` (None,
+    ``"one_step"``): ``"host"`` needs ``offload_optimizer="cpu"`` with every state offloaded; an overlap needs the
+    update on the host."""
+    check_choice("offload_update", offload_update, ("auto", "host", "device"), str)
+    if offload_overlap is not None:
+        check_choice("offload_overlap", offload_overlap, ("one_step",), str)
+    if offload_update == "host" and offload_optimizer != "cpu":
+        raise ValueError(
+            f'Config.offload_update="host" needs offload_optimizer="cpu" (got {offload_optimizer!r}): the host '
+            "updates the states that host memory keeps"
+        )
+    if offload_update == "host" and offload_fraction != 1.0:
+        raise ValueError(
+            f'Config.offload_update="host" with offload_fraction={offload_fraction}: the host updates a parameter '
+            'only when all of its states live there; use offload_fraction=1.0, or offload_update="device"'
+        )
+    if offload_overlap is not None and (offload_optimizer != "cpu" or offload_update == "device"):
+        raise ValueError(
+            f"Config.offload_overlap={offload_overlap!r} overlaps the host update with the next step: it needs "
+            f'offload_optimizer="cpu" with the update on the host (offload_update "auto" or "host"); got '
+            f"offload_optimizer={offload_optimizer!r}, offload_update={offload_update!r}"
+        )
+
+
 def check_offload_activations(tier: object, offload_dir: object) -> None:
     """``Config.offload_activations``: None, ``"cpu"`` or ``"nvme"`` (which needs ``offload_dir``); any stage."""
     if tier not in _OFFLOAD_TIERS or isinstance(tier, bool):

@@ -14,6 +14,7 @@ from zgraph.graph import ParamInfo, input_specs, output_roles
 from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.runtime.consistency import describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import crossing_groups
+from zgraph.runtime.offload_store import OffloadError
 from zgraph.runtime.state import Binding
 
 
@@ -22,6 +23,14 @@ def compile_step(
 ) -> CompiledStep:
     """Transform ``captured`` with ``passes`` and compile it for ``backend``."""
     assert captured.gm is not None
+    overlap = binding.host.overlap if binding.host is not None else None
+    if overlap is not None and (captured.split is not None or not captured.optimizers_stepped):
+        raise OffloadError(
+            f"zgraph: Config.offload_overlap={overlap!r} overlaps a step's update on the host with the next step's "
+            "forward, so the step must run the forward, the backward and the optimizer's update; this one "
+            + ("leaves its backward to the caller (split mode)" if captured.split is not None else "steps no optimizer")
+            + ". Use offload_overlap=None"
+        )
     ctx = pass_context(binding, split=captured.split is not None)
     records = run_passes(captured.gm, ctx, list(passes))
     transformed = records[-1].gm if records else captured.gm
@@ -80,6 +89,7 @@ def pass_context(binding: Binding, split: bool = False) -> PassContext:
         replicate_group=group.replicate,
         secondary_group=group.secondary,
         sequence_group=group.sequence,
+        host_params=binding.host_params,
     )
 
 

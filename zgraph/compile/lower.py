@@ -23,7 +23,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext, backend: str, keep: bool = True)
     for name in (backend, "eager"):
         rewrites = [
             Pass(n, lambda g, _ctx, fn=fn: fn(g), doc=fn.__doc__.strip().splitlines()[0])
-            for n, fn in backend_rewrites(name)
+            for n, fn in backend_rewrites(name, gm)
         ]
         records = run_passes(gm, ctx, rewrites, check_input=False, keep=keep or name != "eager")
         executable = compile_graph(records[-1].gm, name)

@@ -16,6 +16,7 @@ from zgraph.ops import RELOAD
 from zgraph.passes import PassRecord
 from zgraph.passes.micro_batch_loss import LossCombine
 from zgraph.runtime.executor import Executable
+from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.offload_store import TierStore
 from zgraph.runtime.pipeline_run import StageRun
 from zgraph.runtime.pipeline_schedule import Schedule
@@ -71,6 +72,8 @@ class CompiledStep:
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
     split: SplitCompiled | None = None  # a split step's forward and backward
     offload: TierStore | None = None  # the binding's offload store, for explain()
+    host: HostRunner | None = None  # the binding's runner of the update on the host, for explain()
+    host_fallback: str | None = None  # why the update does not run on the host where it was to, for explain()
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group crosses nodes, for explain()
     pipeline: PipelineCompiled | None = None  # a pipelined step's schedule and this rank's stages
 

@@ -26,6 +26,7 @@ from zgraph.graph import (
 from zgraph.inspect.pipeline_view import pipeline_lines
 from zgraph.ops import STASH, UNSHARD
 from zgraph.runtime.cost_model import LINK_CLASSES, analytical_cost_model
+from zgraph.runtime.host_update import describe as describe_host
 from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import collective_totals, estimate
 
@@ -99,7 +100,9 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines += _link_lines(compiled)
     lines += _timeline_lines(compiled)
     lines += pipeline_lines(compiled)
-    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
+    hosted = compiled.host is not None
+    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload, hosted)
+    lines += describe_host(compiled.host, compiled.host_fallback, compiled.final, compiled.params)
     return "\n".join(lines)
 
 
