@@ -88,6 +88,7 @@ class Binding:
         self.host_params: frozenset[int] = frozenset()  # parameters updated on the host (zgraph.runtime.host_state)
         self.host: Any = None  # their runner (zgraph.runtime.host_update.HostRunner), set when the step binds
         self.host_fallback: str | None = None  # why the update does not run on the host where it was to (explain())
+        self.holders: dict[int, int] = {}  # pipelines: parameter index -> global rank holding it (runtime.stage_state)
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}

@@ -5,6 +5,8 @@ its losses, the parameters its stages own, and their largest distance from eager
 from __future__ import annotations
 
 import copy
+import gc
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -13,6 +15,7 @@ from dist_harness import all_gather_values, run_named
 from torch import nn
 
 import zgraph
+from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 STEPS = 3
 BATCH = 8
@@ -113,3 +116,65 @@ token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
     """Worker: run the named cases; rank 0 saves ``{name: result}``."""
     run_named(rank, world, out_path, names, globals())
+
+
+def stage_state(rank: int, world: int) -> dict:
+    """Each rank holds its stages' parameters and optimizer state only (1F1B, 3 steps); the whole model still
+    comes out of ``zgraph.full_state_dict``, ``zgraph.gather`` and ``zgraph.save`` (loaded into a fresh model)."""
+    eager_model, tracker = Net(), LiveTensorBytes()
+    with tracker:
+        model = copy.deepcopy(eager_model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        config = zgraph.Config(backend="eager", pipeline_parallel=world, schedule="1f1b", microbatches=4)
+        compiled = zgraph.distribute(config)(step)
+        for x, y in batches():
+            del_me = compiled(model, opt, x, y)
+        del del_me
+        gc.collect()
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
+    for x, y in batches():
+        step(eager_model, eager_opt, x, y)
+    owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
+    out: dict = {"owned": owned, "state": state_bytes(model, opt), "whole": state_bytes(eager_model, eager_opt)}
+    out["tracked"] = tracker.current
+    out["distance"] = max(
+        (p - eager_model.get_parameter(n)).abs().max().item() for n, p in model.named_parameters() if n in owned
+    )
+    full, full_opt = zgraph.full_state_dict(model, opt)
+    out["full"] = _distance(full, eager_model.state_dict())
+    out["full_opt"] = _distance(_by_name(full_opt, model), _by_name(eager_opt.state_dict(), eager_model))
+    x = batches()[0][0]
+    with zgraph.gather(model):
+        out["gathered"] = (model(x) - eager_model(x)).abs().max().item()
+    out["after_gather"] = state_bytes(model, opt)
+    path = all_gather_values(tempfile.mkdtemp() if rank == 0 else None)[0]
+    zgraph.save(f"{path}/ckpt", model, opt)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    zgraph.load(f"{path}/ckpt", fresh, fresh_opt)
+    out["loaded"] = _distance(fresh.state_dict(), eager_model.state_dict())
+    out["loaded_opt"] = _distance(
+        _by_name(fresh_opt.state_dict(), fresh), _by_name(eager_opt.state_dict(), eager_model)
+    )
+    zgraph.save_pretrained(model, f"{path}/hf")
+    exported = Net()
+    zgraph.load_pretrained(exported, f"{path}/hf")
+    out["exported"] = _distance(exported.state_dict(), eager_model.state_dict())
+    try:
+        zgraph.load(f"{path}/ckpt", model, opt)
+    except zgraph.CheckpointError as error:
+        out["load_refused"] = str(error)
+    return all_gather_values(out)
+
+
+def _by_name(optim_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
+    """An optimizer's ``state_dict()`` state as ``{"<param name>.<field>": tensor}``."""
+    names = [n for n, _ in model.named_parameters()]
+    return {f"{names[i]}.{k}": v for i, fields in optim_state["state"].items() for k, v in fields.items()}
+
+
+def _distance(got: dict, want: dict) -> float:
+    """The largest difference between two dicts of tensors with the same keys (inf if the keys differ)."""
+    if sorted(got) != sorted(want):
+        return float("inf")
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)

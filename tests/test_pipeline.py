@@ -23,7 +23,7 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline") / "results.pt"
-    run_ranks(2, "pipeline_cases.run", str(path), CASES, timeout=300)
+    run_ranks(2, "pipeline_cases.run", str(path), [*CASES, "stage_state"], timeout=300)
     return torch.load(path, weights_only=False)
 
 
@@ -40,6 +40,27 @@ def test_two_stages_on_two_ranks_equal_eager_on_the_whole_batch(two_ranks, case)
     result = two_ranks[case]
     assert not (isinstance(result, dict) and "error" in result), result.get("error")
     assert_equals_eager(result)
+
+
+def test_each_rank_holds_only_its_stages_state_and_the_whole_model_still_comes_out(two_ranks):
+    """Model state per rank (parameters, gradients, optimizer state; counted from the live state and by a tracker
+    of every allocation since the model was copied) is its stages' share, within the cut's imbalance; the params
+    after 3 steps equal eager's; full_state_dict, gather, save and save_pretrained (loaded into a fresh model) give
+    the whole model; loading into the pipelined model is refused for now."""
+    result = two_ranks["stage_state"]
+    assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    whole = result[0]["whole"]["total"]
+    assert sum(r["state"]["total"] for r in result) == whole, "each parameter's state is held by one rank"
+    owned = [name for r in result for name in r["owned"]]
+    assert sorted(owned) == sorted(PARAMS)
+    for r in result:
+        assert r["state"]["total"] <= whole / 2 * 1.05, r["state"]
+        assert r["state"]["total"] <= r["tracked"] <= r["state"]["total"] + 64, r  # + the step's own scalars
+        assert r["after_gather"] == r["state"], "gather receives other stages' parameters for the block only"
+        assert r["distance"] < 1e-6
+        for key in ("full", "full_opt", "gathered", "loaded", "loaded_opt", "exported"):
+            assert r[key] < 1e-6, (key, r[key])
+        assert "zgraph.load into a model whose pipelined step has placed its stages" in r["load_refused"]
 
 
 def test_interleaving_puts_every_other_block_on_each_rank(two_ranks):

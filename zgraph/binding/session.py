@@ -50,7 +50,8 @@ class Bound:
 
     def request(self, config: Config, dynamic: Mapping[str, Collection[int]] | None = None) -> CaptureRequest:
         """What the capture of this call traces; first-step optimizer state is sharded and offloaded as made;
-        ``dynamic``: the user tensors' dims traced as symbolic sizes, by path."""
+        ``dynamic``: the user tensors' dims traced as symbolic sizes, by path. A pipelined step's state released
+        on this rank (``zgraph.runtime.stage_state``) is traced as the device's, as the ranks holding it trace it."""
         call = self.call
         swaps = [(slot, t) for _, slot, t in self.located]
         settle = settle_first_state(self.binding, config)
@@ -64,6 +65,7 @@ class Bound:
             swaps=swaps,
             settle=settle,
             dynamic=dict(dynamic or {}),
+            meta_as=self.binding.device if self.binding.holders else None,  # other stages' state, released to meta
         )
 
 

@@ -8,7 +8,7 @@ All run collectives (gathers): call them on every rank, in the same order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from zgraph.ops import host_read
 from zgraph.runtime.offload import materialize
 from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.sharded_state import pad_shard, sharding_of
+from zgraph.runtime.stage_state import fetch, holders_by_id
 
 
 def _whole(t: Tensor) -> Tensor:
@@ -52,7 +53,8 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
     inspected or edited like an ordinary module. On exit, parameters and gradients that were changed in the
     block (in place or replaced) are cut back into the shards; edits must be the same on every rank.
     Without zgraph sharding this does nothing. Parameter shards offloaded to files (``offload_params="nvme"``)
-    are read back first.
+    are read back first. A pipelined step's parameters of other ranks' stages are received from the rank holding
+    them and dropped again on exit (edits count on that rank: the same on every rank, as said).
     """
     materialize(model)
     found = sharding_of(model)
@@ -64,7 +66,7 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
     swaps = []  # (record, sharded param, whole param, versions at entry)
     grads = []  # (param, sharded grad, whole grad) for whole parameters with sharded grads (stage 2)
     for record in binding.params:
-        if not any(id(module) in owned for module, _ in record.slots):
+        if not any(id(module) in owned for module, _ in record.slots) or record.index in binding.holders:
             continue
         param = record.tensor
         if isinstance(param, DTensor):
@@ -80,7 +82,8 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
             param.grad = _whole(sharded)
             grads.append((param, sharded, param.grad, param.grad._version))
     try:
-        yield model
+        with _other_stages(binding, owned):
+            yield model
     finally:
         for record, param, whole, version, grad, grad_version in swaps:
             spec = plan.specs[record.index]
@@ -99,6 +102,29 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
                 param.grad = sharded
             else:
                 param.grad = _reshard_grad(plan, spec, param.grad, sharded)
+
+
+@contextlib.contextmanager
+def _other_stages(binding: Any, owned: set[int]) -> Iterator[None]:
+    """A pipelined step's parameters of other ranks' stages whole for the block, received from the ranks holding
+    them (which take part with their own), and released again after."""
+    elsewhere = []  # (record, released parameter)
+    for record in binding.params:
+        holder = binding.holders.get(record.index)
+        if holder is None or not any(id(module) in owned for module, _ in record.slots):
+            continue
+        param = record.tensor
+        value = fetch(param, holder, binding)
+        if param.is_meta:
+            elsewhere.append((record, param))
+            for module, attr in record.slots:
+                module._parameters[attr] = nn.Parameter(value, requires_grad=param.requires_grad)
+    try:
+        yield
+    finally:
+        for record, param in elsewhere:
+            for module, attr in record.slots:
+                module._parameters[attr] = param
 
 
 def _reshard_grad(plan: Any, spec: Any, whole: Tensor | None, current: Tensor | None) -> Tensor | None:
@@ -121,8 +147,40 @@ def stream_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Iterator
     are (sharing memory, like ``state_dict()``).
     """
     materialize(model)  # offloaded parameter shards (model.state_dict() would too, by its hook)
+    whole = entry_on_host(model, rank0_only=rank0_only)
     for key, value in model.state_dict().items():
-        yield key, whole_on_host(value, rank0_only=rank0_only)
+        yield key, whole(key, value)
+
+
+def entry_on_host(model: nn.Module, *, rank0_only: bool = False) -> Callable[[str, Any], Any]:
+    """``whole(key, value)``: an entry of ``model.state_dict()`` whole on the host (``whole_on_host``; a pipelined
+    step's parameter received from the rank holding it). Collective, as ``whole_on_host``."""
+    held = _held(model)
+
+    def whole(key: str, value: Any) -> Any:
+        return whole_on_host(_from_holder(value, held.get(key), model, rank0_only), rank0_only=rank0_only)
+
+    return whole
+
+
+def _held(model: nn.Module) -> dict[str, int]:
+    """The holder of each parameter (by name) a pipelined step placed; empty without one."""
+    found = sharding_of(model)
+    by_id = holders_by_id(found[1]) if found is not None else {}
+    if not by_id:
+        return {}
+    named = model.named_parameters(remove_duplicate=False)
+    return {name: by_id[id(p)] for name, p in named if id(p) in by_id}
+
+
+def _from_holder(value: Any, holder: int | None, model: nn.Module, rank0_only: bool) -> Any:
+    """``value`` whole from the rank holding it (a pipelined step's parameter or its state): on every rank, or
+    with ``rank0_only`` on rank 0 (None elsewhere); as it is without a holder."""
+    if holder is None or not isinstance(value, Tensor):
+        return value
+    found = sharding_of(model)
+    assert found is not None
+    return fetch(value, holder, found[1], to=0 if rank0_only else None)
 
 
 def full_state_dict(
@@ -147,12 +205,17 @@ def full_state_dict(
     if optimizer is None:
         return model_state
     # a wrapper's is the wrapped optimizer's, the one a zgraph step binds (zgraph.runtime.optimizers)
-    optim_state = unwrap_optimizer(optimizer).state_dict()
+    opt = unwrap_optimizer(optimizer)
+    optim_state = opt.state_dict()
+    found = sharding_of(model)
+    by_id = holders_by_id(found[1]) if found is not None else {}
+    params = [p for group in opt.param_groups for p in group["params"]]  # state_dict()'s numbering
     state: dict[Any, dict[str, Any]] = {}
     for index, fields in optim_state["state"].items():
         state[index] = {}
+        holder = by_id.get(id(params[index]))
         for key, v in fields.items():
-            whole = whole_on_host(v, rank0_only=rank0_only)
+            whole = whole_on_host(_from_holder(v, holder, model, rank0_only), rank0_only=rank0_only)
             if keep:
                 state[index][key] = whole
     if not keep:

@@ -67,6 +67,7 @@ from zgraph.ops import host_read
 from zgraph.runtime.agreement import Channel, world_channel
 from zgraph.runtime.offload import materialize
 from zgraph.runtime.sharded_state import normalize_state, sharding_of
+from zgraph.runtime.stage_state import refuse_placed
 
 MARKER = cio.MARKER
 
@@ -250,6 +251,7 @@ def _stage(
     path: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any, verify: bool
 ) -> Callable[[], dict[str, Any]]:
     """Check, verify and read everything into staging tensors; returns the function that commits it."""
+    refuse_placed(model, "zgraph.load")
     manifest = read_manifest(path)
     metadata = read_metadata(path, manifest, verify)
     tensor_meta = metadata.state_dict_metadata

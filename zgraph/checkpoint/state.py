@@ -18,6 +18,7 @@ from zgraph.checkpoint.data import Encoder, rng_state
 from zgraph.errors import CheckpointError
 from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.sharded_state import sharding_of
+from zgraph.runtime.stage_state import holders_by_id
 from zgraph.version import __version__
 
 FORMAT = "zgraph-checkpoint"
@@ -78,7 +79,8 @@ def saved_state(
     world: int,
 ) -> tuple[dict[str, Tensor], dict[str, Any], Any]:
     """``(tensors, manifest, rng)``: the DCP state dict this rank writes, the manifest (rank 0's is written) and
-    this rank's RNG states as a tree. Whole tensors are written by rank 0 only, ``DTensor`` shards by every rank.
+    this rank's RNG states as a tree. Whole tensors are written by rank 0 only (a pipelined step's parameters and
+    their state by the rank holding them), ``DTensor`` shards by every rank.
     Raises ``CheckpointError`` for a value that cannot be stored as data, before anything is written."""
     names = parameter_names(model)
     tensors: dict[str, Tensor] = {}
@@ -96,8 +98,8 @@ def saved_state(
     scheduler_tree = data.encode(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None
     extra_tree = data.encode(dict(extra), "extra") if extra is not None else None
     rng = Encoder(f"{RNG}{rank}", tensors).encode(rng_state(), f"rank {rank}'s RNG state")
-    if rank != 0:  # whole tensors are written once, by rank 0
-        tensors = {k: v for k, v in tensors.items() if isinstance(v, DTensor) or k.startswith(f"{RNG}{rank}.")}
+    held = _held_keys(model, optimizers, names, tensors)
+    tensors = {k: v for k, v in tensors.items() if _writes(k, v, rank, held)}
     found = sharding_of(model)
     manifest = {
         "format": FORMAT,
@@ -114,6 +116,33 @@ def saved_state(
         "extra": extra_tree,
     }
     return tensors, manifest, rng
+
+
+def _writes(key: str, value: Tensor, rank: int, held: dict[str, int]) -> bool:
+    """Whether this rank writes ``key``: a ``DTensor``'s shard, its own RNG states, a pipelined step's
+    parameter (and its state) on the rank holding it, any other whole tensor on rank 0 (written once)."""
+    if key in held:
+        return held[key] == rank
+    return rank == 0 or isinstance(value, DTensor) or key.startswith(f"{RNG}{rank}.")
+
+
+def _held_keys(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], names: dict[int, str], tensors: dict[str, Tensor]
+) -> dict[str, int]:
+    """The keys of ``tensors`` a pipelined step's parameters hold, with the rank holding each (its stage's)."""
+    found = sharding_of(model)
+    by_id = holders_by_id(found[1]) if found is not None else {}
+    if not by_id:
+        return {}
+    held = {MODEL + n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id}
+    for i, opt in enumerate(optimizers):
+        by_name = {names[id(p)]: by_id[id(p)] for p in optimizer_params(opt) if id(p) in by_id}
+        prefix = f"optim.{i}.state."
+        for key in tensors:
+            split = split_state_key(key[len(prefix) :], set(by_name)) if key.startswith(prefix) else None
+            if split is not None:
+                held[key] = by_name[split[0]]
+    return held
 
 
 def _saved_optimizer(

@@ -2,9 +2,11 @@
 (``zgraph.binding.micro_batches``) cut into stages (``zgraph.passes.stage_cut``, ``stage_graphs``), this rank's stages
 compiled, and a call run by this rank's schedule (``zgraph.runtime.pipeline_run``) against the live state.
 
-State is read once per call and written back after the update. The step's results are made by one stage each, per
-micro-batch: a 0-d one (a mean loss) is averaged over the micro-batches, another concatenated along dim 0; the rank
-that makes it broadcasts it to the pipeline, so every rank returns what eager returns on the whole batch.
+State is read once per call and written back after the update. Once compiled, a rank holds only its stages'
+parameters, gradients and optimizer state (``zgraph.runtime.stage_state``: the others' are released to meta).
+The step's results are made by one stage each, per micro-batch: a 0-d one (a mean loss) is averaged over the
+micro-batches, another concatenated along dim 0; the rank that makes it broadcasts it to the pipeline, so every
+rank returns what eager returns on the whole batch.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from zgraph.config import Config
 from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
-from zgraph.passes.stage_cut import stage_cut
+from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
-from zgraph.runtime.pipeline_schedule import build_schedule
+from zgraph.runtime.pipeline_schedule import Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
+from zgraph.runtime.stage_state import release_other_stages
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
@@ -69,7 +72,17 @@ def compile_pipeline(
     executable = Executable(_runs_by_schedule, "eager", seconds)
     compiled = CompiledStep(captured, records, executable, capture_seconds, description=description)
     compiled.digest, compiled.pipeline = digest(description), program
+    if group.distributed:
+        _release_other_stages(binding, records[-1].gm.meta[STAGE_PLAN], schedule, group)
     return compiled
+
+
+def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, group: ProcessGroupInfo) -> None:
+    """Each parameter's holder, the global rank running its stage; those of other ranks released here (last: the
+    step is compiled, nothing refused it)."""
+    ranks = _peers(group).ranks
+    holders = {index: ranks[schedule.rank_of(stage)] for (kind, index), stage in plan.owners.items() if kind == "param"}
+    release_other_stages(binding, holders, ranks[group.rank])
 
 
 def _runs_by_schedule(inputs: object) -> object:

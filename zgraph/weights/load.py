@@ -17,6 +17,7 @@ from zgraph.config import Config
 from zgraph.errors import CheckpointError
 from zgraph.runtime.agreement import world_channel
 from zgraph.runtime.offload import materialize as resident
+from zgraph.runtime.stage_state import refuse_placed
 from zgraph.weights.materialize import materialize
 from zgraph.weights.report import Match, refuse, report
 from zgraph.weights.sources import Entry, Rows, open_source
@@ -119,6 +120,7 @@ class Staged:
 
 def _stage(model: nn.Module, path: str, config: Config | None, strict: bool) -> Staged:
     """Compare, (lay out a meta model,) and read this rank's values; nothing in the model's values changes."""
+    refuse_placed(model, "zgraph.load_pretrained")
     resident(model)  # offloaded parameter shards read back before they are written
     meta = _on_meta(model, config)
     source = open_source(path)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
 
-from zgraph.checkpoint.gather import whole_on_host
+from zgraph.checkpoint.gather import entry_on_host
 from zgraph.checkpoint.ranks import gather_results, rank_and_world
 from zgraph.runtime.agreement import world_channel
 from zgraph.runtime.offload import materialize
@@ -66,8 +67,9 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *, max_shard_s
         except Exception as caught:
             error = caught
     gather_results(channel, f"{label}: prepare", {}, error)
+    whole = entry_on_host(model, rank0_only=True)
     for filename, entries in files.items():
-        error = _write_file(os.path.join(out_dir, filename), entries, state, rank == 0)
+        error = _write_file(os.path.join(out_dir, filename), entries, state, whole, rank == 0)
         gather_results(channel, f"{label}: {filename}", {}, error)
     error = None
     if rank == 0:
@@ -173,7 +175,9 @@ def _prepare(model: nn.Module, out_dir: str) -> None:
         generation.save_pretrained(out_dir)
 
 
-def _write_file(path: str, entries: list[Entry], state: dict[str, Any], writing: bool) -> BaseException | None:
+def _write_file(
+    path: str, entries: list[Entry], state: dict[str, Any], whole_of: Callable[[str, Any], Any], writing: bool
+) -> BaseException | None:
     """One safetensors file: every rank takes part in each tensor's gather, in the file's order; rank 0
     (``writing``) appends the bytes. A write error stops the writing (the file is removed), never the gathers:
     the other ranks are not left waiting. Returns the error, to be raised on every rank."""
@@ -184,7 +188,7 @@ def _write_file(path: str, entries: list[Entry], state: dict[str, Any], writing:
         except Exception as caught:
             error = caught
     for entry in file_order(entries):
-        whole = whole_on_host(state[entry.name], rank0_only=True)
+        whole = whole_of(entry.name, state[entry.name])
         if writer is not None and error is None:
             try:
                 writer.write(entry.name, whole)

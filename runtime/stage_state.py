@@ -1,0 +1,88 @@
+"""Pipeline parallelism's state: each rank holds only its own stages' parameters, gradients and optimizer state.
+
+Once a pipelined step is compiled (``zgraph.compile.pipeline``), ``Binding.holders`` maps every parameter to the
+global rank whose stage owns it, and every parameter of another rank's stage is released on this rank: the
+parameter object stays in its module and optimizer (the same object, shape, dtype and ``requires_grad``) but its
+storage becomes meta, as do its ``.grad`` and its optimizer state tensors. What the step reads and writes on a rank
+is its own stages' state, so a rank keeps its stages' share of the model state. Buffers stay whole on every rank
+(every stage may read those the step does not update).
+
+Whole tensors outside the step come from their holder (``fetch``: a broadcast, or a send to one rank), for
+``zgraph.gather``, ``zgraph.full_state_dict`` and ``zgraph.save_pretrained``; ``zgraph.save`` writes each
+parameter's tensors from its holder's rank. Loading into a placed model is refused for now (``refuse_placed``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zgraph.errors import CheckpointError
+from zgraph.runtime.meta_init import swap_storage
+from zgraph.runtime.sharded_state import sharding_of
+from zgraph.runtime.state import Binding
+
+
+def release_other_stages(binding: Binding, holders: dict[int, int], rank: int) -> None:
+    """Record ``holders`` (parameter index -> global rank) and release every parameter held by another rank than
+    ``rank`` (global): the parameter, its ``.grad`` and its optimizer state become meta tensors."""
+    binding.holders = dict(holders)
+    for index, owner in holders.items():
+        if owner == rank:
+            continue
+        p = binding.params[index].tensor
+        if p.grad is not None and not p.grad.is_meta:
+            p.grad = _meta_like(p.grad)
+        if not p.is_meta:
+            swap_storage(p, _meta_like(p))
+        for o in binding.optimizers:
+            state = o.optimizer.state.get(p)
+            for key, value in (state or {}).items():
+                if isinstance(value, Tensor) and not value.is_meta:
+                    state[key] = _meta_like(value)
+
+
+def _meta_like(t: Tensor) -> Tensor:
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+def holders_by_id(binding: Binding) -> dict[int, int]:
+    """``id(parameter) -> holder`` of every parameter a pipelined step placed (empty without one)."""
+    return {id(binding.params[index].tensor): owner for index, owner in binding.holders.items()}
+
+
+def fetch(value: Tensor, owner: int, binding: Binding, to: int | None = None) -> Tensor | None:
+    """The whole ``value`` (a tensor of a parameter ``owner`` holds: real there, meta elsewhere), received from
+    ``owner`` on the binding's device: broadcast to every rank of the step's group (each calls it at the same
+    point), or with ``to`` (a global rank), sent to that rank alone (None on the others)."""
+    me = dist.get_rank()
+    if to is not None and me not in (to, owner):
+        return None
+    group = dist.distributed_c10d._resolve_process_group(binding.plan.group.group_name)
+    if me == owner:
+        buffer = value.detach().contiguous()
+    else:
+        buffer = torch.empty(value.shape, dtype=value.dtype, device=binding.device)
+    if to is None:
+        dist.broadcast(buffer, owner, group=group)
+    elif to != owner:
+        if me == owner:
+            dist.send(buffer, to, group=group)
+            return None
+        dist.recv(buffer, owner, group=group)
+    elif me != to:
+        return None
+    return buffer
+
+
+def refuse_placed(model: nn.Module, what: str) -> None:
+    """``CheckpointError`` (nothing changed) where a pipelined step has placed ``model``'s stages: ``what`` (a
+    load into it) is not supported there yet."""
+    found = sharding_of(model)
+    if found is not None and found[1].holders:
+        raise CheckpointError(
+            f"{what} into a model whose pipelined step has placed its stages (each rank holds its own stages' "
+            "parameters) is not supported yet: load into the model before its first pipelined step"
+        )
