@@ -33,5 +33,6 @@ Files::
     pipeline_schedule.py  pipeline parallelism's schedules: each rank's forwards, backwards, sends and receives
     pipeline_simulate.py  a pipeline schedule checked (no deadlock) and timed: its predicted bubble, a timeline
     stage_state.py     pipeline parallelism's state: a rank holds its stages' parameters, others' released to meta
+    pipeline_groups.py pipeline parallelism's groups over P x D ranks: each rank's pipeline and data-parallel group
     pipeline_run.py    one rank's actions of a pipelined step: its stages' graphs, point-to-point sends, the update
 """

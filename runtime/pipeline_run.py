@@ -78,10 +78,13 @@ class Results:
 
 @dataclass
 class Peers:
-    """The pipeline's process group and each pipeline rank's global rank."""
+    """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
+    ranks running the same stages in each (``data``) and their count (``pipelines``)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
+    data: dist.ProcessGroup | None = None
+    pipelines: int = 1
 
 
 class RankRunner:
@@ -118,6 +121,8 @@ class RankRunner:
         for work, _ in self.sends:
             work.wait()
         self.results.divisor = self.divisor(self.results.counts)
+        if self.peers.data is not None:
+            self._reduce_over_pipelines()
         for s, stage in sorted(self.stages.items()):
             self.results.updates[s] = self._update(s, stage.update)
         return self.results
@@ -205,6 +210,18 @@ class RankRunner:
         """A message's tag: unique per direction, sending stage, micro-batch and position in the boundary."""
         key = (stage * self.schedule.microbatches + mb) * 2 + (direction == "B")
         return key * _TAG_SPAN + index
+
+    def _reduce_over_pipelines(self) -> None:
+        """Each stage's gradient sums over the micro-batches summed over the pipelines: one all-reduce per stage
+        (a flat bucket per dtype), whatever the micro-batch count."""
+        for s in sorted(self.stages):
+            keys = sorted(k for k in self.sums if k[0] == s)
+            for dtype in sorted({self.sums[k].dtype for k in keys}, key=str):
+                bucket = [k for k in keys if self.sums[k].dtype == dtype]
+                flat = torch.cat([self.sums[k].reshape(-1) for k in bucket])
+                dist.all_reduce(flat, group=self.peers.data)
+                for k, value in zip(bucket, flat.split([self.sums[k].numel() for k in bucket])):
+                    self.sums[k] = value.view_as(self.sums[k])
 
     def _update(self, s: int, part: Part) -> tuple[list[Tensor], list]:
         """The stage's update on the mean over micro-batches of each parameter's gradient contributions."""

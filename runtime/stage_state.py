@@ -24,12 +24,13 @@ from zgraph.runtime.sharded_state import sharding_of
 from zgraph.runtime.state import Binding
 
 
-def release_other_stages(binding: Binding, holders: dict[int, int], rank: int) -> None:
-    """Record ``holders`` (parameter index -> global rank) and release every parameter held by another rank than
-    ``rank`` (global): the parameter, its ``.grad`` and its optimizer state become meta tensors."""
+def release_other_stages(binding: Binding, holders: dict[int, int], mine: set[int]) -> None:
+    """Record ``holders`` (parameter index -> the global rank that gives its values: its stage's in the first
+    pipeline) and release every parameter not in ``mine`` (the indices of this rank's stages): the parameter, its
+    ``.grad`` and its optimizer state become meta tensors."""
     binding.holders = dict(holders)
-    for index, owner in holders.items():
-        if owner == rank:
+    for index in holders:
+        if index in mine:
             continue
         p = binding.params[index].tensor
         if p.grad is not None and not p.grad.is_meta:

@@ -64,6 +64,7 @@ LAYER_OF = {
     "zgraph.step": "step",
     "zgraph.dispatch": "step",
     "zgraph.sequence": "step",
+    "zgraph.pipeline_data": "step",
     "zgraph": "face",
 }
 ONLY = {"checkpoint": {"contract", "runtime", "checkpoint"}}  # narrower than its floor allows

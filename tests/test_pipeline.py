@@ -82,7 +82,7 @@ def pipelined(**config: object) -> zgraph.DistributedStep:
 @pytest.mark.parametrize(
     "config,error,message",
     [
-        ({"pipeline_parallel": 2}, ValueError, r"pipeline_parallel=2 must equal the world size \(1\)"),
+        ({"pipeline_parallel": 2}, ValueError, r"pipeline_parallel=2 must divide the world size \(1\)"),
         ({"pipeline_parallel": 1, "microbatches": 3}, ValueError, "microbatches=3 does not divide the batch of argu"),
         (
             {"pipeline_parallel": 1, "pipeline_virtual_stages": 8, "schedule": "interleaved_1f1b"},

@@ -25,6 +25,7 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
     weights/       big models: meta-device materialisation, load_pretrained, save_pretrained (streamed)
     dispatch.py step.py   one call along the data's way; @zgraph.distribute, the object that replaces the step
     sequence.py    zgraph.shard_sequence: a rank's slice of each sequence (Config.sequence_parallel)
+    pipeline_data.py  zgraph.pipeline_batch: a rank's pipeline's rows of the batch (Config.pipeline_parallel, P x D)
     demos/ cli/    the demos and their models; the zgraph command (users of the library)
     integrations/  Hugging Face Trainer, accelerate and TRL run as zgraph steps (users of the library)
 """
@@ -46,6 +47,7 @@ from zgraph.errors import (
     ZGraphError,
 )
 from zgraph.inspect.estimate import Estimate, EstimateError
+from zgraph.pipeline_data import pipeline_batch
 from zgraph.sequence import shard_sequence
 from zgraph.step import DistributedStep, distribute
 from zgraph.version import __version__ as __version__
@@ -78,6 +80,7 @@ __all__ = [
     "mark_dynamic",
     "materialize",
     "optimizer_from_deepspeed",
+    "pipeline_batch",
     "save",
     "save_pretrained",
     "stream_state_dict",

@@ -375,11 +375,15 @@ def check_pipeline(config: Any) -> None:
             "loss scaling, max_grad_norm or offload"
         )
     world = known_world_size()
-    if world is not None and world != p:
-        raise ValueError(
-            f"Config.pipeline_parallel={p} must equal the world size ({world}) for now: data parallelism across "
-            "pipelines is not supported yet"
-        )
+    if world is not None and world % p:
+        raise ValueError(pipeline_world_error(p, world))
+
+
+def pipeline_world_error(p: int, world: int) -> str:
+    return (
+        f"Config.pipeline_parallel={p} must divide the world size ({world}): the ranks form world / P pipelines of "
+        "P consecutive ranks each (zgraph.pipeline_batch gives each its rows)"
+    )
 
 
 def check_sequence_parallel(value: object) -> None:

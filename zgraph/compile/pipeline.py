@@ -26,6 +26,7 @@ from zgraph.compile.lower import lower
 from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
+from zgraph.config_checks import pipeline_world_error
 from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
@@ -33,6 +34,7 @@ from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
+from zgraph.runtime.pipeline_groups import pipeline_groups
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
@@ -48,11 +50,9 @@ def compile_pipeline(
 ) -> CompiledStep:
     """Cut ``captured`` (traced on one micro-batch) into stages and compile this rank's."""
     assert captured.gm is not None and config.pipeline_parallel is not None
-    if group.world_size != config.pipeline_parallel:
-        raise ValueError(
-            f"Config.pipeline_parallel={config.pipeline_parallel} must equal the world size ({group.world_size}) for "
-            "now: data parallelism across pipelines is not supported yet"
-        )
+    if group.world_size % config.pipeline_parallel:
+        raise ValueError(pipeline_world_error(config.pipeline_parallel, group.world_size))
+    place = group.rank % config.pipeline_parallel  # this rank's place in its pipeline
     ctx = PassContext(params=pass_context(binding).params)  # no process group: the stages' own groups come later
     stages = config.pipeline_parallel * config.pipeline_virtual_stages
     cut = functools.partial(stage_cut, stages=stages, split=config.pipeline_split)
@@ -63,10 +63,11 @@ def compile_pipeline(
     count = config.microbatches or config.pipeline_parallel
     schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
-    mine = {g.stage: _compile_stage(g, ctx, graphs) for g in every if schedule.rank_of(g.stage) == group.rank}
+    mine = {g.stage: _compile_stage(g, ctx, graphs) for g in every if schedule.rank_of(g.stage) == place}
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
-    program = PipelineCompiled(schedule, group.rank, mine, _results(every), graphs, combine, count_stage)
+    program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
+    program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
     executable = Executable(_runs_by_schedule, "eager", seconds)
@@ -78,11 +79,12 @@ def compile_pipeline(
 
 
 def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, group: ProcessGroupInfo) -> None:
-    """Each parameter's holder, the global rank running its stage; those of other ranks released here (last: the
-    step is compiled, nothing refused it)."""
-    ranks = _peers(group).ranks
-    holders = {index: ranks[schedule.rank_of(stage)] for (kind, index), stage in plan.owners.items() if kind == "param"}
-    release_other_stages(binding, holders, ranks[group.rank])
+    """Each parameter's holder, the global rank running its stage in the first pipeline; those of stages this
+    rank does not run released here (last: the step is compiled, nothing refused it)."""
+    ranks, place = list(group.ranks or range(group.world_size)), group.rank % schedule.ranks
+    stages = {index: stage for (kind, index), stage in plan.owners.items() if kind == "param"}
+    holders = {index: ranks[schedule.rank_of(stage)] for index, stage in stages.items()}
+    release_other_stages(binding, holders, {i for i, stage in stages.items() if schedule.rank_of(stage) == place})
 
 
 def _runs_by_schedule(inputs: object) -> object:
@@ -136,7 +138,7 @@ def run_pipeline(
             state[spec] = io.read(spec, micro[0], hyper)
         return state[spec]
 
-    peers = _peers(group)
+    peers = program.peers
     divisor = functools.partial(_divisor, program, peers)
     results = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor).run()
     user: dict[int, Tensor] = {}
@@ -152,6 +154,10 @@ def run_pipeline(
         kind = program.combine.results.get(index, "mean")
         user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
     values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
+    values = [
+        _over_pipelines(v, program.combine.results.get(i, "mean"), peers)
+        for i, v in zip(sorted(program.results), values)
+    ]
     return finish_call(compiled, binding, micro[0], values)
 
 
@@ -170,7 +176,7 @@ def _divisor(program: PipelineCompiled, peers: Peers, counts: dict[int, Tensor])
     counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast)."""
     kind = program.combine.kind
     if kind != "token":
-        return 1.0 if kind == "sum" else float(program.schedule.microbatches)
+        return 1.0 if kind == "sum" else float(program.schedule.microbatches * peers.pipelines)
     stage = program.count_stage
     total = torch.stack([counts[mb] for mb in sorted(counts)]).sum() if counts else None
     if len(peers.ranks) > 1:
@@ -178,7 +184,18 @@ def _divisor(program: PipelineCompiled, peers: Peers, counts: dict[int, Tensor])
             total = torch.empty((), dtype=program.combine.count_dtype)
         dist.broadcast(total, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
     assert total is not None
+    if peers.data is not None:
+        dist.all_reduce(total, group=peers.data)  # the whole batch's count, over every pipeline's rows
     return total
+
+
+def _over_pipelines(value: Tensor, kind: str, peers: Peers) -> Tensor:
+    """A 0-d result over the whole batch from each pipeline's (a mean averaged, a sum or a token mean's part
+    summed); another (concatenated along the samples) stays the pipeline's rows."""
+    if peers.data is None or value.dim():
+        return value
+    dist.all_reduce(value, group=peers.data)
+    return value / peers.pipelines if kind == "mean" else value
 
 
 def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers) -> Tensor:
@@ -195,8 +212,7 @@ def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: 
     return value
 
 
-def _peers(group: ProcessGroupInfo) -> Peers:
-    if not group.distributed:
-        return Peers(None, [0])
-    process_group = dist.distributed_c10d._resolve_process_group(group.group_name)
-    return Peers(process_group, list(group.ranks or range(group.world_size)))
+def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
+    assert config.pipeline_parallel is not None
+    groups = pipeline_groups(group, config.pipeline_parallel, config.collective_timeout)
+    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)))

@@ -18,7 +18,7 @@ from zgraph.passes.micro_batch_loss import LossCombine
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.offload_store import TierStore
-from zgraph.runtime.pipeline_run import StageRun
+from zgraph.runtime.pipeline_run import Peers, StageRun
 from zgraph.runtime.pipeline_schedule import Schedule
 
 
@@ -53,6 +53,7 @@ class PipelineCompiled:
     graphs: OrderedDict[str, fx.GraphModule]
     combine: LossCombine = field(default_factory=LossCombine)
     count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
+    peers: Peers | None = None  # this rank's pipeline and data-parallel groups
 
 
 @dataclass
