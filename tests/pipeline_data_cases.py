@@ -38,8 +38,9 @@ def train(rank: int, world: int, microbatches: int, steps: int) -> dict:
     full = zgraph.full_state_dict(model)
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
     numel = sum(eager[n].numel() for n in owned)
+    explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
     return {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
-            "stage_numel": numel}  # fmt: skip
+            "stage_numel": numel, "explained": explained}  # fmt: skip
 
 
 @contextlib.contextmanager

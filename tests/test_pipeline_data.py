@@ -30,6 +30,11 @@ def test_two_pipelines_of_two_stages_equal_eager_on_the_whole_batch(four_ranks, 
     for r in runs:
         torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
         assert r["distance"] < 1e-6 and r["whole"] < 1e-6, (r["distance"], r["whole"])
+    for rank, r in enumerate(runs):
+        first = rank - rank % 2
+        assert r["explained"].endswith(
+            f"this is rank {rank % 2} of the pipeline of global ranks {[first, first + 1]}, one of 2 pipelines"
+        ), r["explained"]
 
 
 def test_gradients_are_reduced_once_per_stage_per_step_whatever_the_micro_batch_count(four_ranks):

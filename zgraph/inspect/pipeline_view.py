@@ -20,9 +20,12 @@ def pipeline_lines(compiled: CompiledStep) -> list[str]:
     simulation = simulate(schedule)
     p, m = schedule.ranks, schedule.microbatches
     costs = ", ".join(f"{kind.value} {cost:g}" for kind, cost in UNIT_COSTS.items())
+    peers, pipelines = program.peers, ""
+    if peers is not None and peers.pipelines > 1:
+        pipelines = f" of the pipeline of global ranks {peers.ranks}, one of {peers.pipelines} pipelines"
     lines = [
         f"pipeline: {schedule.name}, {p} ranks x {schedule.virtual} stages each, {m} micro-batches; this is rank "
-        f"{program.rank}",
+        f"{program.rank}{pipelines}",
         f"  predicted bubble {simulation.bubble:.1%} (costs: {costs}; for GPipe and 1F1B, (P - 1) / (M + P - 1) = "
         f"{(p - 1) / (m + p - 1):.1%})",
     ]
