@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import tempfile
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from dist_harness import all_gather_values, run_named
-from pipeline_cases import LR, Net, _params, batches, step
+from pipeline_cases import LR, Net, _by_name, _distance, _params, batches, step
+from torch import nn
 
 import zgraph
+from zgraph.runtime.memory import state_bytes
 
 P = 2
 
@@ -39,8 +42,23 @@ def train(rank: int, world: int, microbatches: int, steps: int) -> dict:
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
     numel = sum(eager[n].numel() for n in owned)
     explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
-    return {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
-            "stage_numel": numel, "explained": explained}  # fmt: skip
+    out = {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
+           "stage_numel": numel, "explained": explained, "state": state_bytes(model, opt)["total"]}  # fmt: skip
+    if steps > 1:
+        out["loaded"] = _saved_and_loaded(rank, model, opt, eager_model, eager_opt)
+    return out
+
+
+def _saved_and_loaded(rank: int, model: nn.Module, opt: torch.optim.Optimizer, eager: nn.Module, eager_opt) -> float:
+    """``zgraph.save`` of the pipelined model (each tensor written by the rank of the first pipeline holding it),
+    loaded into a fresh model and optimizer: their largest distance from eager's."""
+    path = all_gather_values(tempfile.mkdtemp() if rank == 0 else None)[0]
+    zgraph.save(f"{path}/ckpt", model, opt)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    zgraph.load(f"{path}/ckpt", fresh, fresh_opt)
+    states = _by_name(fresh_opt.state_dict(), fresh), _by_name(eager_opt.state_dict(), eager)
+    return max(_distance(fresh.state_dict(), eager.state_dict()), _distance(*states))
 
 
 @contextlib.contextmanager

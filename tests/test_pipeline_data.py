@@ -30,6 +30,11 @@ def test_two_pipelines_of_two_stages_equal_eager_on_the_whole_batch(four_ranks, 
     for r in runs:
         torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
         assert r["distance"] < 1e-6 and r["whole"] < 1e-6, (r["distance"], r["whole"])
+    whole_state = sum(r["state"] for r in runs[:2])
+    assert [r["state"] for r in runs[2:]] == [r["state"] for r in runs[:2]], "the same stages' state per place"
+    assert all(r["state"] < whole_state / 2 * 1.05 for r in runs), "each rank holds its stage's share of the state"
+    if microbatches == 2:
+        assert all(r["loaded"] < 1e-6 for r in runs), "zgraph.save of the pipelined model loads as eager's"
     for rank, r in enumerate(runs):
         first = rank - rank % 2
         assert r["explained"].endswith(
