@@ -41,7 +41,8 @@ def pipeline_groups(group: ProcessGroupInfo, pipeline_parallel: int, timeout: fl
     if len(ranks) == p:
         return PipelineGroups(dist.distributed_c10d._resolve_process_group(group.group_name), ranks)
     key = (group.group_name, p, float(timeout))
-    if key not in _GROUPS:
+    found = _GROUPS.get(key)
+    if found is None or found.group not in dist.distributed_c10d._world.pg_names:  # not made, or destroyed since
         mine = ranks[index * p : (index + 1) * p]
         data = tuple(ranks[place::p])
         _GROUPS[key] = PipelineGroups(

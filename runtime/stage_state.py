@@ -1,11 +1,11 @@
 """Pipeline parallelism's state: each rank holds only its own stages' parameters, gradients and optimizer state.
 
 Once a pipelined step is compiled (``zgraph.compile.pipeline``), ``Binding.holders`` maps every parameter to the
-global rank whose stage owns it, and every parameter of another rank's stage is released on this rank: the
-parameter object stays in its module and optimizer (the same object, shape, dtype and ``requires_grad``) but its
-storage becomes meta, as do its ``.grad`` and its optimizer state tensors. What the step reads and writes on a rank
-is its own stages' state, so a rank keeps its stages' share of the model state. Buffers stay whole on every rank
-(every stage may read those the step does not update).
+global rank running its stage in the first pipeline, and every parameter of a stage this rank does not run is
+released on this rank: the parameter object stays in its module and optimizer (the same object, shape, dtype and
+``requires_grad``) but its storage becomes meta, as do its ``.grad`` and its optimizer state tensors. What the step
+reads and writes on a rank is its own stages' state, so a rank keeps its stages' share of the model state. Buffers
+stay whole on every rank (every stage may read those the step does not update).
 
 Whole tensors outside the step come from their holder (``fetch``: a broadcast, or a send to one rank), for
 ``zgraph.gather``, ``zgraph.full_state_dict`` and ``zgraph.save_pretrained``; ``zgraph.save`` writes each
