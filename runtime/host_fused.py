@@ -20,6 +20,8 @@ refuses the match and leaves the ops as they are):
     out  = addcdiv(p1, m1, add(div(sqrt(v1), (1 - beta2 ** step) ** 0.5), eps), value=-lr / (1 - beta1 ** step))
 
 every hyper-parameter the group's own graph input, the four tensors float32 or float64 of one shape, contiguous.
+``g`` is whatever the chain reads: a clipped, unscaled or widened gradient, Adam's ``g + weight_decay * p`` or
+``maximize``'s ``-g`` (computed op by op before the kernel, which then has no decay of its own to apply).
 The kernel then updates ``p``, ``m``, ``v`` themselves where the chain did so in place, else fresh copies of them
 (a chain kept functional: the skipped step of fp16 loss scaling still chooses between old and new values after; a
 ZeRO-1/2 shard sliced from a whole master is all-gathered from its copy).
@@ -87,6 +89,7 @@ class _Match:
     hyper: list[fx.Node]  # lr, beta1, beta2, eps, weight_decay placeholders
     decoupled: bool
     chain: list[fx.Node]  # every node the kernel replaces, in graph order
+    scalars: list[fx.Node]  # the chain's scalar arithmetic (bias corrections...), erased where nothing else reads it
 
 
 def fuse_host_adam(gm: fx.GraphModule) -> int:
@@ -102,6 +105,7 @@ def fuse_host_adam(gm: fx.GraphModule) -> int:
     for match in matches:
         _replace(gm, match)
     if matches:
+        _erase_unread(gm, [n for m in matches for n in m.scalars])
         eliminate_dead_code(gm.graph)
         gm.recompile()
     return len(matches)
@@ -217,7 +221,23 @@ def _match(out: fx.Node, hparams: dict, position: dict) -> _Match | None:
     in_place = _all_or_none([p1, out] if decoupled else [out]), _all_or_none([m1]), _all_or_none([decayed_v, v1])
     if None in in_place:
         return None
-    return _Match(out, m1, v1, (p, m, decayed_v.args[0]), in_place, grad, step, hyper, decoupled, chain)
+    scalars = _inputs_upto(
+        [out.kwargs["value"], root, v1.kwargs["value"], m1.args[2]] + ([decay] if decoupled else []), step
+    )
+    return _Match(out, m1, v1, (p, m, decayed_v.args[0]), in_place, grad, step, hyper, decoupled, chain, scalars)
+
+
+def _inputs_upto(nodes: list[fx.Node], step: fx.Node) -> list[fx.Node]:
+    """``nodes`` and what they compute from, up to the hyper-parameters and the step counter (not included)."""
+    seen: dict[fx.Node, None] = {}
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node in seen or node is step or node.op != "call_function":
+            continue
+        seen[node] = None
+        todo.extend(node.all_input_nodes)
+    return list(seen)
 
 
 def _all_or_none(chain: list[fx.Node]) -> bool | None:
@@ -282,6 +302,15 @@ def _replace(gm: fx.GraphModule, match: _Match) -> None:
         node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in match.chain)
     for node in reversed(match.chain):
         graph.erase_node(node)
+
+
+def _erase_unread(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
+    """Erase those of ``nodes`` nothing reads any more (0-d arithmetic made in place, ``.item()``: dead-code
+    elimination keeps them), readers first."""
+    left = set(nodes)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in left and not node.users:
+            gm.graph.erase_node(node)
 
 
 def _mark(node: fx.Node, val: object) -> None:
