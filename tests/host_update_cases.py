@@ -88,10 +88,11 @@ FUSED = {  # the update on the host by torch's fused kernel (an AdamW without fu
         "param_dtype": torch.bfloat16,
         "max_grad_norm": 0.5,
     },
-    "stage 3, fp16 loss scaling (a step overflows)": {
+    "stage 3, fp16 loss scaling (a step overflows), parameters offloaded too": {
         "stage": 3,
         "param_dtype": torch.float16,
         "loss_scale": "dynamic",
+        "offload_params": "cpu",
     },
 }
 
