@@ -1,6 +1,8 @@
-"""The host update's throughput: AdamW steps on CPU tensors, in parameters per second per core, for torch's fused
-and foreach CPU AdamW and DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload's host optimizer; its extension is built
-just in time on first use, which needs ninja and a C++ compiler, and says so when it cannot).
+"""The host update's throughput: AdamW steps on CPU tensors, in parameters per second per core, for zgraph's update
+on the host (``Config.offload_update="host"``: a zgraph step that only steps the optimizer, the gradients on entry;
+with torch's fused kernel, and op by op for an ``AdamW(fused=False)``), torch's fused and foreach CPU AdamW and
+DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload's host optimizer; its extension is built just in time on first use,
+which needs ninja and a C++ compiler, and says so when it cannot).
 
     python -m benchmarks.host_adam                         # 1 and 2 threads, 2^23 parameters, 9 repeats
     python -m benchmarks.host_adam --threads 1,4 --params 16777216 --repeats 15 --json out.json
@@ -15,26 +17,49 @@ median / max), parameters per second per core (from the median) and each optimiz
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-OPTIMIZERS = ("torch-fused", "torch-foreach", "deepspeed-cpu-adam")
+OPTIMIZERS = ("zgraph-host", "zgraph-host-per-op", "torch-fused", "torch-foreach", "deepspeed-cpu-adam")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
-def make_optimizer(name: str, params: list) -> object:
+def make_step(name: str, params: list) -> Callable[[], object]:
+    """One optimizer step of ``name`` on ``params`` (their gradients set), as a call."""
     import torch
 
     if name == "deepspeed-cpu-adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER)
-    return torch.optim.AdamW(params, fused=name == "torch-fused", foreach=name == "torch-foreach", **HYPER)
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER).step
+    if name.startswith("zgraph"):
+        return _zgraph_step(params, fused=name == "zgraph-host")
+    return torch.optim.AdamW(params, fused=name == "torch-fused", foreach=name == "torch-foreach", **HYPER).step
+
+
+def _zgraph_step(params: list, fused: bool) -> Callable[[], object]:
+    """zgraph's update on the host of an ``AdamW`` (``fused``: as built, else ``fused=False``): a step that only
+    steps the optimizer, on one process (stage 1; nothing to shard)."""
+    import torch
+
+    import zgraph
+
+    holder = torch.nn.ParameterList(params)
+    opt = torch.optim.AdamW(holder.parameters(), fused=None if fused else False, **HYPER)
+    config = zgraph.Config(stage=1, backend="eager", offload_optimizer="cpu", offload_update="host")
+    step = zgraph.distribute(config)(_update)
+    return functools.partial(step, holder, opt)
+
+
+def _update(model: object, opt: object) -> None:
+    opt.step()
 
 
 def measure(threads: int, count: int, tensors: int, repeats: int) -> dict:
@@ -52,15 +77,15 @@ def measure(threads: int, count: int, tensors: int, repeats: int) -> dict:
         for p, g in zip(params, grads):
             p.grad = g.clone()
         try:
-            opt = make_optimizer(name, params)
-            opt.step()  # warm-up: the states are made here
-            steps[name] = (opt, [])
+            step = make_step(name, params)
+            step()  # warm-up: the states are made here (zgraph: and the step compiled)
+            steps[name] = (step, [])
         except Exception as err:  # DeepSpeed absent or its extension not built: the row says why
             errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     for _ in range(repeats):
-        for opt, times in steps.values():
+        for step, times in steps.values():
             start = time.perf_counter()
-            opt.step()
+            step()
             times.append(time.perf_counter() - start)
     return {"threads": threads, "params": count, "times": {n: t for n, (_, t) in steps.items()}, "errors": errors}
 

@@ -21,6 +21,7 @@ Files::
     host_state.py      the update on the host: which parameters, their state moved to host memory
     host_update.py     the update on the host: its copies served, its partitions run on a host thread
     host_partitions.py the update on the host: the optimizer's host nodes cut into partitions (a backend rewrite)
+    host_fused.py      the update on the host: Adam/AdamW op by op replaced by torch's fused CPU kernel (a rewrite)
     host_memory.py     freed host memory kept for the next step
     reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
     executor.py        backends that turn the final graph into something to call

@@ -10,7 +10,8 @@ rewrites as recorded passes, so the graph it shows as ``final`` is exactly the o
   into buffers of their own size.
 - both (for inductor first: its other rewrites never see them): ``host_partitions``
   (``zgraph.runtime.host_partitions``): the optimizer's host nodes (``Config.offload_update="host"``) cut into
-  partitions a host thread runs, op by op, as eager PyTorch computes on the CPU.
+  partitions a host thread runs, as eager PyTorch computes on the CPU (an Adam/AdamW update as one call of torch's
+  fused CPU kernel: ``zgraph.runtime.host_fused``).
 - inductor: ``explicit_alpha``: ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication,
   ``add(x, mul(y, alpha))``. Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``,
   and the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).

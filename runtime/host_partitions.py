@@ -22,8 +22,9 @@ of either backend (the graph shown as ``final`` is the one that runs).
   rank all-gathers), and the earlier partitions it reads, is marked ``meta[WITHIN_STEP]``: with ``one_step`` it
   still runs within its step (those parameters' update is not delayed).
 
-Each partition's pointwise temporaries are made in place (``reinplace_temporaries``), as eager ``torch.optim``
-computes.
+Before the cut, each parameter's Adam / AdamW update becomes one call of torch's fused CPU kernel
+(``zgraph.runtime.host_fused``). Each partition's pointwise temporaries are made in place
+(``reinplace_temporaries``), as eager ``torch.optim`` computes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from zgraph.graph import (
     state_key,
 )
 from zgraph.host_ops import HOST, HOST_FETCH, HOST_PARTS, HOST_RELEASE, HOST_SUBMIT, PLACE, TO_DEVICE, TO_HOST
+from zgraph.runtime.host_fused import fuse_host_adam
 from zgraph.runtime.host_update import ENV_INPUTS, ENV_OUTPUTS, WITHIN_STEP
 from zgraph.runtime.reinplace import reinplace_state_updates, reinplace_temporaries
 
@@ -58,6 +60,7 @@ def host_partitions(gm: fx.GraphModule) -> fx.GraphModule:
     if not has_host_ops(gm):
         return gm
     updated = set(gm.meta.get(UPDATED_INPUTS, ())) | set(reinplace_state_updates(gm, only=is_host))
+    fuse_host_adam(gm)
     mode = fake_mode(gm)
     members = [n for n in gm.graph.nodes if is_host(n) and n.meta.get(PHASE) == OPTIMIZER]
     cuts = _cut(gm, set(members))

@@ -44,6 +44,7 @@ from torch import Tensor
 from zgraph.errors import ZGraphError
 from zgraph.host_ops import HOST_PARTS, HostTier
 from zgraph.ops import host_read
+from zgraph.runtime.host_fused import host_adam
 
 ENV_INPUTS = "zgraph_env_inputs"  # a partition's meta: names of the values of earlier partitions it reads (last)
 ENV_OUTPUTS = "zgraph_env_outputs"  # a partition's meta: names of the values it returns, in order
@@ -238,6 +239,7 @@ def describe(runner: HostRunner | None, fallback: str | None, final: fx.GraphMod
         return []
     parts = final.meta.get(HOST_PARTS) or []
     ops = sum(1 for gm in parts for n in gm.graph.nodes if n.op == "call_function")
+    fused = sum(1 for gm in parts for n in gm.graph.nodes if n.target is host_adam)
     hosted = [p for p in params if p.index in runner.params]
     size = sum(math.prod(p.shape) for p in hosted)
     copies = runner.bytes_to_host + runner.bytes_to_device
@@ -248,6 +250,9 @@ def describe(runner: HostRunner | None, fallback: str | None, final: fx.GraphMod
         "`host_update` pass; zgraph.host_submit: the `host_partitions` rewrite)",
         f"  the last step copied {runner.bytes_to_host} bytes to the host and {runner.bytes_to_device} to the "
         f"device: {copies / max(1, size):.1f} bytes per parameter",
+        f"  {fused} of them updated by torch's fused CPU Adam/AdamW kernel (bitwise eager AdamW(fused=True) on the "
+        "CPU; an optimizer built with fused=False, or an update of another shape, runs op by op: the host_fused "
+        "rewrite)",
     ]
     if runner.overlap == "one_step":
         within = sum(1 for gm in parts if gm.meta.get(WITHIN_STEP))

@@ -44,10 +44,13 @@ def batches(rank: int = 0, overflow_at: int | None = None) -> list[tuple[torch.T
     return out
 
 
-def train(options: dict[str, Any], rank: int = 0, overflow_at: int | None = None) -> dict[str, Any]:
-    """``STEPS`` calls of ``plain_step`` with AdamW under ``options``; the losses, and the whole state after."""
+def train(
+    options: dict[str, Any], rank: int = 0, overflow_at: int | None = None, fused: bool | None = False
+) -> dict[str, Any]:
+    """``STEPS`` calls of ``plain_step`` with AdamW (``fused``: its flag) under ``options``; the losses, and the
+    whole state after."""
     net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     config = zgraph.Config(backend="eager", measure_collectives=False, param_persistence_threshold=0, **options)
     step = zgraph.distribute(config)(plain_step)
     losses = [step(net, opt, x, y).detach().clone() for x, y in batches(rank, overflow_at)]
@@ -79,6 +82,33 @@ def parity(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+FUSED = {  # the update on the host by torch's fused kernel (an AdamW without fused=False)
+    "stage 2, bf16 parameters, fp32 master, clipping": {
+        "stage": 2,
+        "param_dtype": torch.bfloat16,
+        "max_grad_norm": 0.5,
+    },
+    "stage 3, fp16 loss scaling (a step overflows), parameters offloaded too": {
+        "stage": 3,
+        "param_dtype": torch.float16,
+        "loss_scale": "dynamic",
+        "offload_params": "cpu",
+    },
+}
+
+
+def fused(rank: int, world: int) -> dict[str, Any]:
+    """Each case of ``FUSED`` with the update in the graph (op by op) and on the host (torch's fused kernel)."""
+    out = {}
+    for name, options in FUSED.items():
+        overflow = 1 if "overflow" in name else None
+        out[name] = {
+            where: train({**options, "offload_optimizer": "cpu", "offload_update": where}, rank, overflow, None)
+            for where in ("device", "host")
+        }
+    return out
+
+
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
     """Worker: run the named checks; rank 0 saves ``{name: result}``."""
     run_named(rank, world, out_path, names, globals())
@@ -106,6 +136,17 @@ def delayed_eager(steps: int = STEPS) -> dict[str, Any]:
     for p, g in zip(net.parameters(), pending):
         p.grad = g
     opt.step()
+    return {"losses": losses, "params": dict(net.state_dict()), "optim": opt.state_dict()["state"]}
+
+
+def eager(fused: bool) -> dict[str, Any]:
+    """Eager PyTorch on the CPU: ``STEPS`` steps of ``plain_step`` with AdamW (``fused``: torch's fused CPU kernel,
+    else its for-loop step)."""
+    net = model()
+    opt = torch.optim.AdamW(
+        net.parameters(), lr=1e-2, weight_decay=0.1, fused=fused, foreach=False if not fused else None
+    )
+    losses = [plain_step(net, opt, x, y).detach() for x, y in batches()]
     return {"losses": losses, "params": dict(net.state_dict()), "optim": opt.state_dict()["state"]}
 
 

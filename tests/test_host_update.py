@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from host_update_cases import PARITY, batches, delayed_eager, model, plain_step, same, train
+from host_update_cases import FUSED, PARITY, batches, delayed_eager, eager, model, plain_step, same, train
 
 import zgraph
 from zgraph.runtime.host_state import host_parameters
@@ -27,20 +27,58 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("host_update") / "results.pt"
-    run_ranks(2, "host_update_cases.run", str(path), ["parity"], timeout=600)
-    results = torch.load(path, weights_only=False)["parity"]
-    assert "error" not in results, results.get("error")
+    run_ranks(2, "host_update_cases.run", str(path), ["parity", "fused"], timeout=600)
+    results = torch.load(path, weights_only=False)
+    for name in ("parity", "fused"):
+        assert "error" not in results[name], results[name].get("error")
     return results
 
 
 @pytest.mark.parametrize("name", list(PARITY))
 def test_the_update_on_the_host_equals_the_update_in_the_graph_on_two_ranks(two_ranks, name):
-    """Losses, whole parameters and optimizer states after 3 AdamW steps: bitwise those of the update in the graph
-    (``offload_update="device"``, on a CPU machine the step without offload)."""
-    device, host = two_ranks[name]["device"], two_ranks[name]["host"]
+    """Losses, whole parameters and optimizer states after 3 steps of an ``AdamW(fused=False)``: bitwise those of
+    the update in the graph (``offload_update="device"``, on a CPU machine the step without offload), op by op."""
+    device, host = two_ranks["parity"][name]["device"], two_ranks["parity"][name]["host"]
     assert 'offload_update="host"' in host["explain"] and 'offload_update="host"' not in device["explain"]
     for part in ("losses", "params", "optim"):
         assert same(host[part], device[part]), part
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_the_fused_update_on_the_host_is_within_torchs_fused_distance_on_two_ranks(two_ranks, name):
+    """An ``AdamW()`` (fused not refused) on the host runs torch's fused CPU kernel: within the distance torch's
+    own tests accept between fused and for-loop AdamW (float32: rtol 1.3e-6, atol 1e-5) of the update in the graph,
+    op by op — clipping, bf16 parameters with fp32 master weights, fp16 loss scaling skipping a step."""
+    device, host = two_ranks["fused"][name]["device"], two_ranks["fused"][name]["host"]
+    assert "6 of them updated by torch's fused CPU Adam/AdamW kernel" in host["explain"]
+    for part in ("losses", "params", "optim"):
+        close(host[part], device[part])
+
+
+def close(a, b) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            close(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b, strict=True):
+            close(x, y)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1.3e-6, atol=1e-5, equal_nan=True)
+    else:
+        assert a == b
+
+
+def test_the_fused_update_on_the_host_is_eager_fused_adamw_on_one_process():
+    """Torch's fused kernel on the host: bitwise eager ``AdamW(fused=True)`` on the CPU, whether the optimizer says
+    ``fused=True`` or nothing; ``fused=False`` keeps the for-loop step, bitwise eager's."""
+    for flag in (None, True):
+        got = train({"stage": 1, "offload_optimizer": "cpu", "offload_update": "host"}, fused=flag)
+        want = eager(fused=True)
+        assert all(same(got[k], want[k]) for k in ("losses", "params", "optim")), flag
+    got, want = train({"stage": 1, "offload_optimizer": "cpu", "offload_update": "host"}), eager(fused=False)
+    assert all(same(got[k], want[k]) for k in ("losses", "params", "optim"))
+    assert "0 of them updated by torch's fused" in got["explain"]
 
 
 def test_the_update_on_the_host_on_one_process():

@@ -27,6 +27,7 @@ from torch import Tensor
 
 PLACE = "zgraph_place"  # node.meta: HOST for a node the host runs; absent for the device's
 HOST = "host"
+EXACT = "zgraph_exact_update"  # in node.meta[CUSTOM]: an optimizer's for-loop step (``fused=False``), never fused
 HOST_PARTS = "zgraph_host_parts"  # gm.meta: the host partitions (GraphModules) its ``host_submit`` nodes start
 
 
