@@ -40,11 +40,11 @@ import functools
 import torch
 
 from zgraph.passes.bucket import bucket
-from zgraph.passes.cast import cast
-from zgraph.passes.clip_grad import clip_grad
+from zgraph.passes.cast import cast, cast_applies
+from zgraph.passes.clip_grad import clip_grad, clip_grad_applies
 from zgraph.passes.cse import eliminate_common_subexpressions
 from zgraph.passes.host_update import host_update, host_update_applies
-from zgraph.passes.loss_scale import loss_scale
+from zgraph.passes.loss_scale import loss_scale, loss_scale_applies
 from zgraph.passes.lower_collectives import lower_collectives, lower_collectives_applies
 from zgraph.passes.offload import offload, offload_applies
 from zgraph.passes.offload_activations import offload_activations, offload_activations_applies
@@ -74,9 +74,9 @@ _APPLIES = {
     "offload_activations": offload_activations_applies,
     "shard_optimizer": shard_optimizer_applies,
     "shard_params": shard_params_applies,
-    "cast": with_group,
-    "clip_grad": with_group,
-    "loss_scale": with_group,
+    "cast": cast_applies,
+    "clip_grad": clip_grad_applies,
+    "loss_scale": loss_scale_applies,
     "offload": offload_applies,
     "host_update": host_update_applies,
     "secondary_shards": secondary_shards_applies,

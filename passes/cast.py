@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from zgraph.graph import eliminate_dead_code, fake_mode, insert
 from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
+from zgraph.passes.graph_utils import has_dead_code
 from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
@@ -56,6 +57,32 @@ def _exact_round_trip(node: fx.Node) -> fx.Node | None:
     if narrow in (torch.bfloat16, torch.float16) and wide in (torch.bfloat16, torch.float16) and wide != narrow:
         return None
     return source
+
+
+def cast_applies(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+    cross_group_dtype: torch.dtype | None = None,
+) -> bool:
+    """Whether ``cast`` may change the graph (``Pass.applies``): with a process group, where a gather is cast by
+    all its readers alike, a reduction may move another dtype, a round trip can go, or its dead-code elimination
+    has something to remove."""
+    if not ctx.distributed:
+        return False
+    nodes = gm.graph.nodes
+    if reduce_dtype is not None and any(n.target in (REDUCE, REDUCE_SHARD) for n in nodes):
+        return True
+    if cross_group_dtype is not None and _crossing_group(ctx) is not None:
+        return True
+    for node in nodes:
+        if node.target is UNSHARD and node.users and len(targets := {dtype_cast(u) for u in node.users}) == 1:
+            if None not in targets:
+                return True
+        if node.target is aten._to_copy.default and _exact_round_trip(node) is not None:
+            return True
+    return has_dead_code(gm)
 
 
 def cast(

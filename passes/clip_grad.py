@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE, GRAD_NORM, REDUCE, REDUCE_SHARD, UNSHARD
+from zgraph.passes.graph_utils import has_dead_code
 from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
@@ -33,6 +34,15 @@ def sharded_gradient(node: fx.Node) -> fx.Node | None:
     while (source.target is aten._to_copy.default and set(source.kwargs) == {"dtype"}) or source.target is REDUCE:
         source = source.args[0]  # a cast, or hybrid sharding's all-reduce of the shard across groups
     return shard if source.target is REDUCE_SHARD else None
+
+
+def clip_grad_applies(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether ``clip_grad`` changes the graph (``Pass.applies``): with a process group, where a norm reads a
+    sharded gradient, or where its dead-code elimination has something to remove."""
+    if not ctx.distributed:
+        return False
+    norms = (n for n in gm.graph.nodes if n.target is GRAD_NORM)
+    return any(sharded_gradient(n.args[0]) is not None for n in norms) or has_dead_code(gm)
 
 
 def clip_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

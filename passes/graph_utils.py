@@ -227,3 +227,15 @@ def _follow(value: Any, moved: dict[fx.Node, fx.Node]) -> Any:
     while value in moved:
         value = moved[value]
     return value
+
+
+def has_dead_code(gm: fx.GraphModule) -> bool:
+    """Whether ``eliminate_dead_code`` may change ``gm``'s graph: a node nothing reads and without side effects
+    (random operators counted among those, whichever way it decides them), or a subgraph (``get_attr`` of a
+    ``GraphModule``, whose own dead code it removes too)."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), fx.GraphModule):
+            return True
+        if not node.users and not node.is_impure(impure_random=False):
+            return True
+    return False

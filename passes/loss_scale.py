@@ -15,9 +15,19 @@ import torch.fx as fx
 from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE, NONFINITE
 from zgraph.passes.clip_grad import sharded_gradient
+from zgraph.passes.graph_utils import has_dead_code
 from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
+
+
+def loss_scale_applies(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether ``loss_scale`` changes the graph (``Pass.applies``): with a process group, where an overflow check
+    reads a sharded gradient, or where its dead-code elimination has something to remove."""
+    if not ctx.distributed:
+        return False
+    checks = (n for n in gm.graph.nodes if n.target is NONFINITE)
+    return any(sharded_gradient(g) is not None for n in checks for g in n.args[0]) or has_dead_code(gm)
 
 
 def loss_scale(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -78,10 +78,13 @@ def _meshes() -> dict[int, int]:
     return {m.mesh.untyped_storage().data_ptr(): m.mesh.untyped_storage().nbytes() for m in meshes}
 
 
-def _outside(before: dict[int, int], aside: list[Tensor]) -> dict[int, int]:
-    """Live storages that were not alive in ``before``, are not the caller's ``aside`` and not a mesh's table."""
-    skip = set(before) | {t.untyped_storage().data_ptr() for t in aside} | set(_meshes())
-    return {ptr: n for ptr, n in live_storages().items() if ptr not in skip}
+def _outside(
+    live: dict[int, Tensor], meshes: dict[int, int], before: dict[int, int], aside: list[Tensor]
+) -> dict[int, int]:
+    """Of the ``live`` tensors (``live_tensors()``), the storages that were not alive in ``before``, are not the
+    caller's ``aside`` and not one of the ``meshes``' tables, with their bytes."""
+    skip = set(before) | {t.untyped_storage().data_ptr() for t in aside} | set(meshes)
+    return {ptr: t.untyped_storage().nbytes() for ptr, t in live.items() if ptr not in skip}
 
 
 def _model_and_batch(name: str, rank: int) -> tuple[nn.Module, Tensor, Tensor]:
@@ -125,14 +128,14 @@ def measure(stage: int, recipe: str, grads: str, model_name: str, rank: int) -> 
         args = (model, idx) if split else (model, opt, idx, tgt)
         estimated = dict(step.estimate(*args).model_state_bytes)
         tracker = LiveTensorBytes()
-        gc.collect()
         _track_new(tracker, before)  # everything held now that the case made, the batch included
         with tracker:
             _call(step, model, opt, idx, tgt, split)
-        gc.collect()
-        meshes = sum(n for ptr, n in _meshes().items() if ptr not in before)  # tracked: made by the case
-        aside = sum(t.untyped_storage().nbytes() for t in (idx, tgt)) + meshes
-        live = _outside(before, [idx, tgt])
+        tensors = live_tensors()  # after a gc.collect(): one scan of the objects for all that follows
+        meshes = _meshes()
+        made = sum(n for ptr, n in meshes.items() if ptr not in before)  # tracked: made by the case
+        aside = sum(t.untyped_storage().nbytes() for t in (idx, tgt)) + made
+        live = _outside(tensors, meshes, before, [idx, tgt])
         smallest = min(p.untyped_storage().nbytes() for p in _local_tensors(model, opt) if p.untyped_storage().nbytes())
         result = {
             "stage": stage,
@@ -144,9 +147,9 @@ def measure(stage: int, recipe: str, grads: str, model_name: str, rank: int) -> 
             "estimated": estimated,
             "smallest_state_tensor": smallest,
             "largest_live": sorted(live.values(), reverse=True)[:8],
-            "unknown": _unknown(live, model, opt),
+            "unknown": _unknown(live, tensors, model, opt),
         }
-        del model, opt, step, tracker
+        del model, opt, step, tracker, tensors
         gc.collect()  # an offload store is dropped while its files are there
     return result
 
@@ -158,14 +161,15 @@ def _track_new(tracker: LiveTensorBytes, before: dict[int, int]) -> None:
             tracker.track(t)
 
 
-def _unknown(live: dict[int, int], model: nn.Module, opt: torch.optim.Optimizer | None) -> list[str]:
-    """What each live storage outside the model and optimizer is, and the types of what refers to it (for the
-    failure message)."""
+def _unknown(
+    live: dict[int, int], tensors: dict[int, Tensor], model: nn.Module, opt: torch.optim.Optimizer | None
+) -> list[str]:
+    """What each ``live`` storage outside the model and optimizer is (``tensors``: ``live_tensors()``, by data
+    pointer), and the types of what refers to it (for the failure message)."""
     known = {t.untyped_storage().data_ptr() for t in _local_tensors(model, opt)}
-    tensors = live_tensors()
     out = []
     for ptr in set(live) - known:
-        t = tensors.pop(ptr)
+        t = tensors.pop(ptr)  # not held by the dict when its referrers are listed
         refs = sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"frame"})
         out.append(f"{t.dtype} {tuple(t.shape)}, {live[ptr]} bytes, held by {', '.join(refs)}")
     return out

@@ -95,18 +95,20 @@ def with_offload(config: zgraph.Config, directory: str, optimizer: bool) -> zgra
     return config.replace(offload_params="nvme", offload_dir=directory, **extra)
 
 
-def compare_params_ranks(rank: int, world: int, recipe: str, optimizer: bool, backend: str = "eager") -> None:
-    """On each rank: training with offloaded parameter shards (and optimizer states if ``optimizer``) equals the
-    same training without offload, bitwise (losses, whole parameters, optimizer state); files gone afterwards."""
-    base = stage3(recipe, backend)
-    with tempfile.TemporaryDirectory() as directory:
-        expected = train(base, rank, world)
-        got = train(with_offload(base, directory, optimizer), rank, world)
-        assert same(expected, got), f"rank {rank}: training with offloaded parameters differs ({recipe})"
-        import gc
+def compare_params_ranks(rank: int, world: int, recipe: str, optimizers: list[bool], backend: str = "eager") -> None:
+    """On each rank: training with offloaded parameter shards (and optimizer states, for each ``True`` of
+    ``optimizers``) equals the same training without offload (trained once), bitwise (losses, whole parameters,
+    optimizer state); files gone afterwards."""
+    import gc
 
-        gc.collect()
-        assert os.listdir(directory) == [], os.listdir(directory)
+    base = stage3(recipe, backend)
+    expected = train(base, rank, world)
+    for optimizer in optimizers:
+        with tempfile.TemporaryDirectory() as directory:
+            got = train(with_offload(base, directory, optimizer), rank, world)
+            assert same(expected, got), f"rank {rank}: training with offloaded parameters differs ({recipe})"
+            gc.collect()
+            assert os.listdir(directory) == [], os.listdir(directory)
 
 
 def params_checkpoint_ranks(rank: int, world: int, directory: str) -> None:

@@ -8,5 +8,6 @@ Files::
     shadow.py    the estimate's stand-ins: the call's modules and optimizers copied onto the meta device
     liveness.py  bytes alive after each node and the peak
     budget.py    ``Config.memory_budget``: the fastest estimated combination of remat and offload that fits
+    variants.py  estimates of several configs of one captured step, the passes they share run once
     budget_sizes.py  the argument sizes a budget's plan is for; a larger call is planned again
 """

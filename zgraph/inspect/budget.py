@@ -14,11 +14,12 @@ Choices (each only where the user left the field at its default, and where it ch
   parameter shards, and saved activations (``offload_activations``).
 
 The step is captured once, on stand-ins (``zgraph.inspect.estimate.prepare``); every combination runs through its
-own passes and is estimated: peak bytes by liveness, time by ``Estimate.step_seconds`` (compute and exposed
-communication from the cost model, plus the tier's transfers). The fastest that fits wins; ties go to the smaller
-peak. Plain search, not a solver: a few dozen estimates of one captured graph, fewer where a combination without
-offload fits (offload adds transfers, never saves compute: only combinations whose twin without offload is faster
-than the fastest that fits are estimated with it).
+own passes (those it shares with others, the same pass with the same options in the same place, run once:
+``zgraph.inspect.variants``) and is estimated: peak bytes by liveness, time by ``Estimate.step_seconds``
+(compute and exposed communication from the cost model, plus the tier's transfers). The fastest that fits wins;
+ties go to the smaller peak. Plain search, not a solver: a few dozen estimates of one captured graph, fewer where a
+combination without offload fits (offload adds transfers, never saves compute: only combinations whose twin without
+offload is faster than the fastest that fits are estimated with it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from zgraph.compile.build import pass_context
 from zgraph.config import Config
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant, prepare
+from zgraph.inspect.variants import estimate_variants
 from zgraph.passes import run_passes
 from zgraph.passes.remat import blocks_in
 
@@ -207,19 +209,27 @@ def _estimated(prepared: Prepared, config: Config, combos: list[dict[str, Any]],
     compute, so a combination is estimated only if its twin without offload is faster than the fastest combination
     without offload that fits (all of them where none fits)."""
     twins = {tuple(c.items()): c for c in combos if not any(k in c for k in _OFFLOADS)}
-    choices = [_choice(prepared, config, changes) for changes in twins.values()]
+    choices = _choices(prepared, config, list(twins.values()))
     seconds = {tuple(c.changes.items()): c.estimate.step_seconds for c in choices}
     bound = min((c.estimate.step_seconds for c in choices if c.estimate.peak_bytes <= nbytes), default=float("inf"))
-    for changes in combos:
-        twin = tuple((k, v) for k, v in changes.items() if k not in _OFFLOADS)
-        if tuple(changes.items()) not in twins and seconds[twin] < bound:
-            choices.append(_choice(prepared, config, changes))
-    return choices
+    more = [
+        changes
+        for changes in combos
+        if tuple(changes.items()) not in twins
+        and seconds[tuple((k, v) for k, v in changes.items() if k not in _OFFLOADS)] < bound
+    ]
+    return choices + _choices(prepared, config, more)
 
 
 def _choice(prepared: Prepared, config: Config, changes: dict[str, Any]) -> Choice:
     variant = dataclasses.replace(config, memory_budget=None, **changes)
     return Choice(changes=changes, estimate=estimate_variant(prepared, variant))
+
+
+def _choices(prepared: Prepared, config: Config, combos: list[dict[str, Any]]) -> list[Choice]:
+    """``_choice`` of each of ``combos``, the passes they share run once (``zgraph.inspect.variants``)."""
+    variants = [dataclasses.replace(config, memory_budget=None, **changes) for changes in combos]
+    return [Choice(changes=c, estimate=e) for c, e in zip(combos, estimate_variants(prepared, variants))]
 
 
 def _fitting(choices: list[Choice], nbytes: int) -> list[Choice]:
@@ -241,7 +251,7 @@ def _less_prefetch(prepared: Prepared, config: Config, choices: list[Choice], nb
     best = _fastest(choices, nbytes).estimate.step_seconds
     faster = [c for c in choices if c.estimate.peak_bytes > nbytes and c.estimate.step_seconds < best]
     faster.sort(key=lambda c: c.estimate.step_seconds)
-    return [_choice(prepared, config, {**c.changes, "prefetch_bytes": 1}) for c in faster[:3]]
+    return _choices(prepared, config, [{**c.changes, "prefetch_bytes": 1} for c in faster[:3]])
 
 
 def _fewer_blocks(prepared: Prepared, config: Config, best: Choice, blocks: list[str], nbytes: int) -> list[Choice]:
