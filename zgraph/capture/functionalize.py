@@ -1,26 +1,28 @@
-"""From the traced (mutating) graph to the captured step graph: functionalization, then naming and phases.
+"""The step traced as a functional graph, then named and tagged: the captured step graph.
 
-The graph ``make_fx`` traced still mutates its inputs in place; it is traced again through
-``torch.func.functionalize``, so every change of state becomes an output. Then: placeholders get their
-``GraphInput`` and readable names, outputs their ``GraphOutput`` (state the step did not change is dropped),
-eager's random fill order is restored (``zgraph.capture.random_layout``) and every op gets its phase.
+The step runs under functionalization while ``make_fx`` traces it (``functionalized``): in-place ops reach the
+trace as their functional forms, views as views of the new values, so the one trace yields a graph that mutates
+nothing (as AOTAutograd traces under functionalization). Autograd runs above functionalization, as in eager. The
+traced step returns every piece of state; nothing is written back into the inputs. Then (``functional_step``):
+batch norms whose running statistics the trace's own decomposition updated in place are made functional,
+placeholders get their ``GraphInput`` and readable names, outputs their ``GraphOutput`` (state the step did not
+change is dropped), eager's random fill order is restored (``zgraph.capture.random_layout``) and every op gets its
+phase.
 """
 
 from __future__ import annotations
 
+import operator
 import re
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx import traceback as fx_traceback
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from zgraph.capture.host_scalars import replay
 from zgraph.capture.random_layout import match_random_layout
+from zgraph.errors import CaptureError
 from zgraph.graph import (
     BACKWARD,
     CUSTOM,
@@ -31,7 +33,9 @@ from zgraph.graph import (
     PHASE,
     GraphInput,
     GraphOutput,
+    compute_val,
     eliminate_dead_code,
+    fake_mode,
     output_node,
     state_key,
 )
@@ -39,33 +43,52 @@ from zgraph.graph import (
 aten = torch.ops.aten
 
 
-def functionalize(
-    gm1: fx.GraphModule, specs: list[GraphInput], fakes: list[Tensor], mode: FakeTensorMode, roles: list[GraphOutput]
-) -> fx.GraphModule:
-    """The functional step graph of ``gm1`` (see the module docstring); ``specs``: its inputs, ``roles``: its
-    outputs before unchanged state is dropped."""
+def functionalized(fn: Callable[..., list[object]]) -> Callable[..., list[object]]:
+    """``fn`` run under functionalization (torch's ``FunctionalTensorMode``, as AOTAutograd traces): its tensor inputs
+    wrapped as functional tensors (leaves that require grad where the inputs do: autograd runs above
+    functionalization, as in eager), its outputs unwrapped. Traced by ``make_fx``, the graph is functional: in-place
+    ops become their functional forms and each mutated input's new value is the output that names it (the caller
+    returns every piece of state; nothing is written back)."""
 
-    def traced(*flat: Tensor) -> Any:
-        return replay(gm1, *flat)
+    def run(*flat: object) -> list[object]:
+        with FunctionalTensorMode() as mode:
+            outs = fn(*[_to_functional(t, mode) for t in flat])
+            return [_from_functional(o) for o in outs]
 
-    plain = [f.detach() for f in fakes]
-    with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True):
-        gm = make_fx(torch.func.functionalize(traced, remove="mutations"), tracing_mode="fake")(*plain)
+    return run
+
+
+def _to_functional(t: object, mode: FunctionalTensorMode) -> object:
+    if not isinstance(t, Tensor):
+        return t
+    return FunctionalTensor(torch._to_functional_tensor(t), mode).requires_grad_(t.requires_grad)
+
+
+def _from_functional(t: object) -> object:
+    if not isinstance(t, FunctionalTensor):
+        return t
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def unwrapped(t: object) -> object:
+    """The traced tensor a functional tensor stands for (its current value); anything else as it is."""
+    return _from_functional(t) if isinstance(t, FunctionalTensor) else t
+
+
+def functional_step(gm: fx.GraphModule, specs: list[GraphInput], roles: list[GraphOutput]) -> fx.GraphModule:
+    """The captured step graph from the functional trace ``gm`` (see the module docstring); ``specs``: its inputs,
+    ``roles``: its outputs before unchanged state is dropped. Rewrites ``gm`` in place and returns it."""
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
+    _functional_batch_norms(gm)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, specs):
         node.meta[INPUT] = spec
     output = output_node(gm)
     values = list(output.args[0])
-    # copy_ into inputs at the end is functionalization's write-back; the new values are already outputs.
-    profiler_nodes = []
-    for node in list(graph.nodes):
-        if node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
-            graph.erase_node(node)
-        elif node.op == "call_function" and str(node.target).startswith("profiler."):
-            profiler_nodes.append(node)  # record_function enter/exit from torch.optim: no effect on values
-    for node in reversed(profiler_nodes):
+    profiler_nodes = [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("profiler.")]
+    for node in reversed(profiler_nodes):  # record_function enter/exit from torch.optim: no effect on values
         graph.erase_node(node)
     kept_values, kept_roles = [], []
     placeholder_of = {state_key(n.meta[INPUT]): n for n in placeholders}
@@ -78,10 +101,43 @@ def functionalize(
     output.meta[OUTPUTS] = kept_roles
     _name_placeholders(graph, placeholders)
     eliminate_dead_code(graph)
-    match_random_layout(gm, gm1)  # eager's random fill order on non-contiguous tensors
+    match_random_layout(gm)  # eager's random fill order on non-contiguous tensors
     _tag_phases(graph)
     gm.recompile()
     return gm
+
+
+def _functional_batch_norms(gm: fx.GraphModule) -> None:
+    """``_native_batch_norm_legit`` (the trace's decomposition of ``native_batch_norm``, whose schema hides that it
+    updates the running statistics, so functionalization above it cannot see the update) made
+    ``_native_batch_norm_legit_functional``: the ops after it read the new statistics it returns."""
+    graph = gm.graph
+    nodes = list(graph.find_nodes(op="call_function", target=aten._native_batch_norm_legit.default))
+    if not nodes:
+        return
+    mode = fake_mode(gm)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in nodes:
+        stats = node.args[3:5]
+        if any(getattr(u.target, "is_view", False) for s in stats for u in s.users):
+            raise CaptureError(
+                "a batch norm's running statistics are also read through a view inside the step; zgraph cannot "
+                "trace that update. Read the buffers themselves (not views of them) in the step."
+            )
+        with graph.inserting_after(node):
+            functional = graph.call_function(aten._native_batch_norm_legit_functional.default, node.args, node.kwargs)
+        functional.meta.update(node.meta)
+        compute_val(functional, mode)
+        node.replace_all_uses_with(functional)
+        later = [u for s in stats for u in s.users if u.op == "output" or order.get(u, -1) > order[node]]
+        for i, stat in enumerate(stats):
+            with graph.inserting_after(functional):
+                new = graph.call_function(operator.getitem, (functional, 3 + i))
+            new.meta.update(node.meta)
+            new.meta["val"] = functional.meta["val"][3 + i]
+            for user in later:
+                user.replace_input_with(stat, new)
+        graph.erase_node(node)
 
 
 def _tag_phases(graph: fx.Graph) -> None:

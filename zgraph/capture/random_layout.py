@@ -6,9 +6,10 @@ transposed activation (``nn.TransformerEncoderLayer(batch_first=True)``'s attent
 column by column. Functionalization turns ``x.bernoulli_(p)`` into ``bernoulli.p(x, p)``, whose kernel returns
 a fresh *contiguous* tensor filled row by row: the same random stream lands on other elements.
 
-The rule (``match_random_layout``): a functional random op of ``_RANDOM_FILLS`` whose output the first trace
-(the in-place graph, where eager semantics are still explicit) had with a different order of strides than the
-functional op produces, is rewritten to draw on its inputs permuted into that memory order (dims sorted by
+The rule (``match_random_layout``): a functional random op of ``_RANDOM_FILLS`` that fills a tensor made without
+values (``empty_like``, ``empty``, ...: ``_UNINITIALIZED``; the step traced is functionalized as it runs, so the op
+is eager's in-place fill of that tensor, whose strides are the order eager fills in) and whose output has a different
+order of strides, is rewritten to draw on its inputs permuted into that memory order (dims sorted by
 decreasing stride: the order the CPU kernels fill in) and to permute the result back::
 
     bernoulli.p(x, p)  ->  permute(bernoulli.p(permute(x, order), p), inverse(order))
@@ -18,8 +19,11 @@ eager's tensor was dense). Only tensors whose strides do not overlap are rewritt
 rewritten op get fake values with the new strides.
 
 Which ops (``_RANDOM_FILLS``): ``bernoulli.p`` returns a contiguous tensor whatever the strides of its input,
-so every functionalized ``x.bernoulli_(p)`` (dropout) on a non-contiguous ``x`` is rewritten; a direct
-``torch.bernoulli(x, p)`` is contiguous in eager too and is left alone. ``bernoulli.Tensor`` and
+so every functionalized ``torch.empty_like(x).bernoulli_(p)`` (dropout) on a non-contiguous ``x`` is rewritten; a
+direct ``torch.bernoulli(x, p)`` of a tensor with values is contiguous in eager too and is left alone. Known gaps: an
+in-place ``x.bernoulli_(p)`` of a non-contiguous ``x`` that has values, and a direct ``torch.bernoulli`` of a
+non-contiguous ``torch.empty_like(y)``, are not told apart from the other case (the functional graph holds the same
+op for both). ``bernoulli.Tensor`` and
 ``bernoulli.default`` fall under the same rule (their layouts agree with eager's today). The other functional
 fills (``normal_functional``, ``uniform``, ``exponential``, ``random``, ``cauchy``, ``log_normal``,
 ``geometric``, and ``rand_like``/``randn_like``) keep their input's strides when it is dense, so they already
@@ -50,6 +54,14 @@ _RANDOM_FILLS = {
     aten.bernoulli.p,
     aten.bernoulli.Tensor,
     aten.bernoulli.default,
+}
+# Ops that make a tensor without writing its elements: a random fill of one is a functionalized in-place fill.
+_UNINITIALIZED = {
+    aten.empty_like.default,
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
 }
 
 
@@ -96,21 +108,17 @@ def _permuted_arg(gm: fx.GraphModule, arg: Any, random_op: fx.Node, order: list[
     return _insert(gm, aten.permute.default, (arg, order), random_op, mode)
 
 
-def match_random_layout(gm: fx.GraphModule, traced: fx.GraphModule) -> list[fx.Node]:
+def match_random_layout(gm: fx.GraphModule) -> list[fx.Node]:
     """Rewrite the random ops of the functional graph ``gm`` so each fills its elements in the memory order
-    eager uses (the rule: module docstring); ``traced`` is the in-place graph ``gm`` was functionalized from.
-    Returns the rewritten random nodes."""
-    by_name = {n.name: n for n in traced.graph.nodes}
-    graph_id = id(traced.graph)
+    eager uses (the rule: module docstring). Returns the rewritten random nodes."""
     rewritten: list[fx.Node] = []
     changed: set[fx.Node] = set()
     mode = None
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _RANDOM_FILLS:
             continue
-        sources = [s for s in node.meta.get("from_node") or [] if s.graph_id == graph_id]
-        source = by_name.get(sources[-1].name) if sources else None
-        expected = source.meta.get("val") if source is not None else None
+        filled = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        expected = filled.meta.get("val") if filled is not None and filled.target in _UNINITIALIZED else None
         actual = node.meta.get("val")
         if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor):
             continue
