@@ -4,7 +4,6 @@ The step runs under functionalization while ``make_fx`` traces it (``functionali
 trace as their functional forms, views as views of the new values, so the one trace yields a graph that mutates
 nothing (as AOTAutograd traces under functionalization). Autograd runs above functionalization, as in eager. The
 traced step returns every piece of state; nothing is written back into the inputs. Then (``functional_step``):
-batch norms whose running statistics the trace's own decomposition updated in place are made functional,
 placeholders get their ``GraphInput`` and readable names, outputs their ``GraphOutput`` (state the step did not
 change is dropped), eager's random fill order is restored (``zgraph.capture.random_layout``) and every op gets its
 phase.
@@ -12,7 +11,6 @@ phase.
 
 from __future__ import annotations
 
-import operator
 import re
 from collections.abc import Callable
 
@@ -21,8 +19,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from zgraph.capture.random_layout import match_random_layout
-from zgraph.errors import CaptureError
+from zgraph.capture.random_layout import RecordingFills, match_random_layout
 from zgraph.graph import (
     BACKWARD,
     CUSTOM,
@@ -33,9 +30,7 @@ from zgraph.graph import (
     PHASE,
     GraphInput,
     GraphOutput,
-    compute_val,
     eliminate_dead_code,
-    fake_mode,
     output_node,
     state_key,
 )
@@ -44,14 +39,15 @@ aten = torch.ops.aten
 
 
 def functionalized(fn: Callable[..., list[object]]) -> Callable[..., list[object]]:
-    """``fn`` run under functionalization (torch's ``FunctionalTensorMode``, as AOTAutograd traces): its tensor inputs
-    wrapped as functional tensors (leaves that require grad where the inputs do: autograd runs above
-    functionalization, as in eager), its outputs unwrapped. Traced by ``make_fx``, the graph is functional: in-place
-    ops become their functional forms and each mutated input's new value is the output that names it (the caller
-    returns every piece of state; nothing is written back)."""
+    """``fn`` run under functionalization (torch's ``FunctionalTensorMode``, as AOTAutograd traces; in-place random
+    fills recorded: ``zgraph.capture.random_layout``): its tensor inputs wrapped as functional tensors (leaves that
+    require grad where the inputs do: autograd runs above functionalization, as in eager), its outputs unwrapped.
+    Traced by ``make_fx``, the graph is functional: in-place ops become their functional forms and each mutated
+    input's new value is the output that names it (the caller returns every piece of state; nothing is written
+    back)."""
 
     def run(*flat: object) -> list[object]:
-        with FunctionalTensorMode() as mode:
+        with RecordingFills() as mode:
             outs = fn(*[_to_functional(t, mode) for t in flat])
             return [_from_functional(o) for o in outs]
 
@@ -81,7 +77,6 @@ def functional_step(gm: fx.GraphModule, specs: list[GraphInput], roles: list[Gra
     ``roles``: its outputs before unchanged state is dropped. Rewrites ``gm`` in place and returns it."""
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
-    _functional_batch_norms(gm)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, specs):
         node.meta[INPUT] = spec
@@ -105,39 +100,6 @@ def functional_step(gm: fx.GraphModule, specs: list[GraphInput], roles: list[Gra
     _tag_phases(graph)
     gm.recompile()
     return gm
-
-
-def _functional_batch_norms(gm: fx.GraphModule) -> None:
-    """``_native_batch_norm_legit`` (the trace's decomposition of ``native_batch_norm``, whose schema hides that it
-    updates the running statistics, so functionalization above it cannot see the update) made
-    ``_native_batch_norm_legit_functional``: the ops after it read the new statistics it returns."""
-    graph = gm.graph
-    nodes = list(graph.find_nodes(op="call_function", target=aten._native_batch_norm_legit.default))
-    if not nodes:
-        return
-    mode = fake_mode(gm)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in nodes:
-        stats = node.args[3:5]
-        if any(getattr(u.target, "is_view", False) for s in stats for u in s.users):
-            raise CaptureError(
-                "a batch norm's running statistics are also read through a view inside the step; zgraph cannot "
-                "trace that update. Read the buffers themselves (not views of them) in the step."
-            )
-        with graph.inserting_after(node):
-            functional = graph.call_function(aten._native_batch_norm_legit_functional.default, node.args, node.kwargs)
-        functional.meta.update(node.meta)
-        compute_val(functional, mode)
-        node.replace_all_uses_with(functional)
-        later = [u for s in stats for u in s.users if u.op == "output" or order.get(u, -1) > order[node]]
-        for i, stat in enumerate(stats):
-            with graph.inserting_after(functional):
-                new = graph.call_function(operator.getitem, (functional, 3 + i))
-            new.meta.update(node.meta)
-            new.meta["val"] = functional.meta["val"][3 + i]
-            for user in later:
-                user.replace_input_with(stat, new)
-        graph.erase_node(node)
 
 
 def _tag_phases(graph: fx.Graph) -> None:

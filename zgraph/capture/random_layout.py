@@ -6,11 +6,11 @@ transposed activation (``nn.TransformerEncoderLayer(batch_first=True)``'s attent
 column by column. Functionalization turns ``x.bernoulli_(p)`` into ``bernoulli.p(x, p)``, whose kernel returns
 a fresh *contiguous* tensor filled row by row: the same random stream lands on other elements.
 
-The rule (``match_random_layout``): a functional random op of ``_RANDOM_FILLS`` that fills a tensor made without
-values (``empty_like``, ``empty``, ...: ``_UNINITIALIZED``; the step traced is functionalized as it runs, so the op
-is eager's in-place fill of that tensor, whose strides are the order eager fills in) and whose output has a different
-order of strides, is rewritten to draw on its inputs permuted into that memory order (dims sorted by
-decreasing stride: the order the CPU kernels fill in) and to permute the result back::
+The rule (``match_random_layout``): while the step is traced (functionalized as it runs), each in-place random
+fill marks the functional op it becomes with the tensor it filled (``RecordingFills``: ``node.meta[FILLED]``, where
+eager semantics are still explicit). A functional random op of ``_RANDOM_FILLS`` whose filled tensor had a different
+order of strides than the functional op produces is rewritten to draw on its inputs permuted into that memory order
+(dims sorted by decreasing stride: the order the CPU kernels fill in) and to permute the result back::
 
     bernoulli.p(x, p)  ->  permute(bernoulli.p(permute(x, order), p), inverse(order))
 
@@ -19,11 +19,8 @@ eager's tensor was dense). Only tensors whose strides do not overlap are rewritt
 rewritten op get fake values with the new strides.
 
 Which ops (``_RANDOM_FILLS``): ``bernoulli.p`` returns a contiguous tensor whatever the strides of its input,
-so every functionalized ``torch.empty_like(x).bernoulli_(p)`` (dropout) on a non-contiguous ``x`` is rewritten; a
-direct ``torch.bernoulli(x, p)`` of a tensor with values is contiguous in eager too and is left alone. Known gaps: an
-in-place ``x.bernoulli_(p)`` of a non-contiguous ``x`` that has values, and a direct ``torch.bernoulli`` of a
-non-contiguous ``torch.empty_like(y)``, are not told apart from the other case (the functional graph holds the same
-op for both). ``bernoulli.Tensor`` and
+so every functionalized ``x.bernoulli_(p)`` (dropout) on a non-contiguous ``x`` is rewritten; a direct
+``torch.bernoulli(x, p)`` is contiguous in eager too and is left alone. ``bernoulli.Tensor`` and
 ``bernoulli.default`` fall under the same rule (their layouts agree with eager's today). The other functional
 fills (``normal_functional``, ``uniform``, ``exponential``, ``random``, ``cauchy``, ``log_normal``,
 ``geometric``, and ``rand_like``/``randn_like``) keep their input's strides when it is dense, so they already
@@ -43,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from zgraph.graph import compute_val, fake_mode
 
@@ -55,14 +54,29 @@ _RANDOM_FILLS = {
     aten.bernoulli.Tensor,
     aten.bernoulli.default,
 }
-# Ops that make a tensor without writing its elements: a random fill of one is a functionalized in-place fill.
-_UNINITIALIZED = {
-    aten.empty_like.default,
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-}
+_IN_PLACE_FILLS = {aten.bernoulli_.float, aten.bernoulli_.Tensor}  # what functionalization makes of them: above
+FILLED = "zgraph_filled"
+"""``node.meta`` key of a functional random op made from an in-place fill: the fake tensor it filled, as it was."""
+
+
+class RecordingFills(FunctionalTensorMode):
+    """Torch's functionalization (the trace's), each in-place random fill of ``_IN_PLACE_FILLS`` marking the
+    functional op it becomes with the tensor it filled (``FILLED``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        if func not in _IN_PLACE_FILLS or not isinstance(args[0], FunctionalTensor):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        torch._sync(args[0])
+        filled = torch._from_functional_tensor(args[0].elem)
+        graph = get_proxy_mode().tracer.graph
+        last = next(iter(reversed(graph.nodes)))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        node = last.next  # the ops functionalization traced for it: the functional fill (then a view's write-back)
+        while node.op != "root" and node.target not in _RANDOM_FILLS:
+            node = node.next
+        if node.op != "root":
+            node.meta[FILLED] = filled
+        return out
 
 
 def _fill_order(t: torch.Tensor) -> list[int] | None:
@@ -117,8 +131,7 @@ def match_random_layout(gm: fx.GraphModule) -> list[fx.Node]:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _RANDOM_FILLS:
             continue
-        filled = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        expected = filled.meta.get("val") if filled is not None and filled.target in _UNINITIALIZED else None
+        expected = node.meta.get(FILLED)
         actual = node.meta.get("val")
         if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor):
             continue
