@@ -4,6 +4,10 @@ AdamW states do not fit next to the model (optimizer offload), within one time b
     python -m benchmarks.gpu                      # everything that fits in --budget (540 s: one 10-minute call)
     python -m benchmarks.gpu --parts table,offload --budget 1800 --steps 20
     python -m benchmarks.gpu --dry-run            # the summary and tables from made-up numbers (any machine)
+    python -m benchmarks.gpu --kit DIR --parts offload   # issue 43's run: the kit installed, the offload rows
+
+``--kit DIR`` first installs the GPU kit (``benchmarks.gpu_kit``: DeepSpeed and what it needs, offline; zgraph from
+this checkout, editable); a kit that does not install is reported and the run goes on without it.
 
 Parts, run in ``PLAN``'s order (tests first, then the eager systems of both tables, the compiled ones last); an
 item that does not fit in what is left of ``--budget`` is skipped, and said so, as is a system that does not
@@ -16,8 +20,12 @@ install (DeepSpeed, Triton for inductor):
   (min / median / max over ``--steps`` after ``--warmup``), tokens/s, peak device memory (``max_memory_allocated``);
 - ``offload``: one GPU; the model sized so that parameters and gradients take ``OFFLOAD_SHARE`` of the device
   memory available (``torch.cuda.mem_get_info``, capped by ``--offload-device-gib``) and its AdamW states (as large
-  again) do not fit beside them: zgraph ``offload_optimizer="cpu"``, DeepSpeed ZeRO-Offload, FSDP2 with
-  ``CPUOffloadPolicy``, same batches; zgraph's tokens/s over DeepSpeed's (target: at least 1.5).
+  again) do not fit beside them: zgraph's update on the host (``offload_update="host"``), DeepSpeed ZeRO-Offload
+  (its CPU Adam where that builds, else torch's CPU AdamW, said in the row), zgraph's host update one step late
+  (``offload_overlap="one_step"``), FSDP2 with ``CPUOffloadPolicy``, zgraph ``offload_optimizer="cpu"`` with the
+  update on the device; same batches; each row with tokens/s, device and host peaks and the bytes over PCIe of one
+  step (profiled: ``benchmarks.gpu_pcie``); zgraph's exact update over DeepSpeed in tokens/s (target: at least 1.5).
+  A zgraph without ``Config.offload_update`` / ``offload_overlap`` skips those rows, saying so.
 
 Each system runs in its own processes (``benchmarks.gpu_worker``) with a timeout, so a failure or an OOM ends only
 its row. Results: ``<out-dir>/gpu-<card>-<date>.json`` (default ``benchmarks/results``) and a Markdown table on
@@ -28,11 +36,9 @@ stdout (both made by ``benchmarks.gpu_report``). The exit status is 1 when a tes
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -43,7 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare_machine import cpu_model, free_port, last_lines, terminate, wait_ranks, zgraph_revision
+from benchmarks.compare_machine import free_port, last_lines, terminate, wait_ranks
+from benchmarks.gpu_machine import COMPILED, DEEPSPEED, install_kit, machine_facts, probe_gpus, unavailable
 from benchmarks.gpu_report import (
     GIB,
     LABELS,
@@ -81,41 +88,22 @@ class Item:
 
 PLAN = (
     Item("tests", "tests/gpu", 90, 300),
+    Item("offload", "zgraph-host", 60, 240),
+    Item("offload", "deepspeed-offload", 120, 300),  # its CPU Adam is built first (about a minute on 16 cores)
+    Item("offload", "zgraph-host-overlap", 60, 240),
+    Item("offload", "fsdp2-offload", 60, 240),
+    Item("offload", "zgraph-offload", 60, 240),
     Item("table", "ddp", 40, 180),
     Item("table", "zgraph-eager", 60, 240),
-    Item("offload", "zgraph-offload", 60, 240),
-    Item("offload", "deepspeed-offload", 90, 300),
-    Item("offload", "fsdp2-offload", 60, 240),
     Item("table", "fsdp2", 40, 180),
     Item("table", "deepspeed-z3", 60, 240),
     Item("table", "deepspeed-offload", 90, 300),
     Item("table", "zgraph-inductor", 150, 420),
     Item("table", "fsdp2-compiled", 120, 360),
 )
-DEEPSPEED = ("deepspeed-z3", "deepspeed-offload")
-COMPILED = ("zgraph-inductor", "fsdp2-compiled")
 
 
 # ------------------------------------------------------------------------------------------------ machine
-_PROBE = """
-import json, torch
-count = torch.cuda.device_count()
-props = torch.cuda.get_device_properties(0)
-free, total = torch.cuda.mem_get_info(0)
-print(json.dumps({"card": props.name, "count": count, "total": total, "free": free, "cuda": torch.version.cuda,
-                  "torch": torch.__version__, "capability": list(torch.cuda.get_device_capability(0))}))
-"""
-
-
-def probe_gpus(timeout: float = 120) -> dict[str, Any]:
-    """The GPUs as a fresh process sees them (this process keeps no CUDA context of its own, so the systems get
-    the memory)."""
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError("probing the GPUs failed: " + last_lines(proc.stderr, 3))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def deepspeed_version(timeout: float = 120) -> tuple[str | None, str | None]:
     """``(version, None)`` where ``import deepspeed`` works in a fresh process, else ``(None, why)``."""
     if importlib.util.find_spec("deepspeed") is None:
@@ -128,40 +116,6 @@ def deepspeed_version(timeout: float = 120) -> tuple[str | None, str | None]:
     if proc.returncode != 0:
         return None, "`import deepspeed` failed: " + last_lines(proc.stderr, 1)
     return proc.stdout.strip().splitlines()[-1], None
-
-
-def unavailable(deepspeed_why: str | None) -> dict[str, str]:
-    """Systems that cannot run here, and why."""
-    why: dict[str, str] = {s: deepspeed_why for s in DEEPSPEED if deepspeed_why}
-    if importlib.util.find_spec("triton") is None:
-        why.update({s: "Triton is not installed (inductor compiles GPU kernels with it)" for s in COMPILED})
-    return why
-
-
-def host_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    except (ValueError, OSError):
-        return float("nan")
-
-
-def machine_facts(gpus: dict[str, Any], deepspeed: str) -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "card": gpus["card"],
-        "count": gpus["count"],
-        "memory_gib": gpus["total"] / GIB,
-        "free_gib": gpus["free"] / GIB,
-        "capability": gpus.get("capability"),
-        "torch": gpus["torch"],
-        "cuda": gpus["cuda"],
-        "deepspeed": deepspeed,
-        "zgraph": zgraph_revision(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "host_gib": host_gib(),
-        "python": platform.python_version(),
-    }
 
 
 def offload_sizing(gpus: dict[str, Any], cap_gib: float) -> dict[str, Any]:
@@ -242,8 +196,8 @@ def run_system(item: Item, args: argparse.Namespace, world: int, layers: int | N
     ]
     if layers is not None:
         options.append(f"--layers={layers}")
-    if item.part == "offload" and args.offload_device_gib:
-        options.append(f"--memory-cap-gib={args.offload_device_gib}")
+    if item.part == "offload":
+        options += ["--pcie", *([f"--memory-cap-gib={args.offload_device_gib}"] if args.offload_device_gib else [])]
     commands = [
         [sys.executable, "-m", "benchmarks.gpu_worker", *options, f"--out={run_dir / f'rank{r}.json'}"]
         for r in range(world)
@@ -359,6 +313,11 @@ def summary(tests: dict, rows: dict[str, list[Row]], sizing: dict) -> dict:
     }
 
 
+# made-up bytes over PCIe per parameter per step of the dry run's offload rows
+DRY_PCIE = {"zgraph-host": 8, "zgraph-host-overlap": 8, "deepspeed-offload": 4, "fsdp2-offload": 12}
+DRY_PCIE["zgraph-offload"] = 24
+
+
 def dry_run(args: argparse.Namespace) -> dict:
     """The whole summary from made-up numbers: the formatting and the JSON, on any machine."""
 
@@ -389,6 +348,11 @@ def dry_run(args: argparse.Namespace) -> dict:
             "peak_rss_mib": 4096.0 * (n + 1),
             "memory_cap_bytes": int(args.offload_device_gib * GIB) if item.part == "offload" else None,
         }
+        if item.part == "offload":
+            rank["pcie_bytes"] = {"host_to_device": DRY_PCIE[item.system] * rank["params"] // 2}
+            rank["pcie_bytes"]["device_to_host"] = rank["pcie_bytes"]["host_to_device"]
+        if item.system == "deepspeed-offload":
+            rank["notes"] = ["host optimizer: DeepSpeedCPUAdam"]
         error = "RuntimeError: made up: CUDA out of memory" if item.system == "fsdp2" else None
         rows[item.part].append(summarize(item.part, item.system, [rank], error, 30.0 + n))
     record = {"test": "estimate[nccl-1-z0-fp32]", "ratio": 0.98, "raw_ratio": 0.95, "estimated_mib": 980.0}
@@ -435,6 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--full-tests", action="store_true", help="every stage in tests/gpu (else stages 0 and 3)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--kit", type=Path, default=None, help="install this GPU kit first (benchmarks.gpu_kit)")
     parser.add_argument("--dry-run", action="store_true", help="made-up numbers through the summary; writes nothing")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
@@ -464,9 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.monotonic()
+    kit = install_kit(args.kit) if args.kit else "not given"
     gpus = probe_gpus()
     ds_version, ds_why = deepspeed_version() if any(s in DEEPSPEED for s in args.systems) else ("not run", None)
     machine = machine_facts(gpus, f"unavailable ({ds_why})" if ds_why else str(ds_version))
+    machine["kit"] = kit
     print(f"machine: {json.dumps(machine)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="zgraph-gpu-") as tmp:
         parts = execute(args, gpus, unavailable(ds_why), Path(tmp), started)

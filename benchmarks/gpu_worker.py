@@ -15,8 +15,14 @@ states in its optimizer; with ``--precision fp32``, none). The loss is computed 
 Systems: ``ddp``; ``fsdp2`` (``fully_shard`` per decoder layer, then the root), ``fsdp2-compiled``
 (``torch.compile`` on it), ``fsdp2-offload`` (with ``CPUOffloadPolicy``: parameters, gradients and AdamW on the
 host); ``deepspeed-z3``; ``deepspeed-offload`` (ZeRO-Offload: stage 2, optimizer on the host with DeepSpeed's CPU
-Adam); ``zgraph-eager`` / ``zgraph-inductor`` (``Config(stage=--zgraph-stage, backend=...)``), ``zgraph-offload``
-(``Config(stage=1, offload_optimizer="cpu")``: AdamW states in pinned host memory, the update on the GPU).
+Adam where its extension builds, else ``zero_force_ds_cpu_optimizer: false`` with torch's CPU AdamW, which the
+row's notes say); ``zgraph-eager`` / ``zgraph-inductor`` (``Config(stage=--zgraph-stage, backend=...)``),
+``zgraph-offload`` (``Config(stage=1, offload_optimizer="cpu")``, the update on the GPU: ``offload_update="device"``
+where zgraph has that option), ``zgraph-host`` (``offload_update="host"``: master weights and AdamW states only in
+host memory, the update there) and ``zgraph-host-overlap`` (that and ``offload_overlap="one_step"``).
+
+``--pcie`` adds one step after the timed ones under torch's profiler and records the bytes it copied between host and
+device (``benchmarks.gpu_pcie``).
 
 ``--memory-cap-gib`` limits the caching allocator (``torch.cuda.set_per_process_memory_fraction``), so that a
 model whose AdamW states do not fit next to it can be sized small enough to run in minutes (the offload case).
@@ -51,6 +57,8 @@ SYSTEMS = (  # the systems this worker builds (benchmarks.gpu runs each in its o
     "zgraph-eager",
     "zgraph-inductor",
     "zgraph-offload",
+    "zgraph-host",
+    "zgraph-host-overlap",
 )
 
 # ~1.1 B parameters: Llama 3.2 1B's shape (d_model 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192) with a 32k vocab
@@ -82,6 +90,8 @@ class RankResult:
     peak_reserved_bytes: int | None = None
     memory_cap_bytes: int | None = None
     peak_rss_mib: float | None = None  # host: VmHWM over the timed steps
+    pcie_bytes: dict[str, int] | None = None  # one step after the timed ones (--pcie): host<->device copies
+    notes: list[str] = field(default_factory=list)  # what the system ran as (DeepSpeed's host optimizer, say)
     error: str | None = None
 
 
@@ -171,11 +181,35 @@ def deepspeed_config(args: argparse.Namespace, offload: bool) -> dict[str, Any]:
     }
 
 
-def build_deepspeed(model: nn.Module, args: argparse.Namespace, device: torch.device, offload: bool) -> StepFn:
+def cpu_adam_builds() -> str | None:
+    """None where DeepSpeed's CPU Adam extension builds (just in time: ninja and a C++ compiler), else why not."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
+    except Exception as err:  # any failure of the build: the fallback runs and the row says why
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+    return None
+
+
+def build_deepspeed(
+    model: nn.Module, args: argparse.Namespace, device: torch.device, offload: bool, notes: list[str]
+) -> StepFn:
+    """DeepSpeed's engine; with ``offload`` its CPU Adam, or torch's CPU AdamW where that does not build."""
     import deepspeed
 
+    config, optimizer = deepspeed_config(args, offload), None
+    if args.precision == "autocast":  # DeepSpeed's bf16 casts parameters only: the rotary tables too, else the
+        model.cos, model.sin = model.cos.bfloat16(), model.sin.bfloat16()  # attention gets fp32 q, k and bf16 v
+    why = cpu_adam_builds() if offload else None
+    if offload:
+        notes.append("host optimizer: DeepSpeedCPUAdam" if why is None else f"host optimizer: torch AdamW ({why})")
+    if why is not None:
+        config.pop("optimizer")
+        config["zero_force_ds_cpu_optimizer"] = False
+        optimizer = adamw(model.parameters(), args.lr)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=deepspeed_config(args, offload)
+        model=model, model_parameters=model.parameters(), config=config, optimizer=optimizer
     )
 
     def step(idx: Tensor, tgt: Tensor) -> Tensor:
@@ -189,29 +223,40 @@ def build_deepspeed(model: nn.Module, args: argparse.Namespace, device: torch.de
 
 def build_zgraph(model: nn.Module, args: argparse.Namespace, device: torch.device, backend: str) -> StepFn:
     """``zgraph.distribute(Config(...))(train_step)``; zgraph starts the process group itself (NCCL: the model is on
-    a GPU). ``backend`` ``offload``: the eager backend with ``offload_optimizer="cpu"`` at stage 1."""
+    a GPU). ``backend`` ``offload`` / ``host`` / ``host-overlap``: the eager backend with ``offload_optimizer="cpu"``
+    at stage 1, the update on the device / on the host / on the host one step late."""
     import zgraph
 
     opt = adamw(model.parameters(), args.lr)
-    if backend == "offload":
-        config = zgraph.Config(stage=1, backend="eager", offload_optimizer="cpu")
+    has_update = "offload_update" in {f.name for f in dataclasses.fields(zgraph.Config)}
+    offload = {
+        "offload": {"offload_update": "device"} if has_update else {},
+        "host": {"offload_update": "host"},
+        "host-overlap": {"offload_update": "host", "offload_overlap": "one_step"},
+    }
+    if backend in offload:
+        config = zgraph.Config(stage=1, backend="eager", offload_optimizer="cpu", **offload[backend])
     else:
         config = zgraph.Config(stage=args.zgraph_stage, backend=backend)
     step = zgraph.distribute(config)(make_step(args.precision == "autocast"))
     return lambda idx, tgt: step(model, opt, idx, tgt)
 
 
-def build_system(name: str, model: nn.Module, args: argparse.Namespace, device: torch.device) -> StepFn:
+def build_system(
+    name: str, model: nn.Module, args: argparse.Namespace, device: torch.device, notes: list[str]
+) -> StepFn:
     builders: dict[str, Callable[[], StepFn]] = {
         "ddp": lambda: build_ddp(model, args, device),
         "fsdp2": lambda: build_fsdp2(model, args, device),
         "fsdp2-compiled": lambda: build_fsdp2(model, args, device, "compiled"),
         "fsdp2-offload": lambda: build_fsdp2(model, args, device, "offload"),
-        "deepspeed-z3": lambda: build_deepspeed(model, args, device, offload=False),
-        "deepspeed-offload": lambda: build_deepspeed(model, args, device, offload=True),
+        "deepspeed-z3": lambda: build_deepspeed(model, args, device, False, notes),
+        "deepspeed-offload": lambda: build_deepspeed(model, args, device, True, notes),
         "zgraph-eager": lambda: build_zgraph(model, args, device, "eager"),
         "zgraph-inductor": lambda: build_zgraph(model, args, device, "inductor"),
         "zgraph-offload": lambda: build_zgraph(model, args, device, "offload"),
+        "zgraph-host": lambda: build_zgraph(model, args, device, "host"),
+        "zgraph-host-overlap": lambda: build_zgraph(model, args, device, "host-overlap"),
     }
     if name not in builders:
         raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
@@ -271,7 +316,7 @@ def run(args: argparse.Namespace, result: RankResult) -> None:
     result.tokens_per_step = args.micro_batch * args.seq * result.world_size
     result.precision = args.precision
     batches = local_batches(args, result.rank, result.world_size, args.warmup + args.steps, device)
-    step = build_system(args.system, model, args, device)
+    step = build_system(args.system, model, args, device, result.notes)
     del model
     for i in range(args.warmup):
         seconds, loss = timed_call(step, *batches[i], device)
@@ -288,6 +333,10 @@ def run(args: argparse.Namespace, result: RankResult) -> None:
     result.peak_bytes = torch.cuda.max_memory_allocated(device)
     result.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
     result.peak_rss_mib = peak_rss_mib()
+    if args.pcie:
+        from benchmarks.gpu_pcie import profiled_bytes
+
+        result.pcie_bytes = profiled_bytes(lambda: step(*batches[args.warmup]), lambda: sync(device))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -303,6 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-cap-gib", type=float, default=0.0, help="limit the caching allocator (0: none)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pcie", action="store_true", help="one more step, profiled: bytes between host and device")
     parser.add_argument("--out", required=True, help="where this rank writes its JSON result")
     return parser.parse_args(argv)
 

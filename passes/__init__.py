@@ -1,11 +1,11 @@
 """zgraph's graph passes (installed as ``zgraph.passes``): each one file, ``fn(gm, ctx) -> gm``.
 
-``default_pipeline()`` is the ordered list ``@zgraph.distribute`` runs; see each pass's module docstring for
+``default_passes()`` is the ordered list ``@zgraph.distribute`` runs; see each pass's module docstring for
 what it does and what later passes may rely on.
 
 Files::
 
-    pipeline.py              named passes with contracts, run in order, each leaving a graph to inspect
+    pass_list.py             named passes with contracts, run in order, each leaving a graph to inspect
     provenance.py            every node a pass creates is stamped with the pass's name, by a hook
     graph_utils.py           helpers the passes share: graph outputs and their roles, shard values
     cse.py                   ``cse``: merge nodes computing the same pure op on the same inputs
@@ -19,11 +19,17 @@ Files::
     loss_scale.py            ``loss_scale``: the fp16 overflow check sees every rank's gradients
     cast.py                  ``cast``: dtype casts moved to where they save the most
     offload.py               ``offload``: optimizer states and parameter shards moved to a slower tier
+    host_update.py           ``host_update``: the optimizer update of host-resident state placed on the host
     secondary_shards.py      ``secondary_shards`` (hpZ): the backward re-gathers within a group, from the forward
     bucket.py                ``bucket``: layout operators of one kind merged into buckets
     lower_collectives.py     ``lower_collectives``: layout operators become functional collectives
     schedule.py              ``schedule``: the lowered graph ordered so communication overlaps compute
     partition.py             a split step's joint graph cut into a forward and a backward graph
+    micro_batch_loss.py      ``micro_batch_loss`` (pipeline parallelism): how the loss combines over micro-batches
+    sample_flow.py           each forward value's batch dimension; the ops that combine samples
+    token_mean.py            a cross_entropy token mean made a sum over another count (sequence, pipeline)
+    stage_cut.py             ``stage_cut`` (pipeline parallelism): each node stamped with its stage and part
+    stage_graphs.py          a graph ``stage_cut`` stamped taken apart: each stage's forward, backward, update
 """
 
 from __future__ import annotations
@@ -37,19 +43,20 @@ from zgraph.passes.bucket import bucket
 from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
 from zgraph.passes.cse import eliminate_common_subexpressions
+from zgraph.passes.host_update import host_update, host_update_applies
 from zgraph.passes.loss_scale import loss_scale
 from zgraph.passes.lower_collectives import lower_collectives, lower_collectives_applies
 from zgraph.passes.offload import offload, offload_applies
 from zgraph.passes.offload_activations import offload_activations, offload_activations_applies
-from zgraph.passes.pipeline import (
+from zgraph.passes.pass_list import (
     CAPTURED_PROPERTIES,
     PROPERTY_CHECKS,
     Pass,
     PassContext,
     PassRecord,
-    build_pipeline,
+    build_pass_list,
     check_contracts,
-    run_pipeline,
+    run_passes,
     with_group,
 )
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
@@ -71,6 +78,7 @@ _APPLIES = {
     "clip_grad": with_group,
     "loss_scale": with_group,
     "offload": offload_applies,
+    "host_update": host_update_applies,
     "secondary_shards": secondary_shards_applies,
     "bucket": with_group,
     "lower_collectives": lower_collectives_applies,
@@ -78,7 +86,7 @@ _APPLIES = {
 }
 
 
-def default_pipeline(
+def default_passes(
     *,
     stage: int = 0,
     max_reuse_distance: int = 0,
@@ -95,7 +103,7 @@ def default_pipeline(
 ) -> list[Pass]:
     """The passes of a distributed step, in order, with their options bound (``functools.partial``).
 
-    The options are ``zgraph.Config``'s (``Config.pipeline_options()``; the defaults are ``Config()``'s), except
+    The options are ``zgraph.Config``'s (``Config.pass_options()``; the defaults are ``Config()``'s), except
     ``reduce_dtype``: the dtype gradients are reduced in (``Config.reduce_dtype``, else ``param_dtype``)."""
     bind, reduced = functools.partial, {"grads_reduced"}
     passes = [
@@ -123,6 +131,7 @@ def default_pipeline(
             bind(offload, tier=offload_optimizer, fraction=offload_fraction, params=offload_params),
             requires={"grads_reduced"},
         ),
+        Pass("host_update", bind(host_update, offload_params=offload_params), requires={"grads_reduced"}),
         Pass("secondary_shards", bind(secondary_shards, stage=stage), requires={"phases"}),
         Pass(
             "bucket",
@@ -145,8 +154,8 @@ __all__ = [
     "Pass",
     "PassContext",
     "PassRecord",
-    "build_pipeline",
+    "build_pass_list",
     "check_contracts",
-    "default_pipeline",
-    "run_pipeline",
+    "default_passes",
+    "run_passes",
 ]

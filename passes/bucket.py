@@ -33,7 +33,7 @@ import torch.fx as fx
 from zgraph.graph import BUCKET, PHASE, CostModel, fake_mode, insert, tensor_bytes
 from zgraph.ops import BUCKETED, REDUCE, REDUCE_SHARD, RELOAD, UNSHARD
 from zgraph.passes.graph_utils import CASTS, SIMPLE_VIEWS
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 # "auto" sizes: never below MIN_AUTO_BYTES from the cost model. Below a few MiB each collective's fixed host-side
 # costs (issue, pack, wait, unpack) outweigh what smaller buckets gain: on gloo (2 ranks, bench GPT, alternated

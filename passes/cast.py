@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from zgraph.graph import eliminate_dead_code, fake_mode, insert
 from zgraph.ops import REDUCE, REDUCE_SHARD, UNSHARD
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 _WIDTH = {torch.float64: 64, torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}

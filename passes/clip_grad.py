@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE, GRAD_NORM, REDUCE, REDUCE_SHARD, UNSHARD
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 

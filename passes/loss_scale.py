@@ -15,7 +15,7 @@ import torch.fx as fx
 from zgraph.graph import PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE, NONFINITE
 from zgraph.passes.clip_grad import sharded_gradient
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 

@@ -47,7 +47,7 @@ from zgraph.ops import (
     UNSHARD,
     UNSHARD_BUCKET,
 )
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 from zgraph.sequence_ops import SEQ_TO_HEADS, SEQUENCE_OPS
 
 aten = torch.ops.aten

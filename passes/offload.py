@@ -21,6 +21,9 @@ Rewrite, for each planned input (``slot``: its input position):
   writes nothing back, the tier holds the new value (made current once the whole graph ran, so every reload of
   the step reads the value the step started from).
 
+Parameters the host updates (``PassContext.host_params``, ``Config.offload_update="host"``) and their states are in host
+memory already: the ``host_update`` pass places them, this one leaves them alone.
+
 Safety rules: only ``opt_state`` and sharded ``param`` inputs move; an input the graph does not read is left
 alone (nothing to reload); one read but not updated gets no write_back. Nothing else changes: the arithmetic is
 the same, so training is bitwise the same as without offload. No tier, or ``"cpu"`` with the state on the CPU
@@ -47,12 +50,17 @@ from zgraph.graph import (
 )
 from zgraph.ops import RELOAD, WRITE_BACK
 from zgraph.passes.graph_utils import insert_per_region, outputs, set_outputs, use_regions
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 
-def plan_offload(gm: fx.GraphModule, fraction: float) -> list[fx.Node]:
-    """The optimizer-state placeholders to offload: whole states in order until ``fraction`` of the bytes."""
-    states = [n for n in placeholders(gm) if n.meta[INPUT].kind == "opt_state" and n.meta[VAL].dim() > 0]
+def plan_offload(gm: fx.GraphModule, fraction: float, host: set[int]) -> list[fx.Node]:
+    """The optimizer-state placeholders to offload: whole states in order until ``fraction`` of the bytes (but the
+    states of parameters the host updates, ``host``: the ``host_update`` pass places them)."""
+    states = [
+        n
+        for n in placeholders(gm)
+        if n.meta[INPUT].kind == "opt_state" and n.meta[VAL].dim() > 0 and n.meta[INPUT].index not in host
+    ]
     budget = fraction * sum(tensor_bytes(n.meta[VAL]) for n in states)
     chosen, done = [], 0
     for node in states:
@@ -64,12 +72,16 @@ def plan_offload(gm: fx.GraphModule, fraction: float) -> list[fx.Node]:
     return chosen
 
 
-def plan_param_offload(gm: fx.GraphModule) -> list[fx.Node]:
-    """The parameter placeholders to offload: every sharded (stage-3) parameter the graph reads."""
+def plan_param_offload(gm: fx.GraphModule, host: set[int]) -> list[fx.Node]:
+    """The parameter placeholders to offload: every sharded (stage-3) parameter the graph reads (but those in host
+    memory already, ``host``)."""
     return [
         n
         for n in placeholders(gm)
-        if n.meta[INPUT].kind == "param" and n.meta[INPUT].layout == "shard" and any(u.op != "output" for u in n.users)
+        if n.meta[INPUT].kind == "param"
+        and n.meta[INPUT].layout == "shard"
+        and n.meta[INPUT].index not in host
+        and any(u.op != "output" for u in n.users)
     ]
 
 
@@ -95,8 +107,9 @@ def offload(
     ``Config.offload_params`` (``"cpu"`` changes the graph only when ``ctx.device_type`` is not the CPU)."""
     if not offload_applies(gm, ctx, tier=tier, fraction=fraction, params=params):
         return gm
-    chosen = plan_offload(gm, fraction) if offload_moves(tier, ctx.device_type) else []
-    chosen += plan_param_offload(gm) if offload_moves(params, ctx.device_type) else []
+    host = ctx.host_params
+    chosen = plan_offload(gm, fraction, host) if offload_moves(tier, ctx.device_type) else []
+    chosen += plan_param_offload(gm, host) if offload_moves(params, ctx.device_type) else []
     if not chosen:
         return gm
     slots = {node: i for i, node in enumerate(placeholders(gm))}

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from zgraph.graph import BACKWARD, FORWARD, OPTIMIZER, PHASE, VAL, insert, offload_moves, tensor_bytes
 from zgraph.ops import STASH, UNSTASH
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 from zgraph.sizes import size_hint
 
 TIERS = ("cpu", "nvme")

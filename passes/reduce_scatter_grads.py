@@ -31,7 +31,7 @@ import torch.fx as fx
 from zgraph.graph import BACKWARD, INPUT, Axis, fake_mode, insert, placeholders
 from zgraph.ops import GRAD_CONTRIBUTION, REDUCE, REDUCE_SHARD, SHARD, UNSHARD
 from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_input, shard_output
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 
 def reduce_scatter_grads(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> fx.GraphModule:

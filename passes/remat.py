@@ -17,11 +17,11 @@ so a chain never reaches back into earlier blocks.
 inside a block the backward reads is recomputed from them (matmuls included). Blocks are the model's repeated
 modules, as capture marks them (``node.meta[CUSTOM][BLOCK]``, see ``zgraph.graph``); values outside every block are
 saved as without recomputation. A graph whose backward reads forward values but that has no blocks is refused
-(``PipelineError``): ``"selective"`` needs none.
+(``PassError``): ``"selective"`` needs none.
 
 A mapping from block names to policies (``{"layers.0": "full", "layers.1": "selective"}``, what the memory
 planner chooses) applies each policy to the values of its block; blocks it leaves out, and values outside every
-block, are saved. A name that is not one of the graph's blocks is refused (``PipelineError``).
+block, are saved. A name that is not one of the graph's blocks is refused (``PassError``).
 
 Random ops (``nondeterministic_seeded``: dropout's ``bernoulli`` / ``native_dropout``, ``rand*``, the generator
 state) and ops whose output is undefined memory (``empty*``) are never recomputed: their outputs are saved, so the
@@ -43,9 +43,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from zgraph.errors import PipelineError
+from zgraph.errors import PassError
 from zgraph.graph import BACKWARD, BLOCK, CUSTOM, FORWARD, PHASE
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 
@@ -128,13 +128,13 @@ def _policy_of(gm: fx.GraphModule, policy: Policy, reads: bool) -> Callable[[str
     if isinstance(policy, Mapping):
         unknown = [name for name in policy if name not in blocks]
         if unknown:
-            raise PipelineError(
+            raise PassError(
                 f"Config.remat names blocks this step's models lack: {', '.join(map(repr, unknown))}; its blocks "
                 f"are {', '.join(map(repr, blocks)) or 'none'}"
             )
         return lambda block: policy.get(block) if block is not None else None
     if policy == "full" and reads and not blocks:
-        raise PipelineError(
+        raise PassError(
             'Config.remat="full" recomputes each of the model\'s repeated blocks (the children of an nn.ModuleList '
             'or nn.Sequential of modules of one class), and this step\'s models have none; use remat="selective"'
         )

@@ -35,7 +35,7 @@ from zgraph.graph import BACKWARD, OPTIMIZER, PHASE, tensor_bytes
 from zgraph.ops import RELOAD, UNSHARD
 from zgraph.passes.bucket import bucket_limit
 from zgraph.passes.graph_utils import CASTS, VIEWS
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default

@@ -25,7 +25,7 @@ import torch.fx as fx
 from zgraph.graph import BACKWARD, FORWARD, INPUT, PHASE, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import RELOAD, SHARD, UNSHARD
 from zgraph.passes.graph_utils import CASTS
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 

@@ -17,22 +17,24 @@ labels: the sequence's last position once labels are shifted, ``ignore_index`` p
 all-reduce of the counts in the forward; its backward divides by the same), so the ranks' average is the global
 mean, as eager computes it. ZeRO shards over every rank, as DeepSpeed does with Ulysses.
 
-Refused (``PipelineError``, before anything runs): a step with no attention the pass recognises (an attention
+Refused (``PassError``, before anything runs): a step with no attention the pass recognises (an attention
 written out as matmul and softmax: use ``F.scaled_dot_product_attention``), a head count ``N`` does not divide,
 and an explicit attention mask (a mask of the slice's tokens cannot stand for the sequence's; use ``is_causal``).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.fx as fx
 
-from zgraph.errors import PipelineError
+from zgraph.errors import PassError
 from zgraph.graph import FORWARD, INPUT, PHASE, Axis, compute_val, eliminate_dead_code, fake_mode, insert
 from zgraph.ops import COMBINE
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
+from zgraph.passes.token_mean import as_sum_over, token_means
 from zgraph.sequence_ops import HEADS_TO_SEQ, SEQ_TO_HEADS
 from zgraph.sizes import same_size
 
@@ -71,7 +73,7 @@ def sequence_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mode = fake_mode(gm)
     forwards = [n for n in gm.graph.nodes if n.target in ATTENTION]
     if not forwards:
-        raise PipelineError(
+        raise PassError(
             f"Config.sequence_parallel={axis.size}: the step has no scaled_dot_product_attention to run over the "
             "whole sequence (attention written as matmul + softmax is not recognised; use "
             "torch.nn.functional.scaled_dot_product_attention, or a Hugging Face model with attn_implementation="
@@ -82,46 +84,30 @@ def sequence_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _check(node, axis)
         _around(gm, node, axis, mode)
     _move_positions(gm, local, axis.rank * local, mode)
-    for node in [n for n in gm.graph.nodes if n.target is aten.nll_loss_forward.default and n.args[3] == _MEAN]:
-        _global_token_mean(gm, node, ctx, mode)
+    for node in token_means(gm):
+        as_sum_over(gm, node, functools.partial(_global_share, gm, ctx=ctx, mode=mode), mode)
     eliminate_dead_code(gm.graph)
     return gm
 
 
-_MEAN, _SUM = 1, 2  # nll_loss's reduction codes
-
-
-def _global_token_mean(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, mode: object) -> None:
-    """``nll_loss`` (mean) over this rank's tokens becomes its sum over ``count / world`` (``count``: every rank's
-    counted tokens), in the forward and in the backward."""
-    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-    if 1 not in items:
-        return
-    total, count = items.get(0), items[1]
-    node.args = (*node.args[:3], _SUM, *node.args[4:])
-    at = dict(after=count, phase=node.meta.get(PHASE), mode=mode)
+def _global_share(gm: fx.GraphModule, count: fx.Node, *, ctx: PassContext, mode: object) -> fx.Node:
+    """Every rank's counted tokens over the world size: each rank's share of the global token mean."""
+    at = dict(after=count, phase=count.meta.get(PHASE), mode=mode)
     everyone = insert(gm, COMBINE, (count, "sum", ctx.world_size, ctx.group_name), **at)
-    share = insert(
-        gm, aten.div.Tensor, (everyone, ctx.world_size), after=everyone, phase=node.meta.get(PHASE), mode=mode
+    return insert(
+        gm, aten.div.Tensor, (everyone, ctx.world_size), after=everyone, phase=count.meta.get(PHASE), mode=mode
     )
-    for user in list(count.users):
-        if user.target is aten.nll_loss_backward.default and user.args[6] is count:
-            user.args = (*user.args[:6], share)
-    if total is not None:
-        compute_val(total, mode)
-        mean = insert(gm, aten.div.Tensor, (total, share), after=share, phase=node.meta.get(PHASE), mode=mode)
-        total.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
 
 
 def _check(node: fx.Node, axis: Axis) -> None:
     heads = node.args[0].meta["val"].shape[1]
     if heads % axis.size or node.args[1].meta["val"].shape[1] % axis.size:
-        raise PipelineError(
+        raise PassError(
             f"Config.sequence_parallel={axis.size} must divide the attention's head count: {node.name} has "
             f"{heads} query heads and {node.args[1].meta['val'].shape[1]} key/value heads"
         )
     if any(isinstance(a, fx.Node) for a in (*node.args[3:], *node.kwargs.values())):  # attn_mask / attn_bias
-        raise PipelineError(
+        raise PassError(
             f"Config.sequence_parallel={axis.size}: attention {node.name} takes an explicit attn_mask, which covers "
             "only this rank's slice of the sequence; use is_causal=True (or no mask)"
         )
@@ -194,7 +180,7 @@ def _move_positions(gm: fx.GraphModule, length: int | torch.SymInt, offset: int 
     """Forward ``arange`` of ``length`` elements, and ``buffer[:length]`` of a graph input, now start at
     ``offset``: the positions of this rank's slice in the whole sequence. A symbolic ``length`` (a graph captured
     with symbolic sequence sizes) is matched for every size, never at its hint only; the new bounds are then
-    symbolic too (the pipeline makes the graph compute them: ``zgraph.graph.bind_sizes``)."""
+    symbolic too (the pass list makes the graph compute them: ``zgraph.graph.bind_sizes``)."""
     if same_size(offset, 0):
         return
     for node in list(gm.graph.nodes):

@@ -19,7 +19,7 @@ import torch.fx as fx
 from zgraph.graph import INPUT, OPTIMIZER, VAL, fake_mode, insert, output_node, placeholders
 from zgraph.ops import SHARD, UNSHARD
 from zgraph.passes.graph_utils import outputs, push_shards, set_outputs, shard_input, shard_output
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 
 def shard_optimizer_applies(gm: fx.GraphModule, ctx: PassContext, *, stage: int = 0) -> bool:

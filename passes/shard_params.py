@@ -53,7 +53,7 @@ from zgraph.passes.graph_utils import (
     shard_val,
     use_regions,
 )
-from zgraph.passes.pipeline import PassContext
+from zgraph.passes.pass_list import PassContext
 
 aten = torch.ops.aten
 

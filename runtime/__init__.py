@@ -18,6 +18,9 @@ Files::
     offload_host.py    the ``"cpu"`` tier: device state kept in host memory
     offload_nvme.py    the ``"nvme"`` tier: state kept in files
     offload_activations.py  the activation tier: saved activations between forward and backward, within a step
+    host_state.py      the update on the host: which parameters, their state moved to host memory
+    host_update.py     the update on the host: its copies served, its partitions run on a host thread
+    host_partitions.py the update on the host: the optimizer's host nodes cut into partitions (a backend rewrite)
     host_memory.py     freed host memory kept for the next step
     reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
     executor.py        backends that turn the final graph into something to call
@@ -27,4 +30,7 @@ Files::
     memory.py          live tensor bytes on any device, measured exactly
     cost_model.py      cost of collectives and compute, for bucket sizes and schedules
     timeline.py        how a lowered graph runs: one compute and one communication stream
+    pipeline_schedule.py  pipeline parallelism's schedules: each rank's forwards, backwards, sends and receives
+    pipeline_simulate.py  a pipeline schedule checked (no deadlock) and timed: its predicted bubble, a timeline
+    pipeline_run.py    one rank's actions of a pipelined step: its stages' graphs, point-to-point sends, the update
 """

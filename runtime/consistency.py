@@ -82,6 +82,20 @@ def check_same_graph(
     ``RankMismatchError`` naming it, read from the failure record it made first), then it is re-raised here.
     ``device``: where the digests travel (``zgraph.runtime.devices.control_device``; default the host).
     """
+    if not same_digests(channel, group_name, label, digest_value, error, device):
+        raise_different_graphs(channel, label, lines)
+
+
+def same_digests(
+    channel: Channel,
+    group_name: str,
+    label: str,
+    digest_value: int,
+    error: Exception | None = None,
+    device: torch.device | None = None,
+) -> bool:
+    """``check_same_graph``'s all-gather: whether every rank's digest is this rank's (the same answer on every
+    rank). Raises as ``check_same_graph`` does where a rank failed to build its graph."""
     world = channel.world_size
     mine = torch.tensor([digest_value, 0 if error is None else 1], dtype=torch.int64, device=device)
     c10d = torch.ops._c10d_functional
@@ -98,8 +112,12 @@ def check_same_graph(
         records = channel.failures(wait=2.0)
         notes = [(records.get(r, "no record of the error") if r in failed else None, []) for r in range(world)]
         raise RankMismatchError(_explain(notes, channel.rank))
-    if all(row[0] == everyone[0][0] for row in everyone):
-        return
+    return all(row[0] == everyone[0][0] for row in everyone)
+
+
+def raise_different_graphs(channel: Channel, label: str, lines: list[str]) -> None:
+    """After ``same_digests`` said the graphs differ (every rank calls it): the ranks exchange their graphs'
+    descriptions and raise ``RankMismatchError`` naming the first difference."""
     payload = json.dumps({"note": "", "lines": lines}).encode()
     descriptions = [_description(raw) for raw in channel.exchange(f"{label} (comparing graphs)", payload)]
     raise RankMismatchError(_explain(descriptions, channel.rank))
@@ -131,8 +149,10 @@ def _explain(descriptions: list, rank: int) -> str:
         for a, b in zip(base_inputs, inputs):
             if a != b:
                 return head + (
-                    f"Rank 0 has `{a}`, rank {other} has `{b}`. Every rank must call the step with arguments "
-                    "of the same shapes, dtypes and structure (pad or drop the last uneven batch)."
+                    f"Rank 0 has `{a}`, rank {other} has `{b}`. Sizes that differ between ranks are symbolic "
+                    "(one graph serves every rank's), but not a size 0 or 1, nor sizes equal to each other on one "
+                    "rank only (they share a symbol there), nor dtypes or the arguments' structure: make those the "
+                    "same on every rank (pad, or drop the last uneven batch)."
                 )
         if len(base_inputs) != len(inputs):
             return head + f"Rank 0's graph has {len(base_inputs)} inputs, rank {other}'s has {len(inputs)}."

@@ -26,19 +26,22 @@ from torch import Tensor
 
 from zgraph.errors import ZGraphError
 
+HOME = "_zgraph_home"  # a tensor kept in host memory for a device's step (the update on the host): that device
+
 
 class DeviceError(ZGraphError, ValueError):
     """The training state's device and the process group's backend do not fit together."""
 
 
 def state_device(tensors: Iterable[Tensor], meta_is_device: bool = False) -> torch.device:
-    """The device of ``tensors`` (DTensors by their local tensor's); CPU when there are none; ``meta`` when all
+    """The device of ``tensors`` (DTensors by their local tensor's; a tensor kept in host memory for a device's
+    step, the update on the host's, by that device: ``HOME``); CPU when there are none; ``meta`` when all
     are meta (a meta tensor beside real ones is about to be made real there, unless ``meta_is_device``: a test's
     stand-in accelerator). Raises ``DeviceError`` naming two devices when they are on several."""
     found: torch.device | None = None
     meta = False
     for t in tensors:
-        device = getattr(t, "_local_tensor", t).device
+        device = getattr(t, HOME, None) or getattr(t, "_local_tensor", t).device
         if device.type == "meta" and not meta_is_device:
             meta = True
         elif found is None:

@@ -3,11 +3,14 @@
 ``eager`` runs the FX GraphModule op by op; ``inductor`` compiles it with ``compile_fx``. The graph already holds
 the backward pass as explicit ops and its inputs do not require grad, so nothing is recorded for autograd.
 
-Each backend rewrites the pipeline's last graph before it runs it (``backend_rewrites``); the step runs these
+Each backend rewrites the pass list's last graph before it runs it (``backend_rewrites``); the step runs these
 rewrites as recorded passes, so the graph it shows as ``final`` is exactly the one that runs:
 
 - eager: ``reinplace`` (``zgraph.runtime.reinplace``): state updates and all-reduces in place, functional copies
   into buffers of their own size.
+- both (for inductor first: its other rewrites never see them): ``host_partitions``
+  (``zgraph.runtime.host_partitions``): the optimizer's host nodes (``Config.offload_update="host"``) cut into
+  partitions a host thread runs, op by op, as eager PyTorch computes on the CPU.
 - inductor: ``explicit_alpha``: ``add``/``sub`` with an ``alpha`` other than 1 become an explicit multiplication,
   ``add(x, mul(y, alpha))``. Inductor's pattern that fuses ``add(x, mm(a, b))`` into ``addmm`` drops ``alpha``,
   and the optimizer kernels update parameters with ``param.add_(grad, alpha=-lr)`` (``lr`` a graph scalar).
@@ -35,7 +38,9 @@ import torch.fx as fx
 from torch import Tensor
 
 from zgraph.graph import PHASE, UPDATED_INPUTS, copy_graph_module, fake_mode, insert, placeholders
+from zgraph.host_ops import HOST_PARTS
 from zgraph.runtime.float64_scalars import float64_scalars
+from zgraph.runtime.host_partitions import has_host_ops, host_partitions
 from zgraph.runtime.reinplace import reinplace
 from zgraph.runtime.unbacked_scalars import decompositions, reads_host_scalars, unbacked_scalars
 
@@ -55,14 +60,19 @@ class Executable:
     backend: str
     compile_seconds: float
     updated_inputs: frozenset[int] = frozenset()
+    host_parts: list[fx.GraphModule] | None = None  # the update on the host's partitions; None: no host ops
 
 
-def backend_rewrites(backend: str) -> list[tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]]:
-    """``[(name, rewrite)]`` a backend applies to the graph before ``compile_graph`` (each in place, returning it)."""
+def backend_rewrites(
+    backend: str, gm: fx.GraphModule | None = None
+) -> list[tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]]:
+    """``[(name, rewrite)]`` a backend applies to the graph (``gm``) before ``compile_graph`` (each in place,
+    returning it); ``host_partitions`` only where ``gm`` has the update on the host's operators."""
+    hosted = [("host_partitions", host_partitions)] if gm is not None and has_host_ops(gm) else []
     if backend == "eager":
-        return [("reinplace", reinplace)]
+        return [("reinplace", reinplace), *hosted]
     if backend == "inductor":
-        return [("explicit_alpha", explicit_alpha)]
+        return [*hosted, ("explicit_alpha", explicit_alpha)]
     raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
 
 
@@ -79,7 +89,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
             with torch.enable_grad():
                 return gm(*inputs)
 
-        return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated))
+        return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated), gm.meta.get(HOST_PARTS))
     if backend == "inductor":
         try:
             compiled = _compile_inductor(gm)
@@ -96,7 +106,10 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
             with torch.no_grad():
                 return compiled(*inputs)
 
-        return Executable(run_inductor, backend, time.perf_counter() - start)
+        updated = gm.meta.get(UPDATED_INPUTS, frozenset())  # host states their partitions write in place
+        return Executable(
+            run_inductor, backend, time.perf_counter() - start, frozenset(updated), gm.meta.get(HOST_PARTS)
+        )
     raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
 
 

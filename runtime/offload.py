@@ -48,11 +48,13 @@ def open_store(config: Any, device: torch.device) -> TierStore | None:
     return None
 
 
-def describe(optimizer_tier: str | None, params_tier: str | None, store: TierStore | None) -> list[str]:
-    """``explain()``'s lines about offload."""
+def describe(
+    optimizer_tier: str | None, params_tier: str | None, store: TierStore | None, hosted: bool = False
+) -> list[str]:
+    """``explain()``'s lines about offload (``hosted``: the update on the host keeps the state, and says so)."""
     lines = []
     for field, tier, what in (("offload_optimizer", optimizer_tier, "states"), ("offload_params", params_tier, "")):
-        if tier == "cpu" and not isinstance(store, HostStore):
+        if tier == "cpu" and not isinstance(store, HostStore) and not hosted:
             lines.append(f'{field}="cpu": the identity here (the {what or "parameters"} are in host memory already)')
     if store is None:
         return lines

@@ -114,26 +114,8 @@ class TierStore(OffloadTier):
 
     # ------------------------------------------------------------------------------------------- set-up
     def watch(self, optimizers: list, modules: list) -> None:
-        """Make reads of the offloaded state outside the graph see it resident: ``optimizer.state_dict()``,
-        ``load_state_dict()`` and an eager ``step()``; ``state_dict()`` and ``load_state_dict()`` of every module
-        of ``modules`` (the bound models) and of their submodules."""
-        for opt in optimizers:
-            if self._own(opt):
-                opt.register_state_dict_pre_hook(materialize)
-                opt.register_load_state_dict_pre_hook(lambda o, _sd: materialize(o))
-                opt.register_step_pre_hook(lambda o, _a, _k: materialize(o))
-        for module in {id(m): m for root in modules for m in root.modules()}.values():
-            if self._own(module):
-                module.register_state_dict_pre_hook(lambda m, *_: materialize(m))
-                module.register_load_state_dict_pre_hook(lambda m, *_: materialize(m))
-
-    def _own(self, owner: Any) -> bool:
-        """Record this store as holding state of ``owner``; True the first time any store does (hook it)."""
-        if owner in _OWNER_STORES:
-            _OWNER_STORES[owner].add(self)
-            return False
-        _OWNER_STORES[owner] = weakref.WeakSet([self])
-        return True
+        """Make reads of the offloaded state outside the graph see it resident (``watch``)."""
+        watch(self, optimizers, modules)
 
     def reserve(self, sizes: dict[tuple, int]) -> None:
         """Make the blocks of the inputs (``sizes``: state key to bytes) not offloaded yet: the runtime calls it
@@ -271,6 +253,31 @@ class TierStore(OffloadTier):
     def _restore(self, only: set[int] | None = None) -> None:
         """Give every released storage (of ids ``only``, if given) its bytes back, read from the tier."""
         restore(self.released, self._load, only)
+
+
+def watch(holder: Any, optimizers: list, modules: list) -> None:
+    """Call ``holder.materialize()`` before every read of the state it holds outside the graph:
+    ``optimizer.state_dict()``, ``load_state_dict()`` and an eager ``step()``; ``state_dict()`` and
+    ``load_state_dict()`` of every module of ``modules`` (the bound models) and of their submodules; and
+    ``materialize`` of any of them (``zgraph.gather``, ``full_state_dict``, ``save``, ``load``)."""
+    for opt in optimizers:
+        if _own(holder, opt):
+            opt.register_state_dict_pre_hook(materialize)
+            opt.register_load_state_dict_pre_hook(lambda o, _sd: materialize(o))
+            opt.register_step_pre_hook(lambda o, _a, _k: materialize(o))
+    for module in {id(m): m for root in modules for m in root.modules()}.values():
+        if _own(holder, module):
+            module.register_state_dict_pre_hook(lambda m, *_: materialize(m))
+            module.register_load_state_dict_pre_hook(lambda m, *_: materialize(m))
+
+
+def _own(holder: Any, owner: Any) -> bool:
+    """Record ``holder`` as holding state of ``owner``; True the first time any holder does (hook it)."""
+    if owner in _OWNER_STORES:
+        _OWNER_STORES[owner].add(holder)
+        return False
+    _OWNER_STORES[owner] = weakref.WeakSet([holder])
+    return True
 
 
 def restore(released: dict[int, tuple[Any, int, list[State]]], load: Any, only: set[int] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Updates in place for the eager backend: the optimizer writes into its state as ``torch.optim`` does.
 
-The pipeline's graphs are functional: an optimizer step makes new parameter and state tensors while the old ones,
+The pass list's graphs are functional: an optimizer step makes new parameter and state tensors while the old ones,
 still referenced by the model and the optimizer, stay alive until the step returns — twice the optimizer's memory
 at the end of every step, and fresh allocations each call. Inductor removes this itself; for the FX executor this
 rewrite does, on the final graph only:
@@ -33,6 +33,7 @@ the same way in place, so the numbers are bitwise the same.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -65,8 +66,9 @@ def _inplace_variant(target: object) -> object | None:
     return getattr(packet, target._overloadname, None)
 
 
-def reinplace_state_updates(gm: fx.GraphModule) -> list[int]:
-    """Rewrite ``gm`` in place as described above; returns the output positions that are now updated inputs."""
+def reinplace_state_updates(gm: fx.GraphModule, only: Callable[[fx.Node], bool] | None = None) -> list[int]:
+    """Rewrite ``gm`` in place as described above (only chains whose every op ``only`` accepts, if given); returns
+    the output positions that are now updated inputs."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     placeholders = {
         state_key(n.meta[INPUT]): n
@@ -85,7 +87,7 @@ def reinplace_state_updates(gm: fx.GraphModule) -> list[int]:
         if source is None or not isinstance(value, fx.Node):
             continue
         chain = _chain(source, value, values)
-        if chain is None:
+        if chain is None or (only is not None and not all(only(node) for node in chain)):
             continue
         first = chain[0]
         if any(order[r] > order[first] for r in _readers(source) if r is not first):

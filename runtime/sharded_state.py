@@ -91,9 +91,20 @@ class ShardingPlan:
         """The user-facing DTensor for a padded shard (its local tensor is a view of ``padded``)."""
         local = padded[: spec.local_rows(self.rank)]
         stride = torch.empty(spec.shape, device="meta").stride()
+        # a shard in host memory (the update on the host) stays there: ``from_local`` would copy it to the mesh's
+        # device, so its spec is made from a meta stand-in and the DTensor around the host shard (as FSDP2's CPU
+        # offload keeps its shards)
+        moves = local.device.type != self.mesh.device_type and not local.is_meta
         dt = DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=torch.Size(spec.shape), stride=stride
+            torch.empty(local.shape, dtype=local.dtype, device="meta") if moves else local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=torch.Size(spec.shape),
+            stride=stride,
         )
+        if moves:
+            dt = DTensor(local, dt._spec, requires_grad=False)
         if requires_grad:
             dt = nn.Parameter(dt, requires_grad=True)
         setattr(dt, _PADDED, padded)

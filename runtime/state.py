@@ -85,6 +85,9 @@ class Binding:
         self.offload: Any = None  # the offload tier's store (zgraph.runtime.offload), set when the step binds
         self.activations: Any = None  # the activation tier (zgraph.runtime.offload_activations), set likewise
         self.activations_window = 0  # its read-ahead and write-behind bytes (Config.prefetch_bytes)
+        self.host_params: frozenset[int] = frozenset()  # parameters updated on the host (zgraph.runtime.host_state)
+        self.host: Any = None  # their runner (zgraph.runtime.host_update.HostRunner), set when the step binds
+        self.host_fallback: str | None = None  # why the update does not run on the host where it was to (explain())
         self.params: list[ParamRecord] = []
         self.buffers: list[BufferRecord] = []
         self._param_by_id: dict[int, int] = {}

@@ -33,11 +33,12 @@ def loader(per_device: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(trainer_hf_cases.dataset(), batch_size=per_device, shuffle=False)
 
 
-def accelerate_loop(accelerator: Accelerator, model: nn.Module, per_device: int) -> dict[str, Any]:
-    """The loop as accelerate's examples write it."""
+def accelerate_loop(accelerator: Accelerator, model: nn.Module, data: torch.utils.data.DataLoader) -> dict[str, Any]:
+    """The loop as accelerate's examples write it; with ZGraphAccelerator also the forward step's captures in
+    training (``captures``)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=STEPS)
-    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, loader(per_device), scheduler)
+    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
     series: dict[str, list[float]] = {"loss": [], "grad_norm": [], "learning_rate": []}
     total = torch.zeros(())
     model.train()
@@ -56,18 +57,20 @@ def accelerate_loop(accelerator: Accelerator, model: nn.Module, per_device: int)
         if accelerator.sync_gradients:
             series["loss"].append(float(accelerator.reduce(total, reduction="mean")))
             total = torch.zeros(())
+    forward_step = getattr(model.forward, "zgraph_step", None)
+    captures = None if forward_step is None else forward_step._dispatch.variants()
     model.eval()
     with torch.no_grad():
         batch = next(iter(data))
         eval_loss = float(accelerator.reduce(model(**batch).loss.detach(), reduction="mean"))
     state = {k: v.detach().clone() for k, v in zgraph.full_state_dict(accelerator.unwrap_model(model)).items()}
-    return {**series, "state": state, "eval_loss": eval_loss}
+    return {**series, "state": state, "eval_loss": eval_loss, "captures": captures}
 
 
 def plain(world: int) -> dict[str, Any]:
     """The plain ``Accelerator``: DDP on ``world`` ranks, or one process (world 1) on the global batch."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, step_scheduler_with_optimizer=False)
-    return accelerate_loop(accelerator, hf_cases.gpt2(), PER_DEVICE * (2 // world))
+    return accelerate_loop(accelerator, hf_cases.gpt2(), loader(PER_DEVICE * (2 // world)))
 
 
 def zero(stage: int) -> dict[str, Any]:
@@ -76,7 +79,7 @@ def zero(stage: int) -> dict[str, Any]:
         config=config, cpu=True, gradient_accumulation_steps=ACCUMULATION, step_scheduler_with_optimizer=False
     )
     model = hf_cases.gpt2()
-    result = accelerate_loop(accelerator, model, PER_DEVICE)
+    result = accelerate_loop(accelerator, model, loader(PER_DEVICE))
     params = list(model.parameters())
     return {**result, "sharded": sum(isinstance(p, DTensor) for p in params), "parameters": len(params)}
 

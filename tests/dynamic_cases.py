@@ -6,9 +6,11 @@ losses (equal rows per rank: the global batch's mean) and the gradients are aver
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
-from dist_harness import run_named
+from dist_harness import all_gather_values, run_named
 from torch import nn
 
 import zgraph
@@ -25,8 +27,8 @@ def model() -> nn.Module:
     return GPT(CONFIG)
 
 
-def adamw(m: nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+def adamw(m: nn.Module, eps: float = 1e-8) -> torch.optim.AdamW:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, eps=eps)
 
 
 def batch(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +48,10 @@ def train_step(m, opt, idx, targets):
     return loss
 
 
-def eager(world: int = 1, sizes: list[tuple[int, int]] = SIZES) -> dict:
+def eager(world: int = 1, sizes: list[tuple[int, int]] = SIZES, eps: float = 1e-8) -> dict:
     """Eager PyTorch on the global batches (the loss the mean of ``world`` equal rank slices' losses)."""
     m = model()
-    opt = adamw(m)
+    opt = adamw(m, eps)
     losses = []
     for idx, targets in batches(sizes):
         loss = sum(lm_loss(m(i), t) for i, t in zip(idx.chunk(world), targets.chunk(world))) / world
@@ -60,11 +62,13 @@ def eager(world: int = 1, sizes: list[tuple[int, int]] = SIZES) -> dict:
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
 
 
-def zgraph_run(config: zgraph.Config, rank: int = 0, world: int = 1, sizes: list[tuple[int, int]] = SIZES) -> dict:
+def zgraph_run(
+    config: zgraph.Config, rank: int = 0, world: int = 1, sizes: list[tuple[int, int]] = SIZES, eps: float = 1e-8
+) -> dict:
     """``eager``'s quantities for zgraph's step under ``config`` on this rank's rows of each batch, and the
     number of captures after each call."""
     m = model()
-    opt = adamw(m)
+    opt = adamw(m, eps)
     step = zgraph.distribute(config)(train_step)
     losses, variants = [], []
     for idx, targets in batches(sizes):
@@ -82,6 +86,60 @@ def stages(rank: int, world: int) -> dict:
         stage: zgraph_run(zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0), rank, world)
         for stage in range(4)
     }
+
+
+def inductor_stage_3(rank: int, world: int) -> dict:
+    """Stage 3 with inductor (AdamW's ``eps`` 1e-3: see test_dynamic_shapes), and the warnings of a fallback to the
+    eager backend."""
+    config = zgraph.Config(stage=3, backend="inductor", param_persistence_threshold=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = zgraph_run(config, rank, world, eps=1e-3)
+    return {**result, "fallbacks": [str(w.message) for w in caught if "inductor" in str(w.message)]}
+
+
+# Each rank's (rows, length) per call, as DDP ranks whose collators pad each batch to its own longest row: the
+# first call the same on both ranks; at the second rank 0 repeats its size (its first graph serves it) while rank 1
+# changes (its sizes become symbolic): the ranks' graphs differ until rank 0 makes the same dims symbolic; then
+# every call differs between the ranks.
+RANK_SIZES = [[(2, 12), (2, 12), (2, 20), (3, 7), (2, 16)], [(2, 12), (2, 9), (3, 33), (2, 16), (2, 5)]]
+
+
+def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [batch(rows, length, 10 * rank + i) for i, (rows, length) in enumerate(RANK_SIZES[rank])]
+
+
+def eager_ranks() -> dict:
+    """DDP on ``RANK_SIZES``: the loss the mean of the ranks' losses, the gradients averaged."""
+    m = model()
+    opt = adamw(m)
+    losses = []
+    for calls in zip(*(rank_batches(rank) for rank in range(len(RANK_SIZES)))):
+        loss = sum(lm_loss(m(idx), targets) for idx, targets in calls) / len(calls)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+
+
+def ranks_differ(rank: int, world: int) -> dict:
+    """Stages 0 and 3 with each rank's own sizes (``RANK_SIZES``): losses averaged, whole parameters, and this
+    rank's and the other ranks' captures after each call."""
+    out = {}
+    for stage in (0, 3):
+        m = model()
+        opt = adamw(m)
+        config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
+        step = zgraph.distribute(config)(train_step)
+        losses, variants = [], []
+        for idx, targets in rank_batches(rank):
+            loss = step(m, opt, idx, targets).detach().clone()
+            dist.all_reduce(loss)
+            losses.append(loss / world)
+            variants.append(all_gather_values(step._dispatch.variants()))
+        out[stage] = {"losses": losses, "params": zgraph.full_state_dict(m), "variants": variants}
+    return out
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -92,6 +92,31 @@ def mid_graph_failure(rank: int, world: int, out: str) -> None:
     _save(out, rank, record)
 
 
+def pipeline_stage_failure(rank: int, world: int, out: str) -> None:
+    """Pipeline parallelism (1F1B, a stage per rank): the last rank raises in its first backward of the second
+    call, while rank 0 waits to receive that backward's gradient."""
+    from pipeline_cases import Net, step
+
+    from zgraph.runtime import pipeline_run
+
+    def backward(self: pipeline_run.RankRunner, action: object) -> None:
+        if rank == world - 1 and getattr(backward, "armed", False):
+            raise RuntimeError(f"boom in rank {rank}'s backward")
+        original(self, action)
+
+    original = pipeline_run.RankRunner._backward
+    pipeline_run.RankRunner._backward = backward
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    config = zgraph.Config(backend="eager", pipeline_parallel=world, microbatches=4, collective_timeout=TIMEOUT)
+    compiled = zgraph.distribute(config)(step)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    _start_together()
+    compiled(model, opt, x, y)
+    backward.armed = True
+    _save(out, rank, {"first": _attempt(compiled, model, opt, x, y)})
+
+
 def capture_failure_caught(rank: int, world: int, out: str) -> None:
     """Rank 1's capture fails (data-dependent Python); it catches the error and calls the step again."""
     model = _mlp()

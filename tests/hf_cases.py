@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from dist_harness import all_gather_values
+from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import (
     BertConfig,
@@ -27,6 +28,7 @@ from transformers import (
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
 )
@@ -40,6 +42,15 @@ GLOBAL_BATCH = 4  # 2 rows per rank on 2 ranks
 SEQ = 8
 VOCAB = 64
 LR = 1e-3
+WORDS = "the a cat dog bird sat ran flew on under mat tree fast slow red blue big small and".split()
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``WORDS`` (ids 0-2: EOS, padding, unknown), built offline."""
+    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
 @dataclass(frozen=True)

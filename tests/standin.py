@@ -68,6 +68,10 @@ def _scattered(x: Tensor, reduce_op: str, group_size: int, group_name: str) -> T
     return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
 
 
+def _bytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _target_device(args: tuple, kwargs: dict) -> torch.device:
     """The device an ``aten._to_copy`` / ``aten.to`` call copies to."""
     for value in (kwargs.get("device"), *args[1:]):
@@ -80,11 +84,13 @@ def _target_device(args: tuple, kwargs: dict) -> torch.device:
 
 class DeviceAudit(TorchDispatchMode):
     """Fails (``DeviceAuditError``) the device rules of the module docstring for ops on real stand-in tensors
-    (fake tensors, as capture traces them, are left to capture). ``reads``: the reasons of the host reads seen."""
+    (fake tensors, as capture traces them, are left to capture). ``reads``: the reasons of the host reads seen;
+    ``moved``: the bytes copied each way (``"to_host"``, ``"to_device"``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
+        self.moved = {"to_host": 0, "to_device": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -119,12 +125,20 @@ class DeviceAudit(TorchDispatchMode):
             if source.device == DEVICE and target.type == "cpu":
                 self._host_read(func)
                 dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), source.dtype)
-                return torch.zeros(source.shape, dtype=dtype)
-            return func(*args, **kwargs)
+                out = torch.zeros(source.shape, dtype=dtype)
+                self.moved["to_host"] += _bytes(out)
+                return out
+            out = func(*args, **kwargs)
+            if source.device.type == "cpu" and target == DEVICE:
+                self.moved["to_device"] += _bytes(out)
+            return out
         destination, source = args[0], args[1]
         if source.device == DEVICE and destination.device.type == "cpu":
             self._host_read(func)
+            self.moved["to_host"] += _bytes(destination)
             return destination if func is not aten.copy.default else destination.clone()
+        if source.device.type == "cpu" and destination.device == DEVICE and source.dim() > 0:
+            self.moved["to_device"] += _bytes(destination)
         return func(*args, **kwargs)
 
     def _host_read(self, func: Any) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 
 import zgraph
 from zgraph.ops import FLAG_TO_HOST
+from zgraph.runtime import host_state
 
 aten = torch.ops.aten
 
@@ -68,6 +71,7 @@ def _observe(model: nn.Module, opt: torch.optim.Optimizer, step: Any, audit: Dev
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     graphs = step.graphs
     return {
+        "moved": dict(audit.moved),
         "param_devices": _devices(list(model.parameters())),
         "state_devices": _devices([v for v in states if v.dim() > 0]),
         "step_devices": _devices([v for v in states if v.dim() == 0]),
@@ -80,9 +84,12 @@ def _observe(model: nn.Module, opt: torch.optim.Optimizer, step: Any, audit: Dev
     }
 
 
-def train(rank: int, world: int, options: dict[str, Any], split: bool = False) -> dict[str, Any]:
+def train(
+    rank: int, world: int, options: dict[str, Any], split: bool = False, checkpoint: str | None = None
+) -> dict[str, Any]:
     """Three calls of a step with ``options`` under the audit (split: forward step, backward outside it, update
-    step); what it saw."""
+    step); what it saw (``moved``: what the third call copied each way). ``checkpoint``: a directory to save to
+    and load from after, under an audit of its own."""
     config = config_of(options)
     model = model_on()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -97,9 +104,33 @@ def train(rank: int, world: int, options: dict[str, Any], split: bool = False) -
             step = forward
         else:
             step = zgraph.distribute(config)(plain_step)
-            for _ in range(3):
+            for i in range(3):
+                if i == 2:  # what the third step (every state made, nothing left to set up) copies each way
+                    audit.moved.update(to_host=0, to_device=0)
                 step(model, opt, x, y)
-    return _observe(model, opt, step, audit)
+    seen = _observe(model, opt, step, audit)
+    if checkpoint is not None:
+        with DeviceAudit() as audit:
+            seen["state_reads"] = read_state(model, opt, checkpoint, audit)
+    return seen
+
+
+def read_state(model: nn.Module, opt: torch.optim.Optimizer, path: str, audit: DeviceAudit) -> dict[str, Any]:
+    """``optimizer.state_dict()``, ``zgraph.save``, ``zgraph.load`` and ``zgraph.full_state_dict`` under ``audit``:
+    the devices of what the first and the last returned, and what the first three and the last copied each way."""
+    states = opt.state_dict()["state"]
+    tensors = [v for s in states.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    zgraph.save(path, model, opt)
+    zgraph.load(path, model, opt)
+    moved = dict(audit.moved)
+    whole, whole_optim = zgraph.full_state_dict(model, opt)
+    gathered = [*whole.values(), *(v for s in whole_optim["state"].values() for v in s.values())]
+    return {
+        "state_dict_devices": _devices(tensors),
+        "full_state_dict_devices": _devices(gathered),
+        "moved_by_state_dict_save_load": moved,
+        "moved_by_full_state_dict": {k: v - moved[k] for k, v in audit.moved.items()},
+    }
 
 
 def cases(rank: int, world: int, out: str, runs: list[dict[str, Any]]) -> None:
@@ -108,7 +139,8 @@ def cases(rank: int, world: int, out: str, runs: list[dict[str, Any]]) -> None:
     results = []
     for run in runs:
         try:
-            results.append(train(rank, world, run["options"], run.get("split", False)))
+            path = f"{out}.{len(results)}.ckpt" if run.get("checkpoint") else None
+            results.append(train(rank, world, run["options"], run.get("split", False), path))
         except Exception as error:  # the test names the failing case
             results.append({"error": f"{type(error).__name__}: {error}"})
     if rank == 0:
@@ -116,24 +148,40 @@ def cases(rank: int, world: int, out: str, runs: list[dict[str, Any]]) -> None:
             json.dump(results, f)
 
 
+@contextlib.contextmanager
+def _host_memory(available: int | None) -> Iterator[None]:
+    """The host memory zgraph sees as available (unchanged for None)."""
+    real = host_state.available_host_bytes
+    if available is not None:
+        host_state.available_host_bytes = lambda: available
+    try:
+        yield
+    finally:
+        host_state.available_host_bytes = real
+
+
 def refusals(rank: int, world: int, out: str) -> None:
     """Bad input on the stand-in group: each a clear error before the model changes; then a good call."""
     seen = {}
+    host = {"offload_optimizer": "cpu", "offload_update": "host"}
     checks = {
         "host model on a device-only group": (model_on("cpu"), {}),
         "nvme offload of device state": (model_on(), {"stage": 1, "offload_optimizer": "nvme", "offload_dir": out}),
+        "too little host memory for the update on the host": (model_on(), host),
+        "an optimizer the host cannot run": (model_on(), host),
+        "one step late at stage 1 on 2 ranks": (model_on(), {**host, "stage": 1, "offload_overlap": "one_step"}),
     }
     for name, (model, options) in checks.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = (torch.optim.RMSprop if "optimizer" in name else torch.optim.AdamW)(model.parameters(), lr=1e-3)
         device = next(model.parameters()).device
         x, y = torch.randn(4, 16, device=device), torch.zeros(4, dtype=torch.long, device=device)
-        before = [type(p).__name__ for p in model.parameters()]
+        before = [(type(p).__name__, str(p.device)) for p in model.parameters()]
         try:
-            with DeviceAudit():
+            with DeviceAudit(), _host_memory(1024 if "too little" in name else None):
                 zgraph.distribute(config_of({"stage": 3, **options}))(plain_step)(model, opt, x, y)
             seen[name] = {"error": None}
         except Exception as error:
-            after = [type(p).__name__ for p in model.parameters()]
+            after = [(type(p).__name__, str(p.device)) for p in model.parameters()]
             seen[name] = {"error": f"{type(error).__name__}: {error}", "unchanged": before == after and not opt.state}
     if rank == 0:
         with open(out + "/refusals.json", "w") as f:

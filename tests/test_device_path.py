@@ -27,6 +27,8 @@ ALLOWED_READS = {
     "the loss-scale overflow flag",
     "offload: a state's first copy to host memory",
     "offload: a write-back to host memory",
+    "host update: state moved to host memory",
+    "host update: a value copied to the host",
 }
 
 
@@ -137,7 +139,9 @@ RUNS = {
     "stage 3, bf16 compute and master": {
         "options": {"stage": 3, "param_dtype": "torch.bfloat16", "master_dtype": "torch.bfloat16"}
     },
-    "stage 1, optimizer offloaded to host memory": {"options": {"stage": 1, "offload_optimizer": "cpu"}},
+    "stage 1, optimizer offloaded to host memory": {
+        "options": {"stage": 1, "offload_optimizer": "cpu", "offload_update": "device"}
+    },
     "stage 3, parameters and optimizer offloaded, fp16": {
         "options": {
             "stage": 3,
@@ -145,6 +149,30 @@ RUNS = {
             "offload_params": "cpu",
             "param_dtype": "torch.float16",
             "loss_scale": "dynamic",
+            "offload_update": "device",
+        }
+    },
+    "stage 3, update on the host, bf16": {
+        "options": {"stage": 3, "offload_optimizer": "cpu", "param_dtype": "torch.bfloat16"},
+        "checkpoint": True,
+    },
+    "stage 3, update on the host, fp32": {"options": {"stage": 3, "offload_optimizer": "cpu"}},
+    "stage 2, update on the host, fp16 loss scaling, clipping": {
+        "options": {
+            "stage": 2,
+            "offload_optimizer": "cpu",
+            "param_dtype": "torch.float16",
+            "loss_scale": "dynamic",
+            "max_grad_norm": 1.0,
+        }
+    },
+    "stage 3, update on the host one step late, parameters offloaded": {
+        "options": {
+            "stage": 3,
+            "offload_optimizer": "cpu",
+            "offload_params": "cpu",
+            "param_dtype": "torch.bfloat16",
+            "offload_overlap": "one_step",
         }
     },
     "stage 3, split backward": {"options": {"stage": 3}, "split": True},
@@ -166,7 +194,8 @@ def test_the_runtime_runs_on_a_device_only_backend(standin_runs, name):
     tensors, nothing is read on the host but what zgraph reads on purpose, and state stays where it belongs."""
     seen = standin_runs[name]
     assert "error" not in seen, seen.get("error")
-    assert seen["param_devices"] == ["meta"] and seen["state_devices"] == ["meta"]
+    where = ["cpu"] if "on the host" in name else ["meta"]  # the update on the host keeps them in host memory
+    assert seen["param_devices"] == where and seen["state_devices"] == where
     assert seen["step_devices"] == ["cpu"]  # torch.optim keeps `step` on the host
     assert seen["variants"] == 1  # no retrace: every input is where the graph was compiled for
     assert set(seen["reads"]) <= ALLOWED_READS and "graph fingerprints" in seen["reads"]
@@ -174,8 +203,47 @@ def test_the_runtime_runs_on_a_device_only_backend(standin_runs, name):
     scaling = "loss_scale" in RUNS[name]["options"]
     assert seen["loss_scale_devices"] == (["meta"] if scaling else [])
     assert bool(seen["flag_to_host"]) == scaling  # the one documented host read, only with loss scaling
-    if "offload" in name:
+    if "offload" in name and "on the host" not in name:
         assert "host memory (copied synchronously, for state on meta)" in seen["explain"]
+    if "on the host" in name:
+        assert 'offload_update="host": the master values and optimizer states of 6 parameters' in seen["explain"]
+
+
+# each rank's shard of the stand-in model's parameters at stage 3 on 2 ranks (every tensor cut in halves): the
+# Linear layers' elements, the LayerNorm's (which the forward reads in fp32, as zgraph.config.NORM_MODULES says)
+LINEAR_SHARD, NORM_SHARD = (64 * 16 + 64 + 8 * 64 + 8) // 2, 2 * 64 // 2
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype_bytes"),
+    [("stage 3, update on the host, bf16", 2), ("stage 3, update on the host, fp32", 4)],
+)
+def test_the_update_on_the_host_copies_the_compute_dtype_only(standin_runs, name, dtype_bytes):
+    """Issue 43: a step of the update on the host copies each gradient shard to the host once, in the reduce dtype,
+    and each parameter shard to the device once, in the dtype the forward reads (the LayerNorm's in fp32): 4.1
+    bytes per parameter for bf16 (4 with no norm layer), 8 for fp32 — where the states brought to the device for
+    the update and back copy 16 (AdamW's two fp32 states each way; more with parameter shards offloaded too)."""
+    fingerprints = standin_runs["stage 0"]["moved"]  # what every step reads on the host (the graph's fingerprint)
+    step, today = (
+        {k: v - fingerprints[k] for k, v in standin_runs[run]["moved"].items()}
+        for run in (name, "stage 1, optimizer offloaded to host memory")
+    )
+    shard = LINEAR_SHARD + NORM_SHARD
+    assert step["to_host"] == shard * dtype_bytes
+    assert step["to_device"] == LINEAR_SHARD * dtype_bytes + NORM_SHARD * 4
+    assert (step["to_host"] + step["to_device"]) / shard <= 2.1 * dtype_bytes
+    assert (today["to_host"] + today["to_device"]) / shard == 16
+
+
+def test_host_resident_state_is_read_without_the_device(standin_runs):
+    """``optimizer.state_dict()``, ``zgraph.save`` and ``zgraph.load`` read and write the states and parameters
+    where they live, in host memory (the states never need to fit on the device); ``full_state_dict`` gathers each
+    sharded tensor through the device, one at a time, to the host."""
+    reads = standin_runs["stage 3, update on the host, bf16"]["state_reads"]
+    assert reads["state_dict_devices"] == ["cpu"] and reads["full_state_dict_devices"] == ["cpu"]
+    assert reads["moved_by_state_dict_save_load"] == {"to_host": 0, "to_device": 0}
+    shards = (LINEAR_SHARD + NORM_SHARD) * 4 * 3  # fp32 parameters and AdamW's two states: a shard of each
+    assert reads["moved_by_full_state_dict"] == {"to_host": 2 * shards, "to_device": shards}
 
 
 def test_bad_input_on_a_device_only_backend_is_refused_before_anything_changes(tmp_path):
@@ -186,3 +254,10 @@ def test_bad_input_on_a_device_only_backend_is_refused_before_anything_changes(t
     nvme = seen["nvme offload of device state"]
     assert '"nvme" with the model on meta is not implemented' in nvme["error"], nvme
     assert host["unchanged"] and nvme["unchanged"]
+    memory = seen["too little host memory for the update on the host"]
+    assert "OffloadError" in memory["error"] and "bytes of host memory" in memory["error"], memory
+    rmsprop = seen["an optimizer the host cannot run"]
+    assert 'offload_update="host"' in rmsprop["error"] and "not opt (RMSprop)" in rmsprop["error"], rmsprop
+    late = seen["one step late at stage 1 on 2 ranks"]
+    assert "offload_overlap='one_step' at stage 1 on 2 ranks" in late["error"], late
+    assert memory["unchanged"] and rmsprop["unchanged"] and late["unchanged"]

@@ -12,8 +12,8 @@ import json
 import operator
 import os
 import subprocess
-import sys
 
+import cli_runner
 import pytest
 import torch
 import torch.fx as fx
@@ -166,12 +166,12 @@ def test_activations_are_forward_values_the_backward_reads():
     assert live.activation_bytes == 2 * 1024  # saved and also; temp is an output, not read by the backward
 
 
-def test_cli_estimates_a_longer_sequence_than_the_model_was_defined_for():
+def test_cli_estimates_a_longer_sequence_than_the_model_was_defined_for(capsys):
     """``--seq`` longer than the model's position table: the model is built for it (a bug: refused as a capture
     error); at sequence_parallel 2 each rank holds about half the activations."""
     lines = {}
     for sp in ("1", "2"):
-        done = _cli("--model", "gpt-bench", "--world", "2", "--seq", "512", "--sequence-parallel", sp)
+        done = _cli_here(capsys, "--model", "gpt-bench", "--world", "2", "--seq", "512", "--sequence-parallel", sp)
         assert done.returncode == 0, done.stderr[-2000:]
         lines[sp] = [line for line in done.stdout.splitlines() if "activations per rank" in line][0]
     mib = {sp: float(line.split()[3]) for sp, line in lines.items()}
@@ -194,10 +194,11 @@ def test_sequence_parallelism_divides_the_activations():
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
-    )
+    return cli_runner.command("estimate", *argv)
+
+
+def _cli_here(capsys: pytest.CaptureFixture, *argv: str) -> subprocess.CompletedProcess:
+    return cli_runner.here(capsys, "estimate", *argv)
 
 
 def test_cli_json_and_budget():
@@ -220,8 +221,8 @@ def test_cli_json_and_budget():
         (["--model", "gpt-bench", "--world", "1", "--stage", "3", "--budget", "20MiB"], "below the model states"),
     ],
 )
-def test_cli_bad_input_is_one_line_and_status_1(argv, says):
-    done = _cli(*argv)
+def test_cli_bad_input_is_one_line_and_status_1(capsys, argv, says):
+    done = _cli_here(capsys, *argv)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert lines and lines[-1].startswith("zgraph estimate: ") and says in lines[-1], done.stderr

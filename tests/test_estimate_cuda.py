@@ -8,10 +8,9 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 import warnings
 
+import cli_runner
 import pytest
 import torch
 import torch.fx as fx
@@ -254,13 +253,10 @@ def test_estimate_device_input():
         step.estimate(model, torch.randn(2, 4), device="tpu")
 
 
-def test_cli_device_cuda():
+def test_cli_device_cuda(capsys):
     """The acceptance command on the bench GPT: NCCL's reduce-scatter in the table, the CPU plan's peak beside."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = ["--model", "gpt-bench", "--world", "4", "--stage", "3", "--device", "cuda"]
-    done = subprocess.run(
-        [sys.executable, "-m", "zgraph.cli", "estimate", *argv], capture_output=True, text=True, cwd=ROOT, env=env
-    )
+    done = cli_runner.here(capsys, "estimate", *argv)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "4 rank(s) on cuda" in lines[0]

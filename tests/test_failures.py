@@ -32,6 +32,18 @@ def test_a_rank_failing_mid_graph_ends_every_rank(tmp_path):
     assert rank1["again"]["seconds"] < 1
 
 
+def test_a_pipeline_stage_failing_mid_schedule_ends_every_rank(tmp_path):
+    """Rank 0 waits for a gradient the failing rank never sends: its receive is bounded by the timeout, as a
+    collective's, and it raises naming rank 1's error (issue 42, pipeline item 3)."""
+    rank0, rank1 = _records(tmp_path, "pipeline_stage_failure")
+    kind, message = rank1["first"]["error"]
+    assert kind == "RuntimeError" and "boom in rank 1's backward" in message
+    kind, message = rank0["first"]["error"]
+    assert kind == "RankFailedError", message
+    assert "rank 1 failed" in message and "boom in rank 1's backward" in message and "call 1 of step" in message
+    assert rank0["first"]["seconds"] < LIMIT
+
+
 def test_a_capture_error_caught_on_one_rank_ends_every_rank(tmp_path):
     rank0, rank1 = _records(tmp_path, "capture_failure_caught")
     kind, message = rank1["first"]["error"]

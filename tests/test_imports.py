@@ -3,12 +3,14 @@ parsed and checked against the house's floors, and the import graph has no circl
 
 Floors, bottom to top (a module imports its own layer and layers on lower floors, never a layer beside it):
 
-0. the contract: ``zgraph.graph``, ``zgraph.sizes``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.errors``,
+0. the contract: ``zgraph.graph``, ``zgraph.sizes``, ``zgraph.ops``, ``zgraph.sequence_ops``, ``zgraph.host_ops``,
+   ``zgraph.errors``,
    ``zgraph.tree``, ``zgraph.version``;
 1. ``zgraph.runtime`` and ``zgraph.passes`` (never each other);
 2. ``zgraph.deepspeed`` (plain values; never ``Config``) and ``zgraph.checkpoint`` (which imports only the
    runtime and the contract);
-3. ``zgraph.config`` (with ``zgraph.config_checks`` and ``zgraph.config_docs``);
+3. ``zgraph.config`` (with ``zgraph.config_checks``, ``zgraph.config_docs``, ``zgraph.config_loss_scale`` and
+   ``zgraph.config_deprecated``);
 4. ``zgraph.capture``;
 5. ``zgraph.binding`` and ``zgraph.compile`` (never each other);
 6. ``zgraph.inspect`` and ``zgraph.weights`` (never each other);
@@ -50,12 +52,15 @@ LAYER_OF = {
     "zgraph.sizes": "contract",
     "zgraph.ops": "contract",
     "zgraph.sequence_ops": "contract",
+    "zgraph.host_ops": "contract",
     "zgraph.errors": "contract",
     "zgraph.tree": "contract",
     "zgraph.version": "contract",
     "zgraph.config": "config",
     "zgraph.config_checks": "config",
     "zgraph.config_docs": "config",
+    "zgraph.config_loss_scale": "config",
+    "zgraph.config_deprecated": "config",
     "zgraph.step": "step",
     "zgraph.dispatch": "step",
     "zgraph.sequence": "step",

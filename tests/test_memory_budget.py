@@ -6,11 +6,13 @@ budget nothing fits is refused before anything changes, naming the smallest that
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
+import cli_runner
 import pytest
 import torch
 
@@ -183,15 +185,12 @@ def test_two_ranks_at_stage_3_with_nvme_offload_to_choose_from(tmp_path):
     assert all(torch.equal(planned["params"][k], v) for k, v in plain["params"].items())
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "zgraph.cli", "estimate", "--model", "gpt-bench", "--world", "2", *argv]
-    return subprocess.run(command, capture_output=True, text=True, cwd=root, env=env)
+def _cli(capsys: pytest.CaptureFixture, *argv: str) -> subprocess.CompletedProcess:
+    return cli_runner.here(capsys, "estimate", "--model", "gpt-bench", "--world", "2", *argv)
 
 
-def test_cli_prints_the_plan_for_a_budget():
-    done = _cli("--micro-batch", "8", "--budget", "100MiB", "--plan", "--json")
+def test_cli_prints_the_plan_for_a_budget(capsys):
+    done = _cli(capsys, "--micro-batch", "8", "--budget", "100MiB", "--plan", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)["plan"]
     remat = plan["changes"]["remat"]  # a policy on every block, or on as few blocks as fit
@@ -203,7 +202,50 @@ def test_cli_prints_the_plan_for_a_budget():
     ("argv", "says"),
     [(["--plan"], "--plan needs --budget"), (["--budget", "1MiB", "--plan"], "cannot be met: the smallest estimated")],
 )
-def test_cli_plan_refusals_are_one_line(argv, says):
-    done = _cli(*argv)
+def test_cli_plan_refusals_are_one_line(capsys, argv, says):
+    done = _cli(capsys, *argv)
     assert done.returncode == 1 and not done.stdout
     assert done.stderr.strip().splitlines()[-1].startswith("zgraph estimate: ") and says in done.stderr, done.stderr
+
+
+def _budgeted_lengths(config: zgraph.Config, lengths: list[int], mark_max: int | None = None) -> dict[str, Any]:
+    """Calls at these sequence lengths under ``config`` and eager alike (the global generator seeded alike before
+    each): the losses, the plan's choice and the warnings after each call, and whether the parameters end equal."""
+    model, opt, _ = setup(layers=2)
+    reference, ref_opt, _ = setup(layers=2)
+    compiled = zgraph.distribute(config)(step)
+    g = torch.Generator().manual_seed(3)
+    out: dict[str, Any] = {"chosen": [], "warnings": [], "equal": []}
+    for call, length in enumerate(lengths):
+        x, y = torch.randn(16, length, 8, generator=g), torch.randint(0, 5, (16,), generator=g)
+        if mark_max is not None:
+            zgraph.mark_dynamic(x, 1, max=mark_max)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(call)
+            loss = compiled(model, opt, x, y)
+        torch.manual_seed(call)
+        out["equal"].append(torch.equal(loss, step(reference, ref_opt, x, y)))
+        out["chosen"].append(compiled.memory_plan.chosen.changes)
+        out["warnings"].append([str(w.message) for w in caught if "memory plan" in str(w.message)])
+    out["equal"].append(all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())))
+    return out
+
+
+def test_a_larger_call_is_planned_again_and_a_marked_max_is_planned_for_at_once():
+    """Sizes that change under a budget: the plan is for the largest sizes so far. A call longer than every earlier
+    one is planned again, with a warning naming the dim (here it now needs recomputation); a shorter one is not. A
+    dim marked with ``max=`` is planned for that max from the first call, and never again. Every step equals eager."""
+    model, opt, _ = setup(layers=2)
+    x, y = torch.randn(16, 16, 8), torch.randint(0, 5, (16,))
+    short = zgraph.distribute(zgraph.Config(backend="eager"))(step).estimate(model, opt, x, y)
+    config = zgraph.Config(backend="eager", memory_budget=int(short.peak_bytes * 1.2))
+    grown = _budgeted_lengths(config, [16, 32, 24])
+    assert all(grown["equal"]), grown["equal"]
+    assert grown["chosen"][0] == {"remat": None} and grown["chosen"][1]["remat"] is not None, grown["chosen"]
+    assert grown["chosen"][2] == grown["chosen"][1]
+    assert grown["warnings"][0] == [] and grown["warnings"][2] == [], grown["warnings"]
+    assert len(grown["warnings"][1]) == 1 and "`x` dim 1: 32 > 16" in grown["warnings"][1][0]
+    marked = _budgeted_lengths(config, [16, 32, 24], mark_max=32)
+    assert all(marked["equal"]) and marked["chosen"] == [grown["chosen"][1]] * 3, marked["chosen"]
+    assert marked["warnings"] == [[], [], []]

@@ -20,7 +20,7 @@ from remat_cases import Net, step, train_split
 import zgraph
 from zgraph.graph import BACKWARD, FORWARD, PHASE, GraphOutput
 from zgraph.ops import STASH, UNSTASH, offload_tier
-from zgraph.passes import Pass, run_pipeline
+from zgraph.passes import Pass, run_passes
 from zgraph.passes.offload_activations import offload_activations, plan_offload_activations
 from zgraph.runtime.offload_activations import ActivationFiles, ActivationHost, ActivationStash, unstash_order
 
@@ -84,7 +84,7 @@ def test_rewrite_stashes_after_the_last_forward_use_and_keeps_results(where, tmp
     torch.manual_seed(0)
     want = gm(x, w)
     bound = functools.partial(offload_activations, tier="nvme")  # the same rewrite for either tier
-    (record,) = run_pipeline(gm, context(), [Pass("offload_activations", bound)], check_input=False)
+    (record,) = run_passes(gm, context(), [Pass("offload_activations", bound)], check_input=False)
     out = record.gm
     assert count(out, STASH) == count(out, UNSTASH) == 3
     nodes = list(out.graph.nodes)
@@ -145,7 +145,7 @@ def test_config_offload_activations_values(tmp_path):
         zgraph.Config(offload_activations="disk")
     with pytest.raises(ValueError, match="needs offload_dir"):
         zgraph.Config(offload_activations="nvme")
-    names = [p.name for p in zgraph.Config(offload_activations="nvme", offload_dir=tmp_path).pipeline()]
+    names = [p.name for p in zgraph.Config(offload_activations="nvme", offload_dir=tmp_path).passes()]
     assert names.index("remat") < names.index("offload_activations") < names.index("shard_optimizer")
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch.fx as fx
 from pass_graphs import Builder, aten, context, count, grad_step, param
 
-from zgraph.errors import PipelineError
+from zgraph.errors import PassError
 from zgraph.graph import INPUT, OPTIMIZER, OUTPUTS, GraphOutput, copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM
-from zgraph.passes import Pass, PassContext, default_pipeline, run_pipeline
-from zgraph.passes.pipeline import pass_applies
+from zgraph.passes import Pass, PassContext, default_passes, run_passes
+from zgraph.passes.pass_list import pass_applies
 from zgraph.passes.reduce_scatter_grads import reduce_scatter_grads
 
 
@@ -25,15 +25,15 @@ def test_a_pass_that_does_not_apply_shares_the_previous_graph():
     gm = grad_step()
     skipped = Pass("skipped", _never_run, applies=lambda gm, ctx, **options: False)
     applied = Pass("applied", functools.partial(reduce_scatter_grads, stage=0), applies=lambda gm, ctx, **options: True)
-    records = run_pipeline(gm, PassContext(), [skipped, applied], check_input=False)
+    records = run_passes(gm, PassContext(), [skipped, applied], check_input=False)
     assert records[0].gm is gm and not records[0].applied  # the record shares its input: no copy
     assert records[1].applied and records[1].gm is not gm and count(gm, GRAD_CONTRIBUTION) == 1
 
 
 def test_what_a_pass_that_does_not_apply_provides_is_still_checked():
     claims = Pass("claims", _never_run, provides={"grads_reduced"}, applies=lambda gm, ctx, **options: False)
-    with pytest.raises(PipelineError, match="claims.*grads_reduced"):  # the markers are still there
-        run_pipeline(grad_step(), PassContext(), [claims], check_input=False)
+    with pytest.raises(PassError, match="claims.*grads_reduced"):  # the markers are still there
+        run_passes(grad_step(), PassContext(), [claims], check_input=False)
 
 
 def _update_with_norm() -> fx.GraphModule:
@@ -62,7 +62,7 @@ def test_a_default_pass_that_says_it_does_not_apply_changes_nothing(stage, distr
     ctx = context(params) if distributed else PassContext(params=params)
     skipped = 0
     for graph in (grad_step, _update_with_norm):
-        for p in default_pipeline(stage=stage):
+        for p in default_passes(stage=stage):
             gm = graph()
             if pass_applies(p, gm, ctx):
                 continue
@@ -72,6 +72,6 @@ def test_a_default_pass_that_says_it_does_not_apply_changes_nothing(stage, distr
 
 
 def test_lower_collectives_applies_where_it_has_an_operator_to_lower():
-    (lower,) = [p for p in default_pipeline() if p.name == "lower_collectives"]
+    (lower,) = [p for p in default_passes() if p.name == "lower_collectives"]
     assert pass_applies(lower, _update_with_norm(), PassContext())  # grad_norm becomes a local norm
     assert not pass_applies(lower, grad_step(), PassContext())

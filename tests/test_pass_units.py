@@ -36,7 +36,7 @@ from zgraph.ops import (
     UNSHARD_BUCKET,
     WRITE_BACK,
 )
-from zgraph.passes import Pass, PassContext, run_pipeline
+from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.passes.bucket import MIN_OVERLAP_BYTES, bucket, overlap_limit
 from zgraph.passes.cast import cast
 from zgraph.passes.clip_grad import clip_grad
@@ -374,14 +374,14 @@ def test_loss_scale_whole_gradients_need_no_collective():
     assert count(gm, COMBINE) == 0
 
 
-# ---------------------------------------------------------------------------------------------------- pipeline
-def test_pipeline_stamps_the_pass_that_made_each_node():
+# ---------------------------------------------------------------------------------------------------- pass list
+def test_pass_list_stamps_the_pass_that_made_each_node():
     gm = _two_reductions()
     for node in gm.graph.nodes:
         if node.op == "call_function":
             node.meta.pop(MADE_BY, None)
     bound = functools.partial(bucket, allgather_bytes=1 << 20, reduce_bytes=1 << 20)
-    (record,) = run_pipeline(gm, context(), [Pass("bucket", bound)], check_input=False)
+    (record,) = run_passes(gm, context(), [Pass("bucket", bound)], check_input=False)
     made = {n.name: n.meta.get(MADE_BY) for n in record.gm.graph.nodes if n.op == "call_function"}
     merged = [n for n in record.gm.graph.nodes if n.target is REDUCE_SHARD_BUCKET]
     assert merged and made[merged[0].name] == "bucket"

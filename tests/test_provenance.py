@@ -24,7 +24,7 @@ from zgraph.graph import (
     insert,
     output_node,
 )
-from zgraph.passes import Pass, run_pipeline
+from zgraph.passes import Pass, run_passes
 from zgraph.passes.provenance import run_pass
 
 
@@ -62,7 +62,7 @@ def _split_in_place(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _run(gm: fx.GraphModule, *passes: Pass, keep: bool = True) -> list:
-    return run_pipeline(gm, context(), list(passes), check_input=False, keep=keep)
+    return run_passes(gm, context(), list(passes), check_input=False, keep=keep)
 
 
 def _no_hooks_or_marks(*modules: fx.GraphModule) -> None:

@@ -16,9 +16,9 @@ from pass_graphs import Builder, aten, context, count
 from remat_cases import POLICIES, Net, batches, step, train, train_split
 
 import zgraph
-from zgraph.errors import PipelineError
+from zgraph.errors import PassError
 from zgraph.graph import BACKWARD, BLOCK, CUSTOM, MADE_BY, PHASE, GraphOutput
-from zgraph.passes import Pass, run_pipeline
+from zgraph.passes import Pass, run_passes
 from zgraph.passes.remat import plan_recompute, remat
 
 STAGES = [0, 1, 2, 3]
@@ -83,13 +83,13 @@ def test_a_mapping_gives_each_block_its_own_policy():
     assert _names(plan_recompute(gm, {"b0": "full", "b1": None})) == _names([n["t"], n["h0"], n["a0"]])
     assert _names(plan_recompute(gm, {"b0": None, "b1": "selective"})) == _names([n["a1"]])
     assert _names(plan_recompute(gm, {"b1": "full"})) == _names([n["h1"], n["a1"]]), "blocks left out are saved"
-    with pytest.raises(PipelineError, match=r"lack: 'b7'; its blocks are 'b0', 'b1'"):
+    with pytest.raises(PassError, match=r"lack: 'b7'; its blocks are 'b0', 'b1'"):
         plan_recompute(gm, {"b7": "full"})
 
 
 def test_full_refuses_a_graph_without_blocks():
     gm, _ = _two_blocks(blocks=False)
-    with pytest.raises(PipelineError, match='remat="selective"'):
+    with pytest.raises(PassError, match='remat="selective"'):
         plan_recompute(gm, "full")
 
 
@@ -100,7 +100,7 @@ def test_rewrite_recomputes_before_the_backward_and_keeps_results(policy):
     torch.manual_seed(0)
     want = gm(x, w0, w1)
     planned = _names(plan_recompute(gm, policy))
-    (record,) = run_pipeline(gm, context(), [Pass("remat", functools.partial(remat, policy=policy))], check_input=False)
+    (record,) = run_passes(gm, context(), [Pass("remat", functools.partial(remat, policy=policy))], check_input=False)
     out = record.gm
     torch.manual_seed(0)
     got = out(x, w0, w1)
@@ -136,7 +136,7 @@ def test_config_remat_values():
     assert zgraph.Config(remat=given).remat == given and zgraph.Config(remat=given).remat is not given
     with pytest.raises(ValueError, match=r"block names \(str\) to None, 'selective' or 'full'; got 'layers.0': 'all'"):
         zgraph.Config(remat={"layers.0": "all"})
-    names = [p.name for p in zgraph.Config(remat="selective").pipeline()]
+    names = [p.name for p in zgraph.Config(remat="selective").passes()]
     assert names.index("remat") < names.index("shard_params")
 
 
@@ -148,7 +148,7 @@ def test_a_mapping_naming_no_block_is_refused_and_leaves_the_state_as_it_was():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     compiled = zgraph.distribute(zgraph.Config(backend="eager", remat={"model.blocks.7": "full"}))(step)
-    with pytest.raises(PipelineError, match=r"lack: 'model.blocks.7'; its blocks are 'model.blocks.0', 'model.b"):
+    with pytest.raises(PassError, match=r"lack: 'model.blocks.7'; its blocks are 'model.blocks.0', 'model.b"):
         compiled(model, opt, x, y)
     assert not opt.state and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

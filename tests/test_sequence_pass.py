@@ -10,7 +10,7 @@ import pytest
 import torch
 from pass_graphs import Builder, aten, context, count
 
-from zgraph.errors import PipelineError
+from zgraph.errors import PassError
 from zgraph.graph import ALL_TO_ALL, BACKWARD, VAL, Axis, GraphOutput, collective_kind
 from zgraph.passes.lower_collectives import lower_collectives
 from zgraph.passes.sequence_parallel import sequence_parallel
@@ -87,14 +87,14 @@ def test_lowered_to_all_to_all():
 
 
 def test_refused_inputs_name_what_is_wrong():
-    with pytest.raises(PipelineError, match="must divide the attention's head count: .* 3 query heads"):
+    with pytest.raises(PassError, match="must divide the attention's head count: .* 3 query heads"):
         sequence_parallel(_attention(heads=3), _ctx())
-    with pytest.raises(PipelineError, match="explicit attn_mask"):
+    with pytest.raises(PassError, match="explicit attn_mask"):
         sequence_parallel(_attention(mask=True, backward=False), _ctx())
     b = Builder()
     x = b.input("x", (2, 4, 8))
     y = b.op(aten.softmax.int, b.op(aten.bmm.default, x, b.op(aten.transpose.int, x, 1, 2)), -1, False)
-    with pytest.raises(PipelineError, match="no scaled_dot_product_attention"):
+    with pytest.raises(PassError, match="no scaled_dot_product_attention"):
         sequence_parallel(b.finish([(y, GraphOutput("user", "y", 0))]), _ctx())
 
 

@@ -11,10 +11,9 @@ global batch, never below ``REL`` (as ``test_trainer_hf``); ``evaluate()``'s met
 on the gathered model) within ``EVAL_REL`` of DDP's, which evaluates the same rows on the same ranks.
 
 Dynamic padding (issue 41, item 5): TRL's default collator pads each micro-batch to its longest row, so the batch
-shape changes from step to step (the same on both ranks); ZGraphSFTTrainer at stage ``DYNAMIC_STAGE`` against
-SFTTrainer + DDP, bounded as above by DDP's distance to one process with the same padding. Today zgraph captures
-once per new shape: the test that it captures at most twice is an expected failure until automatic dynamic shapes
-land.
+shape changes from step to step, and differs between the ranks; ZGraphSFTTrainer at stage ``DYNAMIC_STAGE``
+against SFTTrainer + DDP, bounded as above by DDP's distance to one process (the global batch padded to its
+longest row), captured at most twice on each rank.
 """
 
 from __future__ import annotations
@@ -48,7 +47,8 @@ def results(tmp_path_factory) -> dict:
     run_ranks(2, "trl_cases.run_ddp_and_zero", str(root / "runs.pt"), STAGES, DYNAMIC_STAGE, timeout=DEADLINE)
     runs = torch.load(root / "runs.pt", weights_only=False)
     plain = torch.load(root / "eager.pt", weights_only=False)
-    return {"eager": plain["padded"], "eager_dynamic": plain["dynamic"], **runs}
+    eager = {"eager": plain["padded"], "eager_dynamic": plain["dynamic"], "eager_padding_free": plain["padding_free"]}
+    return {**eager, **runs}
 
 
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -96,8 +96,8 @@ def test_sft_trainer_matches_ddp(results, stage):
 
 
 def test_dynamic_padding_matches_ddp(results):
-    """Batches padded to their longest row (a new shape every step): every logged series and the final state equal
-    SFTTrainer + DDP's; the run did see more than two shapes."""
+    """Batches padded to their longest row (a new shape every step, each rank's own): every logged series and the
+    final state equal SFTTrainer + DDP's; each rank did see more than two shapes."""
     got, ddp = results["dynamic"], results["ddp_dynamic"]
     limits = bounds(ddp, results["eager_dynamic"])
     what = f"ZGraphSFTTrainer stage {DYNAMIC_STAGE}, dynamic padding, vs SFTTrainer + DDP"
@@ -105,15 +105,49 @@ def test_dynamic_padding_matches_ddp(results):
     assert all(len(shapes) > 2 for shapes in got["shapes"]), got["shapes"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 41: TRL's chunked log-prob kernel (trl/kernels/chunked_logprob.py) loops in Python over "
-    "range(0, batch * (seq - 1), chunk): the symbolic capture guards on that count, so each length is captured again",
-)
 def test_dynamic_padding_captures_at_most_twice(results):
     got = results["dynamic"]
     assert "error" not in got, got.get("error")
     assert max(got["captures"]) <= 2, (got["captures"], got["shapes"])
+
+
+def test_padding_free_matches_ddp_and_captures_at_most_twice(results):
+    """``padding_free=True``: each rank's rows concatenated into one (its length the rank's own, every step),
+    packed sequences told apart by ``position_ids`` (SDPA here; flash attention's Python-int maximum lengths are
+    left out of the step where the attention does not read them): SFTTrainer + DDP's series and state, at most two
+    captures on each rank."""
+    got, ddp = results["padding_free"], results["ddp_padding_free"]
+    limits = bounds(ddp, results["eager_padding_free"])
+    what = f"ZGraphSFTTrainer stage {DYNAMIC_STAGE}, padding-free, vs SFTTrainer + DDP"
+    assert_close(got, ddp, limits, what, steps=cases.DYNAMIC_STEPS)
+    assert all(len(shapes) > 2 for shapes in got["shapes"]), got["shapes"]
+    assert max(got["captures"]) <= 2, (got["captures"], got["shapes"])
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_chunked_logprob_op_is_trls_kernel(autocast):
+    """The op the step traces in place of TRL's chunked log-prob kernel (``zgraph.integrations.trl_logprob``) gives
+    the kernel's outputs and gradients bit for bit: more tokens than one of its tiles, two vocabulary tiles, a
+    temperature, soft-capping and a logit scale, entropy's gradient; in fp32 and under bf16 autocast."""
+    from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE, ChunkedLogProbFunction
+
+    from zgraph.integrations.trl_logprob import ChunkedLogProb
+
+    g = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = TOKEN_CHUNK_SIZE + 5, 8, 23
+    hidden, weight = torch.randn(n, hidden_size, generator=g), torch.randn(vocab, hidden_size, generator=g)
+    bias, targets = torch.randn(vocab, generator=g), torch.randint(0, vocab, (n,), generator=g)
+    results = []
+    for function in (ChunkedLogProbFunction, ChunkedLogProb):
+        x, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = function.apply(x, w, b, targets, 0.7, 16, 30.0, 1.5, ("entropy", "is_top1"))
+        logprobs, entropy, log_sum_sq, mean_logits, is_top1 = out
+        assert log_sum_sq is None and mean_logits is None
+        (logprobs.sum() + 0.5 * entropy.sum()).backward()
+        results.append([logprobs, entropy, is_top1, x.grad, w.grad, b.grad])
+    for kernel, op in zip(*results, strict=True):
+        assert torch.equal(kernel, op)
 
 
 # ------------------------------------------------------------------------ arguments, and what is refused when built

@@ -8,9 +8,8 @@ final whole state dict and ``trainer.evaluate()``'s metrics on a held-out text s
 
 Dynamic padding (issue 41, item 5): the same trainers with TRL's default collator padding each micro-batch to its
 longest row (no ``pad_to_multiple_of``), one micro-batch per optimizer step, rows in order: the batch shape changes
-from step to step (``DYNAMIC_WORDS``), the same on both ranks (zgraph refuses ranks of different shapes today).
-ZGraphSFTTrainer's run also reports each rank's captures (``zgraph_step._dispatch.variants()``) and the shapes it
-was given.
+from step to step and differs between the ranks (``DYNAMIC_WORDS``). ZGraphSFTTrainer's run also reports each
+rank's captures (``zgraph_step._dispatch.variants()``) and the shapes it was given.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ import transformers  # noqa: E402
 import trl.trainer.utils  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from dist_harness import all_gather_values  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from hf_cases import WORDS, tokenizer  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import zgraph  # noqa: E402
@@ -37,23 +35,16 @@ from zgraph.integrations.trl import ZGraphSFTConfig, ZGraphSFTTrainer  # noqa: E
 
 transformers.logging.set_verbosity_error()
 
-WORDS = "the a cat dog bird sat ran flew on under mat tree fast slow red blue big small and".split()
 PER_DEVICE = 2  # rows per rank and micro-batch; one process on the global batch takes PER_DEVICE * world
 ACCUMULATION = 2
 STEPS = 3
 PAD_TO = 8  # every batch padded to 8 tokens (max_length too): one shape, one trace
-DYNAMIC_WORDS = (5, 3, 7, 4)  # words of each dynamic-padding step's longest rows (SFTTrainer adds EOS)
+# Words of each dynamic-padding step's longest row on rank 0 and on rank 1 (SFTTrainer adds EOS): the first step the
+# same on both ranks; at the second rank 0's shape repeats (its first graph serves it) and rank 1's changes
+DYNAMIC_WORDS = ((5, 5), (5, 3), (7, 6), (4, 8))
 DYNAMIC_STEPS = len(DYNAMIC_WORDS)
 SERIES = ("loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens")
 EVAL = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over ``WORDS`` (ids 0-2: EOS, padding, unknown), built offline."""
-    vocab = {w: i for i, w in enumerate(["<eos>", "<pad>", "<unk>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
 def texts(n: int, seed: int) -> Dataset:
@@ -141,26 +132,33 @@ def _zero(out: str, stage: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ dynamic padding
-def dynamic_arguments(out: str, per_device: int = PER_DEVICE, cls: type = SFTConfig) -> Any:
-    """TRL's default collator padding each micro-batch to its longest row; one micro-batch per optimizer step; the
-    rows in order (rank ``r`` of 2 takes rows ``2r, 2r + 1`` of each step's 4)."""
-    settings = dict(pad_to_multiple_of=None, gradient_accumulation_steps=1, train_sampling_strategy="sequential")
+def dynamic_arguments(out: str, per_device: int = PER_DEVICE, cls: type = SFTConfig, padding_free: bool = False) -> Any:
+    """TRL's default collator padding each micro-batch to its longest row (``padding_free``: its rows concatenated
+    into one, with ``position_ids``); one micro-batch per optimizer step; the rows in order (rank ``r`` of 2 takes
+    rows ``2r, 2r + 1`` of each step's 4)."""
+    settings: dict[str, Any] = dict(
+        pad_to_multiple_of=None, gradient_accumulation_steps=1, train_sampling_strategy="sequential"
+    )
+    if padding_free:  # TRL enforces no max_length on padding-free rows without packing
+        settings.update(padding_free=True, max_length=None)
     return arguments(out, per_device, cls, **settings)
 
 
 def dynamic_dataset() -> Dataset:
-    """Four rows per step: on each rank one of ``DYNAMIC_WORDS`` words and a shorter one (padded to the longer)."""
+    """Four rows per step: on rank 0 one of rank 0's ``DYNAMIC_WORDS`` words and a shorter one, on rank 1 a shorter
+    one and one of rank 1's (each rank's padded to its longer)."""
     g = torch.Generator().manual_seed(3)
     rows = []
-    for words in DYNAMIC_WORDS:
-        for n in (words, words - 2, words - 1, words):
+    for first, second in DYNAMIC_WORDS:
+        for n in (first, first - 2, second - 1, second):
             rows.append(" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g)))
     return Dataset.from_dict({"text": rows})
 
 
-def plain_dynamic(out: str, world: int) -> dict:
-    """SFTTrainer with dynamic padding: DDP on ``world`` ranks, or one process (world 1) on the global batch."""
-    args = dynamic_arguments(out, per_device=PER_DEVICE * (2 // world))
+def plain_dynamic(out: str, world: int, padding_free: bool = False) -> dict:
+    """SFTTrainer with dynamic padding (or padding-free): DDP on ``world`` ranks, or one process (world 1) on the
+    global batch."""
+    args = dynamic_arguments(out, per_device=PER_DEVICE * (2 // world), padding_free=padding_free)
     trainer = SFTTrainer(hf_cases.gpt2(), args, train_dataset=dynamic_dataset(), processing_class=tokenizer())
     return run(trainer, world)
 
@@ -175,10 +173,11 @@ class ShapesSeen(ZGraphSFTTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def zero_dynamic(out: str, stage: int) -> dict:
-    """ZGraphSFTTrainer at ``stage`` with dynamic padding; with every rank's captures and batch shapes."""
+def zero_dynamic(out: str, stage: int, padding_free: bool = False) -> dict:
+    """ZGraphSFTTrainer at ``stage`` with dynamic padding (or padding-free); with every rank's captures and batch
+    shapes."""
     config = zgraph.Config(stage=stage, backend="eager", param_persistence_threshold=0)
-    args = dynamic_arguments(out, cls=ZGraphSFTConfig)
+    args = dynamic_arguments(out, cls=ZGraphSFTConfig, padding_free=padding_free)
     trainer = ShapesSeen(
         hf_cases.gpt2(), args, train_dataset=dynamic_dataset(), processing_class=tokenizer(), zgraph_config=config
     )
@@ -191,12 +190,13 @@ def zero_dynamic(out: str, stage: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ workers
 def run_plain(rank: int, world: int, out_path: str) -> None:
-    """Worker: SFTTrainer in one process (world 1), padded and with dynamic padding; rank 0 saves
-    ``{"padded": ..., "dynamic": ...}``."""
+    """Worker: SFTTrainer in one process (world 1), padded, with dynamic padding and padding-free; rank 0 saves
+    ``{"padded": ..., "dynamic": ..., "padding_free": ...}``."""
     root = os.path.dirname(out_path)
     result = {
         "padded": hf_cases._guarded(plain, os.path.join(root, f"plain-{world}"), world),
         "dynamic": hf_cases._guarded(plain_dynamic, os.path.join(root, f"plain-dynamic-{world}"), world),
+        "padding_free": hf_cases._guarded(plain_dynamic, os.path.join(root, f"plain-free-{world}"), world, True),
     }
     if rank == 0:
         torch.save(result, out_path)
@@ -204,8 +204,8 @@ def run_plain(rank: int, world: int, out_path: str) -> None:
 
 def run_ddp_and_zero(rank: int, world: int, out_path: str, stages: list[int], dynamic_stage: int) -> None:
     """Worker: SFTTrainer + DDP, then ZGraphSFTTrainer at each stage, on the same ranks; then both with dynamic
-    padding (ZGraphSFTTrainer at ``dynamic_stage``); rank 0 saves ``{"ddp": ..., stage: ..., "ddp_dynamic": ...,
-    "dynamic": ...}``."""
+    padding and padding-free (ZGraphSFTTrainer at ``dynamic_stage``); rank 0 saves ``{"ddp": ..., stage: ...,
+    "ddp_dynamic": ..., "dynamic": ..., "ddp_padding_free": ..., "padding_free": ...}``."""
     root = os.path.dirname(out_path)
     results = {"ddp": hf_cases._guarded(plain, os.path.join(root, "ddp"), world)}
     dist.barrier()
@@ -215,6 +215,10 @@ def run_ddp_and_zero(rank: int, world: int, out_path: str, stages: list[int], dy
     results["ddp_dynamic"] = hf_cases._guarded(plain_dynamic, os.path.join(root, "ddp-dynamic"), world)
     dist.barrier()
     results["dynamic"] = hf_cases._guarded(zero_dynamic, os.path.join(root, "zero-dynamic"), dynamic_stage)
+    dist.barrier()
+    results["ddp_padding_free"] = hf_cases._guarded(plain_dynamic, os.path.join(root, "ddp-free"), world, True)
+    dist.barrier()
+    results["padding_free"] = hf_cases._guarded(zero_dynamic, os.path.join(root, "zero-free"), dynamic_stage, True)
     dist.barrier()
     if rank == 0:
         torch.save(results, out_path)

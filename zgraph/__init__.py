@@ -11,12 +11,13 @@ def train_step(model, opt, batch):
 
 The house, bottom to top (each floor imports only the floors below it; ``tests/test_imports.py`` checks it)::
 
-    graph.py ops.py sequence_ops.py errors.py tree.py version.py   the contract: what a step graph means, zgraph's
-                   ops (sequence parallelism's all-to-alls among them), errors; sizes.py: symbolic sizes in a graph
+    graph.py ops.py sequence_ops.py host_ops.py errors.py tree.py version.py   the contract: what a step graph
+                   means, zgraph's ops (sequence parallelism's all-to-alls, the update on the host's copies and
+                   partitions among them), errors; sizes.py: symbolic sizes in a graph
     runtime/ (zgraph.runtime), passes/ (zgraph.passes)   process groups and state; the graph passes
     deepspeed/     DeepSpeed JSON configs read as plain values
     checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict, stream_state_dict
-    config.py config_checks.py config_docs.py   zgraph.Config
+    config.py config_checks.py config_docs.py config_loss_scale.py config_deprecated.py   zgraph.Config
     capture/       the step traced into one functional aten graph (the capture protocol)
     binding/       the state a call reaches, bound once and laid out; the guard key
     compile/       a captured graph through the passes, lowered, and run against the live state
@@ -37,6 +38,7 @@ from zgraph.errors import (
     CaptureError,
     CheckpointError,
     MemoryBudgetError,
+    PassError,
     PipelineError,
     RankFailedError,
     RankMismatchError,
@@ -61,6 +63,7 @@ __all__ = [
     "Estimate",
     "EstimateError",
     "MemoryBudgetError",
+    "PassError",
     "PipelineError",
     "RankFailedError",
     "RankMismatchError",

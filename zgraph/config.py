@@ -1,8 +1,8 @@
 """``zgraph.Config``: every option of a distributed step, validated when it is built.
 
 Each field is documented by the docstring right under it; ``Config.__doc__`` lists them all (built from those
-docstrings when the module is imported). A field that ``zgraph.passes.default_pipeline`` takes says so in its
-metadata (``PASS_OPTION``), and ``Config.pipeline_options()`` is derived from that. The checks live in
+docstrings when the module is imported). A field that ``zgraph.passes.default_passes`` takes says so in its
+metadata (``PASS_OPTION``), and ``Config.pass_options()`` is derived from that. The checks live in
 ``zgraph.config_checks``.
 """
 
@@ -26,9 +26,11 @@ from zgraph.config_checks import (
     check_choice,
     check_float_dtype,
     check_groups,
+    check_host_update,
     check_max_grad_norm,
     check_offload,
     check_offload_activations,
+    check_pipeline,
     check_precision,
     check_remat,
     check_sequence_parallel,
@@ -36,9 +38,11 @@ from zgraph.config_checks import (
     check_timeout,
     module_classes,
 )
+from zgraph.config_deprecated import DeprecatedNames
 from zgraph.config_docs import doc_with_attributes, field_docs
+from zgraph.config_loss_scale import DynamicLossScale, loss_scale_value
 from zgraph.deepspeed.config import config_fields_from_deepspeed
-from zgraph.passes import Pass, build_pipeline, default_pipeline
+from zgraph.passes import Pass, build_pass_list, default_passes
 from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
 
 _BACKENDS = ("inductor", "eager")
@@ -53,18 +57,18 @@ NORM_MODULES: tuple[type[nn.Module], ...] = (
 )
 
 PASS_OPTION = "pass_option"
-"""Field metadata key: the keyword argument of ``zgraph.passes.default_pipeline`` the field's value is passed as."""
+"""Field metadata key: the keyword argument of ``zgraph.passes.default_passes`` the field's value is passed as."""
 PASS_OPTION_FALLBACK = "pass_option_fallback"
 """Field metadata key: the field whose value is passed instead when this field is None."""
 
 
 def _pass_option(keyword: str, *, fallback: str | None = None) -> dict[str, str]:
-    """The metadata of a field ``default_pipeline`` takes as ``keyword`` (``fallback``: the field used if None)."""
+    """The metadata of a field ``default_passes`` takes as ``keyword`` (``fallback``: the field used if None)."""
     return {PASS_OPTION: keyword} if fallback is None else {PASS_OPTION: keyword, PASS_OPTION_FALLBACK: fallback}
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
+class Config(DeprecatedNames):
     """Options of ``@zgraph.distribute``. Frozen; every field is checked when the object is created."""
 
     # --- Sharding, backend and passes ---
@@ -97,17 +101,41 @@ class Config:
     puts all-to-alls around attention so it runs on whole sequences for a share of the heads (the head count must
     divide by it). ZeRO shards over every rank. It must divide the world size. None (default): off."""
 
+    pipeline_parallel: int | None = None
+    """Pipeline parallelism: ranks per pipeline, ``P``. The captured step is cut into ``P * pipeline_virtual_stages``
+    stages between the model's repeated blocks (the ``stage_cut`` pass); stage ``s`` runs on rank ``s % P``, which
+    holds and updates only its stages' parameters and optimizer state, and activations and their gradients move
+    between stages by point-to-point sends. For now P is the world size (no data parallelism across pipelines),
+    with ZeRO stage 0 and the eager backend. None (default): off."""
+
+    microbatches: int | None = None
+    """Pipeline parallelism: micro-batches per step, ``M``: every tensor argument of the step is cut into M along
+    dim 0 (M must divide it), gradients are averaged over them (the whole batch's mean loss), a 0-d result is
+    averaged and another concatenated along dim 0. None (default): ``P``."""
+
+    schedule: str = "1f1b"
+    """Pipeline parallelism: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"zb_h1"`` (the backward
+    split into input and weight gradients); see ``zgraph.runtime.pipeline_schedule``."""
+
+    pipeline_virtual_stages: int = 1
+    """Pipeline parallelism: stages per rank, ``v`` (more than 1 with ``schedule="interleaved_1f1b"``)."""
+
+    pipeline_split: tuple[str, ...] = ()
+    """Pipeline parallelism: the first block of each stage after the first (``P * v - 1`` block names, as
+    ``explain()`` lists them, or without the step argument's name: ``"layers.16"``). Empty (default): blocks are
+    grouped into stages of balanced forward cost."""
+
     backend: str = "inductor"
     """``"inductor"`` compiles the transformed graph with inductor; ``"eager"`` runs the transformed FX GraphModule
     op by op (no compile time, same numbers). Default ``"inductor"``."""
 
     disable_passes: tuple[str, ...] = ()
-    """Names of pipeline passes to skip (see ``zgraph.passes.default_pipeline``). An unknown name, or a pass another
+    """Names of passes to skip (see ``zgraph.passes.default_passes``). An unknown name, or a pass another
     enabled pass depends on, is rejected before anything runs."""
 
     extra_passes: tuple[Pass | PassFunction, ...] = field(default=())
     """User passes, each a ``zgraph.passes.Pass`` or a plain ``fn(gm, ctx) -> gm`` (named after the function,
-    appended at the end of the pipeline)."""
+    appended at the end of the pass list)."""
 
     # --- Buckets, prefetch and stage 3's gathers ---
 
@@ -262,6 +290,17 @@ class Config:
     parameters first; 1.0 (default) moves all, 0.0 none. DeepSpeed's ``offload_optimizer.ratio``
     (ZeRO-Offload++)."""
 
+    offload_update: str = "auto"
+    """Where the update of ``offload_optimizer="cpu"`` states runs, the model on a device. ``"host"`` (ZeRO-Offload):
+    master parameters and states live only in host memory; each gradient goes to the host once reduced and the host
+    updates it with torch's CPU kernels while the backward goes on (SGD, Adam, AdamW; ``offload_fraction=1``).
+    ``"device"``: the states are copied to the device for the update. ``"auto"`` (default): ``"host"`` where it can
+    run, else ``"device"`` (``explain()`` says why). README: "Offload of optimizer states and parameters"."""
+
+    offload_overlap: str | None = None
+    """``"one_step"``: each step's host update runs during the next step, which computes with the parameters from
+    before it (applied one step late, as ZenFlow / SuperOffload do). None (default): exact."""
+
     offload_activations: str | None = field(default=None, metadata=_pass_option("offload_activations_tier"))
     """Where saved activations (forward values the backward reads) live between their last forward use and their
     first backward use: None (default), in memory. ``"cpu"``: host memory, for a model on a GPU (pinned, copied on a
@@ -276,6 +315,8 @@ class Config:
         check_choice("backend", self.backend, _BACKENDS, str)
         check_groups(self.stage, self.shard_group_size, self.secondary_shard_group_size, self.cross_group_dtype)
         check_sequence_parallel(self.sequence_parallel)
+        object.__setattr__(self, "pipeline_split", as_str_tuple("pipeline_split", self.pipeline_split))
+        check_pipeline(self)
         for name in ("allgather_bucket_bytes", "reduce_bucket_bytes", "prefetch_bytes"):
             check_size(name, getattr(self, name), allow_auto=True)
         check_size("param_persistence_threshold", self.param_persistence_threshold, allow_auto=False)
@@ -285,7 +326,7 @@ class Config:
         for name in ("param_dtype", "reduce_dtype", "master_dtype", "optimizer_state_dtype", "autocast_dtype"):
             check_float_dtype(name, getattr(self, name))
         object.__setattr__(self, "keep_fp32_modules", module_classes("keep_fp32_modules", self.keep_fp32_modules))
-        self._check_loss_scale()
+        object.__setattr__(self, "loss_scale", loss_scale_value(self.loss_scale))
         check_max_grad_norm(self.max_grad_norm)
         check_precision(
             param_dtype=self.param_dtype,
@@ -305,12 +346,18 @@ class Config:
             offload_dir=self.offload_dir,
             offload_fraction=self.offload_fraction,
         )
+        check_host_update(
+            offload_optimizer=self.offload_optimizer,
+            offload_fraction=self.offload_fraction,
+            offload_update=self.offload_update,
+            offload_overlap=self.offload_overlap,
+        )
         check_offload_activations(self.offload_activations, self.offload_dir)
         object.__setattr__(self, "disable_passes", as_str_tuple("disable_passes", self.disable_passes))
         object.__setattr__(self, "extra_passes", as_pass_tuple(self.extra_passes))
 
-    def pipeline_options(self) -> dict[str, Any]:
-        """The options ``zgraph.passes.default_pipeline`` binds to its passes: each field whose metadata names a
+    def pass_options(self) -> dict[str, Any]:
+        """The options ``zgraph.passes.default_passes`` binds to its passes: each field whose metadata names a
         ``PASS_OPTION``, under that keyword (``reduce_dtype``: ``param_dtype`` when None)."""
         options: dict[str, Any] = {}
         for f in dataclasses.fields(self):
@@ -322,24 +369,10 @@ class Config:
             options[f.metadata[PASS_OPTION]] = value
         return options
 
-    def pipeline(self) -> list[Pass]:
-        """The passes this Config runs, in order: ``default_pipeline`` with ``pipeline_options()`` bound, less
-        ``disable_passes``, plus ``extra_passes`` at their places (contracts checked: ``zgraph.PipelineError``)."""
-        return build_pipeline(default_pipeline(**self.pipeline_options()), self.disable_passes, self.extra_passes)
-
-    def _check_loss_scale(self) -> None:
-        value = self.loss_scale
-        if value is None or isinstance(value, DynamicLossScale):
-            return
-        if value == "dynamic":
-            object.__setattr__(self, "loss_scale", DynamicLossScale())
-            return
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            object.__setattr__(self, "loss_scale", float(value))
-            return
-        raise ValueError(
-            f'Config.loss_scale must be None, "dynamic", a zgraph.DynamicLossScale or a positive float; got {value!r}'
-        )
+    def passes(self) -> list[Pass]:
+        """The passes this Config runs, in order: ``default_passes`` with ``pass_options()`` bound, less
+        ``disable_passes``, plus ``extra_passes`` at their places (contracts checked: ``zgraph.PassError``)."""
+        return build_pass_list(default_passes(**self.pass_options()), self.disable_passes, self.extra_passes)
 
     @classmethod
     def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:
@@ -355,41 +388,6 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated like a new Config)."""
         return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class DynamicLossScale:
-    """Dynamic fp16 loss scaling, with DeepSpeed's meaning and defaults.
-
-    Attributes:
-        init_scale: first scale (DeepSpeed ``initial_scale_power`` 16: 2**16).
-        growth_factor: the scale is multiplied by this after ``growth_interval`` steps without overflow.
-        backoff_factor: the scale is multiplied by this when a step overflows (after ``hysteresis`` overflows).
-        growth_interval: steps without overflow before the scale grows (DeepSpeed ``loss_scale_window``).
-        hysteresis: overflows tolerated before the scale backs off (DeepSpeed ``hysteresis``); every
-            overflowing step is skipped regardless.
-        min_scale: the scale never goes below this (DeepSpeed ``min_loss_scale``).
-    """
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        checks = {
-            "init_scale": self.init_scale > 0,
-            "growth_factor": self.growth_factor >= 1,
-            "backoff_factor": 0 < self.backoff_factor <= 1,
-            "growth_interval": isinstance(self.growth_interval, int) and self.growth_interval >= 1,
-            "hysteresis": isinstance(self.hysteresis, int) and self.hysteresis >= 1,
-            "min_scale": 0 < self.min_scale <= self.init_scale,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"DynamicLossScale.{name} is out of range: {getattr(self, name)!r}")
 
 
 Config.__doc__ = doc_with_attributes(Config.__doc__ or "", field_docs(Config))

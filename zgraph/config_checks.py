@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch import nn
 from zgraph.passes import Pass, PassContext
 from zgraph.passes.remat import POLICIES as REMAT_POLICIES
 from zgraph.runtime.hybrid import check_group_size
+from zgraph.runtime.pipeline_schedule import build_schedule
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
@@ -204,6 +206,33 @@ def check_offload(
         )
 
 
+def check_host_update(
+    *, offload_optimizer: object, offload_fraction: object, offload_update: object, offload_overlap: object
+) -> None:
+    """``Config.offload_update`` (``"auto"``, ``"host"``, ``"device"``) and ``Config.offload_overlap`` (None,
+    ``"one_step"``): ``"host"`` needs ``offload_optimizer="cpu"`` with every state offloaded; an overlap needs the
+    update on the host."""
+    check_choice("offload_update", offload_update, ("auto", "host", "device"), str)
+    if offload_overlap is not None:
+        check_choice("offload_overlap", offload_overlap, ("one_step",), str)
+    if offload_update == "host" and offload_optimizer != "cpu":
+        raise ValueError(
+            f'Config.offload_update="host" needs offload_optimizer="cpu" (got {offload_optimizer!r}): the host '
+            "updates the states that host memory keeps"
+        )
+    if offload_update == "host" and offload_fraction != 1.0:
+        raise ValueError(
+            f'Config.offload_update="host" with offload_fraction={offload_fraction}: the host updates a parameter '
+            'only when all of its states live there; use offload_fraction=1.0, or offload_update="device"'
+        )
+    if offload_overlap is not None and (offload_optimizer != "cpu" or offload_update == "device"):
+        raise ValueError(
+            f"Config.offload_overlap={offload_overlap!r} overlaps the host update with the next step: it needs "
+            f'offload_optimizer="cpu" with the update on the host (offload_update "auto" or "host"); got '
+            f"offload_optimizer={offload_optimizer!r}, offload_update={offload_update!r}"
+        )
+
+
 def check_offload_activations(tier: object, offload_dir: object) -> None:
     """``Config.offload_activations``: None, ``"cpu"`` or ``"nvme"`` (which needs ``offload_dir``); any stage."""
     if tier not in _OFFLOAD_TIERS or isinstance(tier, bool):
@@ -294,6 +323,63 @@ def known_world_size() -> int | None:
         return dist.get_world_size()
     value = os.environ.get("WORLD_SIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def check_pipeline(config: Any) -> None:
+    """``Config``'s pipeline fields: counts, the schedule (``zgraph.runtime.pipeline_schedule.build_schedule``
+    checks it against them), the split's length, and what pipelines do not combine with yet."""
+    p, v = config.pipeline_parallel, config.pipeline_virtual_stages
+    if p is None:
+        changed = [
+            n
+            for n, d in (
+                ("microbatches", None),
+                ("schedule", "1f1b"),
+                ("pipeline_virtual_stages", 1),
+                ("pipeline_split", ()),
+            )
+            if getattr(config, n) != d
+        ]
+        if changed:
+            raise ValueError(f"Config.{changed[0]} is a pipeline parallelism option: set Config.pipeline_parallel")
+        return
+    for name in ("pipeline_parallel", "pipeline_virtual_stages", "microbatches"):
+        value = getattr(config, name)
+        if not (value is None and name == "microbatches") and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"Config.{name} must be a positive int; got {value!r}")
+    build_schedule(config.schedule, p, config.microbatches or p, v)
+    if config.pipeline_split and len(config.pipeline_split) != p * v - 1:
+        raise ValueError(
+            f"Config.pipeline_split names the first block of each stage after the first, {p * v - 1} for {p} x {v} "
+            f"stages; got {len(config.pipeline_split)}"
+        )
+    unsupported = {
+        "stage": config.stage != 0,
+        "backend": config.backend != "eager",
+        "sequence_parallel": config.sequence_parallel is not None,
+        "shard_group_size": config.shard_group_size is not None,
+        "memory_budget": config.memory_budget is not None,
+        "loss_scale": config.loss_scale is not None,
+        "max_grad_norm": config.max_grad_norm is not None,
+        "offload_optimizer": config.offload_optimizer is not None,
+        "offload_params": config.offload_params is not None,
+        "offload_activations": config.offload_activations is not None,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ValueError(
+            f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
+            'run with stage=0 and backend="eager", without sequence parallelism, hybrid sharding, memory_budget, '
+            "loss scaling, max_grad_norm or offload"
+        )
+    world = known_world_size()
+    if world is not None and world != p:
+        raise ValueError(
+            f"Config.pipeline_parallel={p} must equal the world size ({world}) for now: data parallelism across "
+            "pipelines is not supported yet"
+        )
 
 
 def check_sequence_parallel(value: object) -> None:

@@ -1,7 +1,9 @@
 """One call of a step, along the data's way: bind its state (``zgraph.binding``), find its compiled variant by guard
 key or capture (``zgraph.capture.protocol``) and compile (``zgraph.compile.build``) one, agree on it with the other
 ranks, run it (``zgraph.compile.run``, or ``zgraph.compile.split_runner`` for a split step). A call that misses every
-variant only in the sizes of argument dims makes those dims symbolic first (``zgraph.binding.dynamic``).
+variant only in the sizes of argument dims makes those dims symbolic first (``zgraph.binding.dynamic``); so do dims
+whose sizes differ between ranks (each rank's batch padded to its own longest row), compared at a step's first call
+and wherever the ranks' graphs differ (``Dispatcher._agree``): every rank then runs one graph.
 
 On several ranks a call takes part in the failure protocol (``zgraph.runtime.agreement``): the ranks compare a
 fingerprint of the graph they are about to run, a rank that fails records its error for the others, and a rank
@@ -14,11 +16,13 @@ import time
 import warnings
 
 import torch.distributed as dist
+from torch import Tensor
 
 from zgraph.binding.arguments import StepCall
-from zgraph.binding.dynamic import DynamicDims
+from zgraph.binding.dynamic import DynamicDims, argument_sizes, argument_tensors
 from zgraph.binding.guards import KEY_PARTS, describe_leaf
-from zgraph.binding.session import Bound, Session
+from zgraph.binding.micro_batches import microbatches, split_call
+from zgraph.binding.session import Bound, Session, user_tensors
 from zgraph.binding.setup import step_groups
 from zgraph.capture.as_written import hyperparameters, lifts
 from zgraph.capture.compiled import WRAPPER_WARNING
@@ -27,6 +31,7 @@ from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.capture.size_guards import SizeGuards
 from zgraph.compile.build import collector_paused, compile_step
+from zgraph.compile.pipeline import compile_pipeline, run_pipeline
 from zgraph.compile.run import reserve_offload, run
 from zgraph.compile.split_runner import Peers, run_split
 from zgraph.compile.variant import CompiledStep
@@ -34,7 +39,7 @@ from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.graph import GraphInput
 from zgraph.runtime.agreement import Channel
-from zgraph.runtime.consistency import check_same_graph
+from zgraph.runtime.consistency import check_same_graph, raise_different_graphs, same_digests
 from zgraph.runtime.devices import control_device
 from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
@@ -51,12 +56,13 @@ class Dispatcher:
     def __init__(self, config: Config, process_group: dist.ProcessGroup | None):
         self.config = config
         self.process_group = process_group
-        self.pipeline = config.pipeline()
+        self.passes = config.passes()
         self.session = Session(config)
         self.cache: dict[tuple, list[CompiledStep]] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
         self.calls = 0  # calls made, for naming the call in errors other ranks see
         self.dynamic = DynamicDims()  # the arguments' symbolic dims (marked, or found by automatic dynamic)
+        self.own_sizes = config.pipeline_parallel is None  # ranks may pass sizes of their own (a pipeline: one batch)
 
     def __call__(self, call: StepCall) -> object:
         if traced_arguments(call.args, call.kwargs):
@@ -68,11 +74,12 @@ class Dispatcher:
         group = ensure_process_group(self.process_group, lambda: self.session.device_of(call))
         label = f"call {self.calls} of step `{call.name}`"
         self.calls += 1
+        micro = split_call(call, microbatches(self.config)) if self.config.pipeline_parallel is not None else None
         if not group.distributed:
-            return self._call(call, None, group, label)
+            return self._call(call, None, group, label, micro)
         channel = Channel(group, self.config.collective_timeout)
         try:
-            result = self._call(call, channel, group, label)
+            result = self._call(call, channel, group, label, micro)
         except Exception as error:
             if not getattr(error, "_zgraph_recorded", False):
                 channel.record_failure(label, error)
@@ -80,14 +87,42 @@ class Dispatcher:
         channel.clear_failure()  # a good call on the group: this rank's earlier failure (any step's) is over
         return result
 
-    def _call(self, call: StepCall, channel: Channel | None, group: ProcessGroupInfo, label: str) -> object:
-        """One call: bind, look up or capture, agree with the other ranks on the graph, run it."""
+    def _call(
+        self, call: StepCall, channel: Channel | None, group: ProcessGroupInfo, label: str, micro: list | None
+    ) -> object:
+        """One call: bind, look up or capture, agree with the other ranks on the graph, run it. ``micro``: a
+        pipelined step's micro-batch calls; the first is bound and captured."""
         if channel is not None:
             channel.enter(label)
             group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
             group = step_groups(group, self.config)
+            if self.calls == 1 and self.own_sizes:  # every rank captures: sizes differing between ranks are symbols
+                self._widen_across_ranks(channel, label, argument_tensors(call))
+        prepared = call if micro is None else micro[0]
+        compiled, bound = self._prepare_or_tell(prepared, group, channel, label)
+        peers = None
+        if channel is not None:
+            compiled, bound = self._agree(prepared, group, channel, label, compiled, bound)
+            device = control_device(group.backend, bound.binding.device)
+            peers = Peers(channel, group.group_name, device, label)
+        self.last = compiled
         try:
-            compiled, bound = self._prepare(call, group, channel)
+            if micro is not None:
+                tensors = [user_tensors(bound.binding, m, bound.located) for m in micro]
+                return run_pipeline(compiled, bound.binding, tensors, group)
+            return self._run(compiled, bound, peers)
+        except Exception as error:
+            failure = error if channel is None else channel.failed_running(label, error)
+            if failure is error:
+                raise
+            raise failure from error
+
+    def _prepare_or_tell(
+        self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None, label: str, again: bool = False
+    ) -> tuple[CompiledStep, Bound]:
+        """``_prepare``; where it fails on several ranks, the others are told (in the digests' all-gather)."""
+        try:
+            return self._prepare(call, group, channel, again)
         except Exception as error:
             if channel is None:
                 raise
@@ -96,19 +131,35 @@ class Dispatcher:
             device = control_device(group.backend, self.session.device)
             check_same_graph(channel, group.group_name, label, 0, [], error, device)  # tell the others; re-raises
             raise
-        peers = None
-        if channel is not None:
-            device = control_device(group.backend, bound.binding.device)
-            check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
-            peers = Peers(channel, group.group_name, device, label)
-        self.last = compiled
-        try:
-            return self._run(compiled, bound, peers)
-        except Exception as error:
-            failure = error if channel is None else channel.failed_running(label, error)
-            if failure is error:
-                raise
-            raise failure from error
+
+    def _agree(
+        self,
+        call: StepCall,
+        group: ProcessGroupInfo,
+        channel: Channel,
+        label: str,
+        compiled: CompiledStep,
+        bound: Bound,
+    ) -> tuple[CompiledStep, Bound]:
+        """The variant every rank runs: this one where the ranks' graphs are the same. Where they differ, the ranks
+        exchange their arguments' sizes; dims whose sizes differ between ranks (each rank's batch padded to its own
+        longest row) become symbolic on every rank, a rank whose symbolic dims that changed captures again, and the
+        graphs are compared once more. Otherwise, or if they still differ: ``RankMismatchError`` on every rank."""
+        device = control_device(group.backend, bound.binding.device)
+        if same_digests(channel, group.group_name, label, compiled.digest, device=device):
+            return compiled, bound
+        if not (self.own_sizes and self._widen_across_ranks(channel, label, bound.user_tensors)):
+            raise_different_graphs(channel, label, compiled.description)
+        compiled, bound = self._prepare_or_tell(call, group, channel, label, again=True)
+        device = control_device(group.backend, bound.binding.device)
+        check_same_graph(channel, group.group_name, label, compiled.digest, compiled.description, device=device)
+        return compiled, bound
+
+    def _widen_across_ranks(self, channel: Channel, label: str, tensors: list[tuple[str, Tensor]]) -> bool:
+        """The ranks exchange their argument tensors' sizes; those that differ between ranks become symbolic dims.
+        Whether any did (the same on every rank)."""
+        sizes = channel.exchange(f"{label} (argument sizes)", argument_sizes(tensors))
+        return self.dynamic.widen_across_ranks(sizes)
 
     @staticmethod
     def _run(compiled: CompiledStep, bound: Bound, peers: Peers | None) -> object:
@@ -117,9 +168,12 @@ class Dispatcher:
             return run_split(compiled, split, bound.binding, bound.user_tensors, bound.call.name, peers)
         return run(compiled, bound.binding, bound.user_tensors)
 
-    def _prepare(self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None) -> tuple[CompiledStep, Bound]:
-        """The compiled variant for this call (captured now if there is none) and the call bound."""
-        schedulers_stepped = False
+    def _prepare(
+        self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None, again: bool = False
+    ) -> tuple[CompiledStep, Bound]:
+        """The compiled variant for this call (captured now if there is none) and the call bound; ``again``: the
+        call was prepared once already (its LR schedulers are not stepped twice)."""
+        schedulers_stepped = again
         self.dynamic.observe(call)  # marked dims; a size outside a declared range is refused here
         for attempt in range(_MAX_REBINDS + 1):
             bound = self.session.bind(call, group, channel)
@@ -127,7 +181,7 @@ class Dispatcher:
             if compiled is None and self.dynamic.widen(self._key(bound), self.cache):
                 compiled = self._lookup(bound)  # automatic dynamic: sizes that changed are symbols from now on
             if compiled is None:
-                compiled = self._compile(bound)
+                compiled = self._compile(bound, group)
                 if isinstance(compiled, Rebind):  # the trace found state to bind first: bind it, capture again
                     if attempt == _MAX_REBINDS:
                         raise CaptureError(f"zgraph could not bind the state the step uses: {compiled.reason}")
@@ -170,7 +224,7 @@ class Dispatcher:
         """How many variants of the step have been captured."""
         return sum(len(variants) for variants in self.cache.values())
 
-    def _compile(self, bound: Bound) -> CompiledStep | Rebind:
+    def _compile(self, bound: Bound, group: ProcessGroupInfo) -> CompiledStep | Rebind:
         """Capture, transform and compile the call's step; or what the trace found to bind first."""
         start = time.perf_counter()
         fresh = stateless_pairs(bound.binding)
@@ -194,7 +248,10 @@ class Dispatcher:
             warnings.warn(WRAPPER_WARNING.format(name=bound.call.name), UserWarning, stacklevel=6)
         try:
             with collector_paused(promote=True):
-                compiled = compile_step(captured, bound.binding, self.pipeline, self.config.backend, capture_seconds)
+                if self.config.pipeline_parallel is not None:
+                    compiled = compile_pipeline(captured, bound.binding, self.config, group, capture_seconds)
+                else:
+                    compiled = compile_step(captured, bound.binding, self.passes, self.config.backend, capture_seconds)
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise

@@ -15,8 +15,14 @@ class CaptureError(ZGraphError):
     """The training step could not be traced into one graph (data-dependent Python, untraceable optimizer...)."""
 
 
-class PipelineError(ZGraphError, ValueError):
-    """The pass pipeline is malformed: unknown pass name, or a pass contract that does not hold."""
+class PassError(ZGraphError, ValueError):
+    """A pass cannot run: the pass list is malformed (unknown pass name, a contract that does not hold), or a pass
+    refuses the step's graph, naming why."""
+
+
+PipelineError = PassError
+"""Deprecated alias of ``PassError`` (its name until pipeline parallelism took the word); removed in the next
+release."""
 
 
 class RankMismatchError(ZGraphError):

@@ -381,7 +381,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied).
 
     The copy is a ``_LazyGraphModule`` (inductor's own): its Python code is generated when it is first called or
-    printed, not on every ``recompile()`` — a pipeline keeps one graph per pass and most are only inspected. Like
+    printed, not on every ``recompile()`` — a pass list keeps one graph per pass and most are only inspected. Like
     ``copy.deepcopy``, it carries ``gm``'s create-node and deepcopy hooks (a pass that edits a copy of its graph
     has its nodes stamped by ``run_pass``) and calls the deepcopy hooks with the copy."""
     graph = fx.Graph()

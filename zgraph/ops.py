@@ -4,7 +4,7 @@
 parameter number ``param`` on this rank, before it is accumulated into ``.grad`` or returned by
 ``torch.autograd.grad``. It is the identity: the captured graph computes each rank's *local* gradients. The
 ``reduce_scatter_grads`` pass replaces every marker by the cross-rank average (DDP's meaning), which is what
-makes the distributed graph match eager PyTorch on the global batch. No marker survives the pipeline.
+makes the distributed graph match eager PyTorch on the global batch. No marker survives the pass list.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ GRAD_CONTRIBUTION = torch.ops.zgraph.grad_contribution.default
 # functional collectives (``torch.ops._c10d_functional``) and views. Layout: a tensor of a parameter's shape
 # (d0, ...) is cut along dim 0 into ``world_size`` shards of ``ceil(d0 / world_size)`` rows, the last ones
 # zero-padded, so every rank's shard has the same shape. The real implementations run the collectives, so
-# every intermediate graph of the pipeline can be executed as it is.
+# every intermediate graph of the pass list can be executed as it is.
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:

@@ -3,7 +3,7 @@
 A graph captured with symbolic sizes (some dims of the step's tensor arguments: the batch, the sequence) carries
 backed ``torch.SymInt``s in its values' shapes. Passes decide at the sizes it was captured at (their hints: no
 guard is added, so the graph stays valid at every size) and write the symbols, not ints, where the graph computes
-with a size; ``bind_sizes`` (run by the pass pipeline after each pass) makes the graph compute a symbol a pass wrote
+with a size; ``bind_sizes`` (run by the pass list after each pass) makes the graph compute a symbol a pass wrote
 into an op's arguments.
 """
 
@@ -54,7 +54,7 @@ def bind_sizes(gm: fx.GraphModule) -> None:
     """Every symbolic size an op takes as an argument (a pass wrote a symbolic value's ``shape`` into an op's
     arguments: a reshape, a collective's splits, a position's offset) computed by the graph from its inputs' sizes
     (torch's ``Graph.materialize_symints``: ``aten.sym_size.int`` of an input and Python arithmetic, right before
-    the op), so the graph runs at every size; a no-op on a graph of static sizes. Run by the pass pipeline after
+    the op), so the graph runs at every size; a no-op on a graph of static sizes. Run by the pass list after
     each pass."""
     if not _size_sources(gm):
         return

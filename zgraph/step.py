@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
@@ -26,6 +27,7 @@ from zgraph.config import Config
 from zgraph.config_checks import budget_bytes
 from zgraph.dispatch import Dispatcher
 from zgraph.inspect.budget import MemoryPlan, plan_for_sizes, plan_memory
+from zgraph.inspect.budget_sizes import at_shapes, grown, planned_shapes
 from zgraph.inspect.estimate import Estimate, estimate_step
 from zgraph.inspect.explain import dump_graphs, explain_table
 
@@ -36,8 +38,8 @@ class DistributedStep:
     Attributes:
         config: the ``zgraph.Config`` it was built with.
         process_group: the group its collectives run on (None: the default group, or one process).
-        memory_plan: with ``Config.memory_budget``, what the planner chose on the first call (a
-            ``zgraph.inspect.budget.MemoryPlan``; its ``config(step.config)`` is the config that runs); else None.
+        memory_plan: with ``Config.memory_budget``, what the planner chose for the largest argument sizes so far
+            (a ``zgraph.inspect.budget.MemoryPlan``; its ``config(step.config)`` is the config that runs); else None.
     """
 
     def __init__(self, fn: Callable, config: Config, process_group: dist.ProcessGroup | None = None):
@@ -45,6 +47,7 @@ class DistributedStep:
         self.config = config
         self.process_group = process_group
         self.memory_plan: MemoryPlan | None = None
+        self._planned_shapes: dict[str, tuple[int, ...]] = {}  # the argument shapes the memory plan is for
         self._dispatch = Dispatcher(config, process_group)
 
     def __get__(self, instance: object, owner: type | None = None) -> DistributedStep | types.MethodType:
@@ -54,12 +57,34 @@ class DistributedStep:
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         call = StepCall.of(self.__wrapped__, args, kwargs)
-        if self.config.memory_budget is not None and self.memory_plan is None:
-            world = dist.get_world_size(self.process_group) if dist.is_initialized() else None
-            plan = plan_memory(call, self.config, self.config.memory_budget, world, process_group=self.process_group)
-            self._dispatch = Dispatcher(plan.config(self.config), self.process_group)
-            self.memory_plan = plan
+        if self.config.memory_budget is not None:
+            self._plan(call)
         return self._dispatch(call)
+
+    def _plan(self, call: StepCall) -> None:
+        """Plan for the largest argument sizes so far (``zgraph.inspect.budget_sizes``): on the first call, and
+        again, with a warning, on a call larger in some dim. The dispatcher changes only where the plan does; the
+        budget ``"auto"`` resolves to bytes once (a later plan is one rank's own, with no collective)."""
+        larger = grown(call, self._planned_shapes) if self.memory_plan is not None else []
+        if self.memory_plan is not None and not larger:
+            return
+        shapes = planned_shapes(call, self._planned_shapes)
+        world = dist.get_world_size(self.process_group) if dist.is_initialized() else None
+        budget = self.config.memory_budget if self.memory_plan is None else self.memory_plan.budget
+        plan = plan_memory(at_shapes(call, shapes), self.config, budget, world, process_group=self.process_group)
+        if larger:
+            warnings.warn(
+                f"zgraph: step `{call.name}`'s memory plan was made for smaller arguments than this call's "
+                f"({'; '.join(larger)}); planned again for the largest sizes so far: {plan.chosen.describe()}. "
+                "Mark the dims with zgraph.mark_dynamic(t, dim, max=...) to plan once for the largest.",
+                stacklevel=3,
+            )
+        config = plan.config(self.config)
+        if config != self._dispatch.config:
+            dispatch = Dispatcher(config, self.process_group)
+            dispatch.dynamic = self._dispatch.dynamic  # the dims already found symbolic stay so
+            self._dispatch = dispatch
+        self.memory_plan, self._planned_shapes = plan, shapes
 
     # ------------------------------------------------------------------------------------------ inspection
     def _compiled(self) -> CompiledStep:
@@ -73,7 +98,7 @@ class DistributedStep:
         return self._compiled().graphs()
 
     def explain(self) -> str:
-        """A table of the pipeline: per pass, node count, collectives (count and bytes by kind), time."""
+        """A table of the pass list: per pass, node count, collectives (count and bytes by kind), time."""
         table = explain_table(self._compiled(), self._dispatch.config)
         return table if self.memory_plan is None else "\n".join([table, *self.memory_plan.lines()])
 

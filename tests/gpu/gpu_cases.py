@@ -69,10 +69,14 @@ ESTIMATE_GPT = GPTConfig(vocab=8192, d_model=512, layers=6, heads=8, seq=256)  #
 ESTIMATE_BATCH = 8  # sequences per rank
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 OVERFLOW_CALL = 3
-OFFLOAD: dict[str, tuple[int, dict[str, str]]] = {
-    "optimizer-z1": (1, {"offload_optimizer": "cpu"}),
+OFFLOAD: dict[str, tuple[int, dict[str, str]]] = {  # the states brought to the device for the update
+    "optimizer-z1": (1, {"offload_optimizer": "cpu", "offload_update": "device"}),
     "params-z3": (3, {"offload_params": "cpu"}),
-    "both-z3": (3, {"offload_optimizer": "cpu", "offload_params": "cpu"}),
+    "both-z3": (3, {"offload_optimizer": "cpu", "offload_params": "cpu", "offload_update": "device"}),
+}
+HOST_UPDATE: dict[str, tuple[int, dict[str, str]]] = {  # the update on the host (issue 43)
+    "host-z1": (1, {"offload_optimizer": "cpu", "offload_update": "host"}),
+    "host-z3": (3, {"offload_optimizer": "cpu", "offload_update": "host"}),
 }
 
 

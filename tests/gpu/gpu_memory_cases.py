@@ -16,6 +16,7 @@ from gpu_cases import (
     ESTIMATE_BATCH,
     ESTIMATE_GPT,
     GLOBAL_BATCH,
+    HOST_UPDATE,
     LR,
     OFFLOAD,
     OVERFLOW_CALL,
@@ -115,13 +116,22 @@ def offload_run(rank: int, world: int, device: torch.device, stage: int, fields:
         losses.append(loss.detach().float().item())
     gc.collect()
     held = state_bytes(model, opt)["total"]  # offloaded states and shards have released their device storage
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    shards = [getattr(t, "_local_tensor", t) for t in (*model.parameters(), *states)]
+    on_device = sum(t.untyped_storage().nbytes() for t in shards if t.device.type != "cpu")  # the update on the host
     lines = [line.strip() for line in step.explain().splitlines() if "offload_" in line or "host memory" in line]
-    return {"losses": losses, "held": held, "explain": lines, "state": zgraph_state(model, opt)}
+    return {
+        "losses": losses,
+        "held": held,
+        "held_on_device": on_device,
+        "explain": lines,
+        "state": zgraph_state(model, opt),
+    }
 
 
 def offload(rank: int, world: int, device: torch.device) -> dict:
     out = {}
-    for name, (stage, fields) in OFFLOAD.items():
+    for name, (stage, fields) in {**OFFLOAD, **HOST_UPDATE}.items():
         runs = {"plain": guarded(offload_run, rank, world, device, stage, {})}
         runs["offload"] = guarded(offload_run, rank, world, device, stage, fields)
         plain, off = runs["plain"], runs["offload"]

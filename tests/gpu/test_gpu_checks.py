@@ -225,6 +225,24 @@ def test_host_offload_is_bitwise_equal_to_no_offload(results, transport, case):
     report(f"offload[{transport}-{case}]", held_plain=plain["held"], held_offload=off["held"], explain=off["explain"])
 
 
+@pytest.mark.parametrize("case", list(gpu_cases.HOST_UPDATE))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_update_on_the_host_tracks_the_update_on_the_device(results, transport, case):
+    """Issue 43: the update on the host computes AdamW with the host's CPU kernels, the step without offload with
+    the GPU's: the same arithmetic, rounded by other kernels (on the CPU rehearsal bitwise); master parameters and
+    states leave the device."""
+    runs = check(results, transport, "offload")[case]
+    plain, host = ok(runs["plain"], "without offload"), ok(runs["offload"], "update on the host")
+    assert max(loss_rel(a, b) for a, b in zip(host["losses"], plain["losses"])) <= 1e-4, "losses"
+    assert host["state"].keys() == plain["state"].keys()
+    for key, value in plain["state"].items():
+        assert rel(host["state"][key], value) <= 1e-4, key
+    if gpu_cases.device_type() == "cuda":
+        assert host["held_on_device"] < plain["held_on_device"], "master parameters and states live in host memory"
+    held = {"held_on_device_plain": plain["held_on_device"], "held_on_device_host": host["held_on_device"]}
+    report(f"host_update[{transport}-{case}]", **held, explain=host["explain"])
+
+
 # ------------------------------------------------------------------------------------------------ estimate
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_estimate_peak_matches_max_memory_allocated(results, transport):

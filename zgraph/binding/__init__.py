@@ -5,8 +5,10 @@ Files::
 
     arguments.py  one call of a step (``StepCall``): its function and arguments, bound to the signature once
     guards.py     discovery of modules and optimizers; the guard key
-    dynamic.py    which argument dims are symbolic sizes: zgraph.mark_dynamic, automatic dynamic, declared ranges
+    dynamic.py    which argument dims are symbolic sizes: zgraph.mark_dynamic, automatic dynamic, declared ranges,
+                  sizes that differ between ranks
     locate.py     where the tensors a step reads outside its arguments live
     setup.py      the one binding set-up (check, then lay out), for a call and for an estimate
     session.py    what a step remembers between calls (bindings, observed state, located tensors); a call bound
+    micro_batches.py  a pipelined step's call cut into micro-batches along its tensor arguments' dim 0
 """

@@ -4,11 +4,15 @@ dynamic shapes" does: when a call misses every compiled variant and the argument
 own only in the sizes of some dimensions of tensors (same rank, dtype, device, structure), those dimensions (and
 dim 0, the batch, of the same tensors) become symbolic for the step, and the next capture traces them as symbols
 (``zgraph.capture.inputs``). That variant then serves every size its size guards (``zgraph.capture.size_guards``)
-accept. Parameters, gradients and optimizer state keep static shapes: only argument tensors' dims become symbolic.
+accept. Dims whose sizes differ between ranks become symbolic in the same way, on every rank
+(``DynamicDims.widen_across_ranks``, from each rank's ``argument_sizes``): ranks that pad their batches each to its
+own longest row run one graph. Parameters, gradients and optimizer state keep static shapes: only argument tensors'
+dims become symbolic.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 from torch import Tensor
@@ -47,7 +51,7 @@ def mark_dynamic(tensor: Tensor, dim: int, *, min: int | None = None, max: int |
     return tensor
 
 
-def _marks(t: Tensor) -> dict[int, Range]:
+def marked_ranges(t: Tensor) -> dict[int, Range]:
     """The dims marked dynamic on ``t``, with their ranges: zgraph's marks and ``torch._dynamo.mark_dynamic``'s."""
     marks: dict[int, Range] = {d: (None, None) for d in getattr(t, "_dynamo_dynamic_indices", ())}
     for r in getattr(t, "_dynamo_dynamic_range", ()):
@@ -66,10 +70,9 @@ class DynamicDims:
     def observe(self, call: StepCall) -> None:
         """Take this call's marks, then check every declared range: a size outside one is refused (nothing has
         changed yet)."""
-        tensors = [(path, leaf) for name, v in call.arguments for path, leaf in iter_leaves(v, name)]
-        tensors = [(path, t) for path, t in tensors if isinstance(t, Tensor)]
+        tensors = argument_tensors(call)
         for path, t in tensors:
-            for dim, bounds in _marks(t).items():
+            for dim, bounds in marked_ranges(t).items():
                 self.ranges[(path, dim)] = bounds
                 self.add(path, [dim])
         for path, t in tensors:
@@ -114,6 +117,25 @@ class DynamicDims:
             self.add(path, dims)
         return any(new.values())
 
+    def widen_across_ranks(self, sizes: Sequence[bytes]) -> bool:
+        """Each rank's ``argument_sizes``, in rank order (the same on every rank): the dims in which ranks' argument
+        tensors differ, where that is all they differ in (same paths, same number of dims), become symbolic, with
+        dim 0 of the same tensors (as ``widen``); ranks that pad their batches each to its own longest row then run
+        one graph. Whether any did differ (the same answer on every rank, whatever this rank had already made
+        symbolic)."""
+        ranks = [r for r in map(_read_sizes, sizes) if r is not None]
+        layout = [[(path, len(shape)) for path, shape in r] for r in ranks]
+        if not ranks or len(ranks) != len(sizes) or any(other != layout[0] for other in layout):
+            return False
+        found: dict[str, set[int]] = {}
+        for i, (path, shape) in enumerate(ranks[0]):
+            dims = {d for r in ranks for d, size in enumerate(r[i][1]) if size != shape[d]}
+            if dims:
+                found.setdefault(path, {0}).update(dims)
+        for path, dims in found.items():
+            self.add(path, dims)
+        return bool(found)
+
     def of(self, paths: Sequence[str]) -> dict[str, dict[int, Range]]:
         """The symbolic dims of the tensors at ``paths`` (a call's user tensors), each with its declared range."""
         return {
@@ -153,3 +175,29 @@ def _tensor_size_change(a: object, b: object) -> set[int] | None:
     if a[1:] != b[1:] or not isinstance(b[0], tuple) or len(a[0]) != len(b[0]):
         return None
     return {d for d, (x, y) in enumerate(zip(a[0], b[0])) if x != y}
+
+
+def argument_tensors(call: StepCall) -> list[tuple[str, Tensor]]:
+    """``(path, tensor)`` of the tensors among a call's arguments, at any nesting."""
+    leaves = [(path, leaf) for name, v in call.arguments for path, leaf in iter_leaves(v, name)]
+    return [(path, t) for path, t in leaves if isinstance(t, Tensor)]
+
+
+def argument_sizes(tensors: Sequence[tuple[str, Tensor]]) -> bytes:
+    """The sizes of a call's argument tensors (``(path, tensor)``: ``argument_tensors``, ``Bound.user_tensors``),
+    as JSON, for the other ranks (``DynamicDims.widen_across_ranks``)."""
+    return json.dumps([[path, list(t.shape)] for path, t in tensors]).encode()
+
+
+def _read_sizes(raw: bytes) -> list[tuple[str, list[int]]] | None:
+    """Another rank's ``argument_sizes``, checked to be what it sends; None if it is not."""
+    try:
+        rows = json.loads(raw)
+    except ValueError:
+        return None
+    good = isinstance(rows, list) and all(
+        isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], list)
+        and all(isinstance(n, int) for n in row[1])
+        for row in rows
+    )  # fmt: skip
+    return [(path, shape) for path, shape in rows] if good else None

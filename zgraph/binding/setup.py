@@ -20,12 +20,15 @@ import torch
 from torch import nn
 
 from zgraph.capture.precision import initial_loss_scale_state
+from zgraph.capture.update_rules import kernel_for
 from zgraph.config import Config
 from zgraph.graph import CostModel
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
 from zgraph.runtime.devices import allocation_device, check_served, served_backend, state_device
 from zgraph.runtime.host_memory import keep_freed_host_memory
+from zgraph.runtime.host_state import check_host_memory, check_overlap, home_device, host_parameters, move_to_host
+from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.hybrid import hybrid_group
 from zgraph.runtime.meta_init import (
     MetaInitError,
@@ -42,7 +45,7 @@ from zgraph.runtime.meta_init import (
 )
 from zgraph.runtime.offload import check_offload_device, open_store
 from zgraph.runtime.offload_activations import open_activation_tier
-from zgraph.runtime.offload_store import DEFAULT_WINDOW
+from zgraph.runtime.offload_store import DEFAULT_WINDOW, watch
 from zgraph.runtime.process_group import ProcessGroupInfo, check_one_device_per_rank
 from zgraph.runtime.sharded_state import (
     apply_plan,
@@ -65,7 +68,11 @@ def bind_state(
     Collective (every rank of ``group`` calls it at the same point) where ``channel`` is given."""
     binding = lay_out(config, group, channel, Binding(modules, optimizers))
     device = binding.device
-    binding.offload = open_store(config, device)
+    # the update on the host keeps its states in host memory itself: a store only for other state (offload_params)
+    binding.offload = open_store(config, device) if not binding.host_params or config.offload_params else None
+    if binding.host_params:
+        binding.host = HostRunner(device, binding.host_params, config.offload_overlap)
+        watch(binding.host, [o.optimizer for o in binding.optimizers], [m for _, m in binding.modules])
     binding.activations = open_activation_tier(config, device)
     binding.activations_window = config.prefetch_bytes if isinstance(config.prefetch_bytes, int) else DEFAULT_WINDOW
     if binding.offload is not None:
@@ -88,6 +95,11 @@ def lay_out(
         device = allocation_device(group.backend)
     check_served(group.backend, device)
     check_offload_device(config, device)
+    host, binding.host_fallback = host_parameters(config, binding, device, _host_runnable)
+    moving = frozenset(i for i in host if home_device(binding.params[i].tensor) is None)  # not there already
+    if moving and device.type != "cpu":
+        check_host_memory(_host_bytes(binding, moving, config, group), f"{len(moving)} parameters' masters and states")
+    check_overlap(config, group, binding, host)
     check_owners(config.stage, group, binding)
     source = None if standin else meta_source(binding, group, channel)
     routes = fill_routes(binding, values) if source == "init" else []
@@ -99,7 +111,43 @@ def lay_out(
     binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold)
     make_real(binding, channel, source, routes, values)
     apply_plan(binding.plan, binding)  # may replace parameters (stage 3)
+    move_to_host(binding, host, device)
+    binding.host_params = host
     return binding
+
+
+def _host_runnable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the host can run ``optimizer``'s update: zgraph has an update rule for its class."""
+    return kernel_for(optimizer) is not None
+
+
+def _host_bytes(binding: Binding, host: frozenset[int], config: Config, group: ProcessGroupInfo) -> int:
+    """The host memory the update on the host keeps for the parameters ``host``: their master values (a shard of
+    each at stage 3), ``.grad`` and optimizer states (a shard at stage >= 1; a first step's, as its optimizer makes
+    them, from meta stand-ins)."""
+    ranks = group.shard_axis.size if group.distributed else 1
+    total = 0
+    for i in host:
+        p = binding.params[i].tensor
+        master = p.numel() * (config.master_dtype or p.dtype).itemsize
+        total += master // ranks if config.stage >= 3 else master
+        total += 0 if p.grad is None else p.grad.numel() * p.grad.element_size()
+        for o in binding.optimizers:
+            state = binding.optimizer_state(o.index, i) or _first_state(o.optimizer, p, config)
+            states = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            total += sum(v.numel() * v.element_size() for v in states) // ranks
+    return total
+
+
+def _first_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, config: Config) -> dict:
+    """The state a first step of ``optimizer`` makes for ``param``, on meta (no memory)."""
+    kernel = kernel_for(optimizer)
+    group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
+    if kernel is None or kernel.initial_state is None or group is None:
+        return {}
+    dtype = config.master_dtype or param.dtype
+    meta = torch.empty(param.shape, dtype=dtype, device="meta")
+    return kernel.initial_state(meta, group, config.optimizer_state_dtype or config.master_dtype)
 
 
 def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:

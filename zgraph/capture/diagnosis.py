@@ -9,13 +9,13 @@ import traceback
 
 import torch
 
-from zgraph.passes import pipeline
+from zgraph.passes import pass_list
 from zgraph.runtime import state
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _ZGRAPH_DIRS = (  # zgraph/, and passes/ and runtime/ (installed as zgraph.passes and zgraph.runtime)
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    *(os.path.dirname(os.path.abspath(m.__file__)) for m in (pipeline, state)),
+    *(os.path.dirname(os.path.abspath(m.__file__)) for m in (pass_list, state)),
 )
 
 

@@ -5,7 +5,7 @@ the tensors they are read from; and their fake stand-ins for a trace."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ class Inputs:
 
     specs: list[GraphInput]
     values: list[Tensor]  # real tensors (or fakes made from metadata) in spec order
+    homes: dict[int, torch.device] = field(default_factory=dict)  # position: the device a host tensor stands in for
 
 
 def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> Inputs:
@@ -65,7 +66,13 @@ def collect_inputs(binding: Binding, user_tensors: list[tuple[str, Tensor]]) -> 
             add(GraphInput("input_grad", f"{path}.grad", leaf_index), t.grad)
     for name, value in binding.loss_scale_state.items():
         add(GraphInput("loss_scale", f"loss_scale:{name}", 0, field=name), value)
-    return Inputs(specs, values)
+    # a parameter the host updates: its state in host memory is traced as the device's (zgraph.runtime.host_state)
+    homes = {
+        k: binding.device
+        for k, (spec, value) in enumerate(zip(specs, values))
+        if spec.kind in ("param", "grad", "opt_state") and spec.index in binding.host_params and value.dim() > 0
+    }
+    return Inputs(specs, values, homes)
 
 
 def fake_inputs(
@@ -79,14 +86,18 @@ def fake_inputs(
     ``.grad``) whose sizes are symbols of the capture's ShapeEnv (backed, hinted with this call's size)."""
     dynamic = dynamic or {}
     fakes = []
-    for spec, value in zip(inputs.specs, inputs.values):
+    for k, (spec, value) in enumerate(zip(inputs.specs, inputs.values)):
         if spec.kind == "hparam":
             with mode:
                 fakes.append(torch.empty((), dtype=torch.float64))
             continue
+        home = inputs.homes.get(k)
         if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
             with mode:
-                fake = torch.empty(value.shape, dtype=value.dtype, device=value._local_tensor.device)
+                fake = torch.empty(value.shape, dtype=value.dtype, device=home or value._local_tensor.device)
+        elif home is not None:
+            with mode:
+                fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=home)
         elif spec.kind in ("input", "input_grad") and argument_path(spec) in dynamic:
             fake = _symbolic(mode, value.detach(), spec.name, dynamic[argument_path(spec)], meta_as)
         elif value.is_meta and meta_as is not None:

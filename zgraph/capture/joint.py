@@ -2,7 +2,7 @@
 
 ``needs_split`` decides from a finished trace; ``trace_joint`` traces the step again as a joint graph: the step,
 then ``torch.autograd.backward(outputs, tangents)`` with one tangent graph input per such output. The joint graph
-goes through the whole pass pipeline like any step; ``zgraph.passes.partition`` then cuts the transformed graph
+goes through the whole pass list like any step; ``zgraph.passes.partition`` then cuts the transformed graph
 into a forward and a backward graph, and ``zgraph.compile.split_runner`` runs them (the backward from the outputs'
 ``grad_fn``). The joint graph computes fresh gradients (``.grad`` present on entry is left out of the trace):
 the runtime adds them to whatever ``.grad`` holds when the backward runs, as eager accumulates.

@@ -31,6 +31,7 @@ from zgraph.capture.host_scalars import HostScalars
 from zgraph.capture.precision import TracePrecision, keep_if_overflow
 from zgraph.errors import CaptureError
 from zgraph.graph import OPTIMIZER, PHASE, offload_moves
+from zgraph.runtime.host_state import mark_state
 from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.sharded_state import graph_tensor, normalize_param_state
 from zgraph.runtime.state import Binding
@@ -337,12 +338,15 @@ def settle_first_state(binding: Binding, config: Any) -> Callable[[int, int], No
     sharded (stage >= 1) and, when the optimizer's states are all offloaded (``Config.offload_fraction`` 1, the
     default), moved to the offload tier, so that a first step never holds every parameter's whole state at once
     (on a GPU that is what would not fit). With a smaller fraction the graph's plan decides which states move, at
-    the first run."""
+    the first run. The state of a parameter the host updates is made in host memory (``zgraph.runtime.host_state``)."""
     moves = offload_moves(config.offload_optimizer, binding.device.type) and config.offload_fraction == 1.0
     offloaded = binding.offload is not None and moves
 
     def settle(o_index: int, p_index: int) -> None:
         normalize_param_state(binding.plan, binding, o_index, p_index)
+        if p_index in binding.host_params:  # made from the host parameter, in host memory already
+            mark_state(binding, p_index, binding.device)
+            return
         for key, value in binding.optimizer_state(o_index, p_index).items():
             if offloaded and isinstance(value, Tensor) and value.dim() > 0:
                 binding.offload.offload_now(("opt_state", p_index, key, o_index), graph_tensor(value))

@@ -251,7 +251,7 @@ def _environment(
             stack.enter_context(cast_forward_inputs(binding, config.param_dtype))
         if config.autocast_dtype is not None:
             stack.enter_context(autocast_forwards(binding, config.autocast_dtype, _device_type(state.params)))
-        if config.remat is not None:  # only what remat reads: other captures stay as they were
+        if config.remat is not None or config.pipeline_parallel is not None:  # what remat and stage_cut read
             stack.enter_context(mark_blocks(binding))
         stack.enter_context(swap_optimizers(step_trace))
         stack.enter_context(record_scheduler_steps(step_trace))

@@ -23,7 +23,24 @@ from zgraph.runtime.sharded_state import pad_shard, sharding_of
 
 
 def _whole(t: Tensor) -> Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    """``t`` whole (gathered where sharded; a shard in host memory, the update on the host's, whole in host memory)."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    whole = on_mesh_device(t).full_tensor()
+    if whole.device == t._local_tensor.device:
+        return whole
+    with host_read("zgraph.gather: a shard in host memory gathered whole"):
+        return whole.to(t._local_tensor.device)
+
+
+def on_mesh_device(t: DTensor) -> DTensor:
+    """``t``, or, where its shard is in host memory and its mesh on a device (the update on the host keeps its
+    state there), a copy of the shard on that device: the collectives that gather it run there, one tensor at a
+    time."""
+    local, device_type = t._local_tensor, t.device_mesh.device_type
+    if local.device.type == device_type or device_type == "cpu":
+        return t
+    return DTensor(local.to(device_type), t._spec, requires_grad=False)
 
 
 @contextlib.contextmanager
@@ -51,7 +68,7 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
             continue
         param = record.tensor
         if isinstance(param, DTensor):
-            whole = nn.Parameter(param.full_tensor(), requires_grad=param.requires_grad)
+            whole = nn.Parameter(_whole(param), requires_grad=param.requires_grad)
             if param.grad is not None:
                 whole.grad = _whole(param.grad)
             grad_version = None if whole.grad is None else whole.grad._version
@@ -60,7 +77,7 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
                 module._parameters[attr] = whole
         elif isinstance(param.grad, DTensor):
             sharded = param.grad
-            param.grad = sharded.full_tensor()
+            param.grad = _whole(sharded)
             grads.append((param, sharded, param.grad, param.grad._version))
     try:
         yield model
@@ -152,6 +169,7 @@ def whole_on_host(value: Any, *, rank0_only: bool = False) -> Any:
     if not isinstance(value, Tensor):
         return value if keep else None
     if isinstance(value, DTensor):
+        value = on_mesh_device(value)
         whole = _gathered_to_rank0(value) if rank0_only else _NOT_SHARD0
         if whole is _NOT_SHARD0:
             whole = value.full_tensor()

@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from zgraph.errors import CaptureError, PipelineError
+    from zgraph.errors import CaptureError, PassError
 
     try:
         print(estimate_lengths.run(args) if args.seq_lens is not None else estimate_cli.run(args))
-    except (estimate_cli.EstimateInputError, CaptureError, PipelineError) as error:  # bad input: one line, status 1
+    except (estimate_cli.EstimateInputError, CaptureError, PassError) as error:  # bad input: one line, status 1
         print("zgraph estimate: " + "; ".join(str(error).strip().split("\n")), file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,5 @@
 """From a captured graph to a compiled variant: what the passes know of the bound state (``pass_context``), the
-pass pipeline, lowering for the backend (both halves of a split step), and the fingerprint the ranks compare."""
+pass list, lowering for the backend (both halves of a split step), and the fingerprint the ranks compare."""
 
 from __future__ import annotations
 
@@ -11,19 +11,28 @@ from zgraph.capture.captured import CapturedGraph
 from zgraph.compile.lower import lower, lower_split
 from zgraph.compile.variant import CompiledStep
 from zgraph.graph import ParamInfo, input_specs, output_roles
-from zgraph.passes import Pass, PassContext, run_pipeline
+from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.runtime.consistency import describe_collectives, describe_graph, digest
 from zgraph.runtime.cost_model import crossing_groups
+from zgraph.runtime.offload_store import OffloadError
 from zgraph.runtime.state import Binding
 
 
 def compile_step(
-    captured: CapturedGraph, binding: Binding, pipeline: Sequence[Pass], backend: str, capture_seconds: float
+    captured: CapturedGraph, binding: Binding, passes: Sequence[Pass], backend: str, capture_seconds: float
 ) -> CompiledStep:
-    """Transform ``captured`` with ``pipeline`` and compile it for ``backend``."""
+    """Transform ``captured`` with ``passes`` and compile it for ``backend``."""
     assert captured.gm is not None
+    overlap = binding.host.overlap if binding.host is not None else None
+    if overlap is not None and (captured.split is not None or not captured.optimizers_stepped):
+        raise OffloadError(
+            f"zgraph: Config.offload_overlap={overlap!r} overlaps a step's update on the host with the next step's "
+            "forward, so the step must run the forward, the backward and the optimizer's update; this one "
+            + ("leaves its backward to the caller (split mode)" if captured.split is not None else "steps no optimizer")
+            + ". Use offload_overlap=None"
+        )
     ctx = pass_context(binding, split=captured.split is not None)
-    records = run_pipeline(captured.gm, ctx, list(pipeline))
+    records = run_passes(captured.gm, ctx, list(passes))
     transformed = records[-1].gm if records else captured.gm
     split = None
     if captured.split is not None:
@@ -80,6 +89,7 @@ def pass_context(binding: Binding, split: bool = False) -> PassContext:
         replicate_group=group.replicate,
         secondary_group=group.secondary,
         sequence_group=group.sequence,
+        host_params=binding.host_params,
     )
 
 

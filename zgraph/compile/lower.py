@@ -10,7 +10,7 @@ import torch.fx as fx
 from zgraph.capture.captured import SplitInfo
 from zgraph.compile.variant import SplitCompiled, reload_slots
 from zgraph.graph import input_specs, output_roles
-from zgraph.passes import Pass, PassContext, PassRecord, run_pipeline
+from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.partition import partition
 from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
 
@@ -18,14 +18,14 @@ from zgraph.runtime.executor import Executable, backend_rewrites, compile_graph
 def lower(gm: fx.GraphModule, ctx: PassContext, backend: str, keep: bool = True) -> tuple[list[PassRecord], Executable]:
     """Run ``backend``'s rewrites on ``gm`` as recorded passes and compile the result; where inductor cannot
     compile it, the eager backend's rewrites and executor instead. Returns the records and the executable.
-    ``keep``: as for ``run_pipeline`` (False: the eager rewrites edit ``gm``; inductor's always edit a copy)."""
+    ``keep``: as for ``run_passes`` (False: the eager rewrites edit ``gm``; inductor's always edit a copy)."""
     start = time.perf_counter()
     for name in (backend, "eager"):
         rewrites = [
             Pass(n, lambda g, _ctx, fn=fn: fn(g), doc=fn.__doc__.strip().splitlines()[0])
-            for n, fn in backend_rewrites(name)
+            for n, fn in backend_rewrites(name, gm)
         ]
-        records = run_pipeline(gm, ctx, rewrites, check_input=False, keep=keep or name != "eager")
+        records = run_passes(gm, ctx, rewrites, check_input=False, keep=keep or name != "eager")
         executable = compile_graph(records[-1].gm, name)
         if executable is not None:
             if name != backend:  # the time inductor spent failing counts too

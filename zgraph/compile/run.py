@@ -13,7 +13,10 @@ from zgraph.capture.as_written import hyperparameters
 from zgraph.capture.captured import Returned
 from zgraph.compile.variant import CompiledStep
 from zgraph.graph import INPUT, OFFLOADED, VAL, placeholders, state_key, tensor_bytes
+from zgraph.host_ops import host_tier
 from zgraph.ops import offload_tier
+from zgraph.runtime.executor import Executable
+from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.offload_activations import ActivationStash, unstash_order
 from zgraph.runtime.offload_store import TierStore
 from zgraph.runtime.state import Binding
@@ -27,6 +30,7 @@ def run(compiled: CompiledStep, binding: Binding, user_tensors: list[tuple[str, 
     step's result."""
     io = StateIO(binding, binding.plan)
     store = compiled.offload = getattr(binding, "offload", None)
+    compiled.host, compiled.host_fallback = binding.host, binding.host_fallback
     hyper: dict[tuple[int, int], dict[str, float]] = {}
     for spec in compiled.input_specs:
         if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
@@ -49,11 +53,34 @@ def _run_graph(compiled: CompiledStep, binding: Binding, store: TierStore | None
     stash / unstash nodes (``Config.offload_activations``), where it has them."""
     tier = getattr(binding, "activations", None)
     order = unstash_order(compiled.final) if tier is not None else []
-    graph = lambda: compiled.executable.run(inputs)
+    graph = hosted(binding, compiled.executable, inputs)
     if order:
         window = binding.activations_window
         graph = functools.partial(run_stashed, ActivationStash(tier, order, window, store), graph)
     return _run_offloaded(compiled, store, inputs, graph) if store is not None else graph()
+
+
+def hosted(binding: Binding, executable: Executable, inputs: list) -> Callable[[], Sequence]:
+    """Running ``executable`` on ``inputs``: with the binding's host runner serving its host update operators
+    where it has them (``Config.offload_update="host"``)."""
+    runner = getattr(binding, "host", None)
+    if runner is None or executable.host_parts is None:
+        return lambda: executable.run(inputs)
+    return functools.partial(run_hosted, runner, executable.host_parts, lambda: executable.run(inputs))
+
+
+def run_hosted(runner: HostRunner, parts: list, run_graph: Callable[[], Sequence]) -> Sequence:
+    """``run_graph()`` with ``runner`` serving its copies and running its host partitions ``parts``; what it
+    started is finished after it (or its failure)."""
+    runner.begin(parts)
+    try:
+        with host_tier(runner):
+            outputs = run_graph()
+    except BaseException:
+        runner.abort()
+        raise
+    runner.finish()
+    return outputs
 
 
 def run_stashed(stashes: ActivationStash, run_graph: Callable) -> Sequence:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from zgraph.compile.run import finish_call, run_offloaded, unalias
+from zgraph.compile.run import finish_call, hosted, run_offloaded, unalias
 from zgraph.compile.variant import CompiledStep, SplitCompiled
 from zgraph.errors import ZGraphError
 from zgraph.graph import GraphInput, GraphOutput, input_specs, state_key
@@ -143,11 +143,12 @@ def _run(call: _Call, io: StateIO, executable: Executable, reloads: tuple[int, .
     """Run one of the two graphs; with offloaded parameters, with the offload tier serving its reload nodes
     (their slots are the joint graph's input positions: each one's tensor is read from the live state)."""
     store = getattr(call.binding, "offload", None)
+    graph = hosted(call.binding, executable, inputs)
     if store is None or not reloads:
-        return executable.run(inputs)
+        return graph()
     specs = input_specs(call.compiled.transformed)
     slots = {i: (state_key(specs[i]), io.read(specs[i], call.user_tensors, {})) for i in reloads}
-    return run_offloaded(store, reloads, slots, inputs, lambda: executable.run(inputs))
+    return run_offloaded(store, reloads, slots, inputs, graph)
 
 
 def _agreed(call: _Call, peers: Peers, run: Callable[[], list]) -> list:

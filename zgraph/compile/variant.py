@@ -8,13 +8,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+from torch import Tensor
 
 from zgraph.capture.captured import CapturedGraph, SplitInfo
 from zgraph.graph import CostModel, GraphInput, GraphOutput, ParamInfo
 from zgraph.ops import RELOAD
 from zgraph.passes import PassRecord
+from zgraph.passes.micro_batch_loss import LossCombine
 from zgraph.runtime.executor import Executable
+from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.offload_store import TierStore
+from zgraph.runtime.pipeline_run import StageRun
+from zgraph.runtime.pipeline_schedule import Schedule
 
 
 @dataclass
@@ -37,6 +42,20 @@ class SplitCompiled:
 
 
 @dataclass
+class PipelineCompiled:
+    """This rank's part of a pipelined variant: the schedule, its stages, where each of the step's results is made
+    (``results[index] = (stage, one micro-batch's example value)``) and the stage graphs, for inspection."""
+
+    schedule: Schedule
+    rank: int
+    stages: dict[int, StageRun]
+    results: dict[int, tuple[int, Tensor]]
+    graphs: OrderedDict[str, fx.GraphModule]
+    combine: LossCombine = field(default_factory=LossCombine)
+    count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
+
+
+@dataclass
 class CompiledStep:
     """One captured, transformed and compiled variant of the step (one guard key)."""
 
@@ -53,7 +72,10 @@ class CompiledStep:
     params: tuple[ParamInfo, ...] = ()  # the parameters as the passes saw them (layouts), for explain()
     split: SplitCompiled | None = None  # a split step's forward and backward
     offload: TierStore | None = None  # the binding's offload store, for explain()
+    host: HostRunner | None = None  # the binding's runner of the update on the host, for explain()
+    host_fallback: str | None = None  # why the update does not run on the host where it was to, for explain()
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group crosses nodes, for explain()
+    pipeline: PipelineCompiled | None = None  # a pipelined step's schedule and this rank's stages
 
     @functools.cached_property
     def offloaded_inputs(self) -> tuple[int, ...]:
@@ -62,7 +84,7 @@ class CompiledStep:
 
     @property
     def transformed(self) -> fx.GraphModule:
-        """The pipeline's last graph: its input positions are the ones reload nodes name."""
+        """The pass list's last graph: its input positions are the ones reload nodes name."""
         return self.records[-1].gm if self.records else self.captured.gm
 
     @property
@@ -81,9 +103,11 @@ class CompiledStep:
         if self.split is not None:
             for part, records in (("forward", self.split.forward_records), ("backward", self.split.backward_records)):
                 out[part] = records[-1].gm
+        if self.pipeline is not None:
+            out.update(self.pipeline.graphs)
         return out
 
 
 def reload_slots(gm: fx.GraphModule) -> tuple[int, ...]:
-    """The input positions (of the pipeline's graph) ``gm``'s ``zgraph::reload`` nodes read, in graph order."""
+    """The input positions (of the pass list's graph) ``gm``'s ``zgraph::reload`` nodes read, in graph order."""
     return tuple(n.args[1] for n in gm.graph.nodes if n.target is RELOAD)

@@ -39,7 +39,7 @@ from zgraph.compile.build import pass_context
 from zgraph.config import Config
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant, prepare
-from zgraph.passes import run_pipeline
+from zgraph.passes import run_passes
 from zgraph.passes.remat import blocks_in
 
 _NEVER_REGATHER = 2**62  # max_reuse_distance that keeps every gathered parameter for the whole step
@@ -177,12 +177,12 @@ def prepare_plan(
     shares (those before ``remat``) already run on it."""
     capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)
     prepared = prepare(call, capture_config, world_size, device=device)
-    passes = capture_config.pipeline()
+    passes = capture_config.passes()
     shared = next((i for i, p in enumerate(passes) if p.name == "remat"), 0)
     if not shared:
         return prepared
     ctx = pass_context(prepared.binding, split=prepared.captured.split is not None)
-    records = run_pipeline(prepared.captured.gm, ctx, passes[:shared], keep=False)
+    records = run_passes(prepared.captured.gm, ctx, passes[:shared], keep=False)
     captured = dataclasses.replace(prepared.captured, gm=records[-1].gm)
     return dataclasses.replace(prepared, captured=captured, ran=shared)
 

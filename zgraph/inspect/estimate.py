@@ -61,7 +61,7 @@ from zgraph.graph import (
 )
 from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
 from zgraph.inspect.shadow import EstimateError, shadow_call
-from zgraph.passes import run_pipeline
+from zgraph.passes import run_passes
 from zgraph.runtime.cost_model import CostModel as RuntimeCostModel
 from zgraph.runtime.cost_model import analytical_cost_model, crossing_groups, known_cost_model, with_inter_node
 from zgraph.runtime.devices import served_backend
@@ -173,6 +173,11 @@ def estimate_step(
     (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``.
     ``sizes``: for arguments marked with ``zgraph.mark_dynamic`` (traced as size symbols), the sizes to estimate
     at, by symbol name or ``(argument path, dim)`` (``Estimate.size_symbols``); the others at the call's sizes."""
+    if config.pipeline_parallel is not None:
+        raise EstimateError(
+            "step.estimate does not model pipeline parallelism yet (Config.pipeline_parallel): estimate the step "
+            "without it, or run it and read explain() for the stages and the schedule's predicted bubble"
+        )
     prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
 
@@ -180,7 +185,7 @@ def estimate_step(
 @dataclass(frozen=True)
 class Prepared:
     """A step captured once on stand-ins, to estimate under configs that differ only in what the passes do;
-    ``ran``: how many leading passes of every such config's pipeline already ran on ``captured.gm``."""
+    ``ran``: how many leading passes of every such config's pass list already ran on ``captured.gm``."""
 
     captured: CapturedGraph
     binding: Binding
@@ -235,7 +240,7 @@ def estimate_sizes(
     captured, binding, device = prepared.captured, prepared.binding, prepared.device
     ctx = pass_context(binding, split=captured.split is not None)
     gm = copy_graph_module(captured.gm) if copy else captured.gm
-    records = run_pipeline(gm, ctx, config.pipeline()[prepared.ran :], check_input=not prepared.ran, keep=False)
+    records = run_passes(gm, ctx, config.passes()[prepared.ran :], check_input=not prepared.ran, keep=False)
     backend_records, _ = lower(records[-1].gm if records else gm, ctx, "eager", keep=False)  # what runs
     final = backend_records[-1].gm
     symbols = size_symbols(final)

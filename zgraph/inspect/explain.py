@@ -23,8 +23,10 @@ from zgraph.graph import (
     collective_kind,
     tensor_bytes,
 )
+from zgraph.inspect.pipeline_view import pipeline_lines
 from zgraph.ops import STASH, UNSHARD
 from zgraph.runtime.cost_model import LINK_CLASSES, analytical_cost_model
+from zgraph.runtime.host_update import describe as describe_host
 from zgraph.runtime.offload import describe as describe_offload
 from zgraph.runtime.timeline import collective_totals, estimate
 
@@ -59,7 +61,7 @@ def _cell(summary: dict[str, tuple[int, int]], kind: str) -> str:
 
 
 def explain_table(compiled: CompiledStep, config: Config) -> str:
-    """The pipeline as a table: one row per graph (captured, each pass, final)."""
+    """The pass list as a table: one row per graph (captured, each pass, final)."""
     rows = [("captured", compiled.captured.gm, compiled.capture_seconds, "trace + functionalize")]
     rows += [(r.name, r.gm, r.seconds, r.doc if r.applied else f"(nothing to do) {r.doc}") for r in compiled.records]
     if compiled.split is not None:  # a split step runs two graphs cut from the joint one (zgraph.capture.joint)
@@ -68,6 +70,8 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
             ("backward", compiled.split.backward, compiled.split.backward_records),
         ):
             rows.append((f"{part} ({exe.backend})", records[-1].gm, exe.compile_seconds, f"split step: the {part}"))
+    elif compiled.pipeline is not None:  # this rank's stage graphs
+        rows += [(name, gm, 0.0, "pipeline stage graph") for name, gm in compiled.pipeline.graphs.items()]
     else:
         rows += [
             (f"{r.name} ({compiled.executable.backend})", r.gm, r.seconds, r.doc) for r in compiled.backend_records
@@ -95,7 +99,10 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines += _activation_lines(compiled, config)
     lines += _link_lines(compiled)
     lines += _timeline_lines(compiled)
-    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload)
+    lines += pipeline_lines(compiled)
+    hosted = compiled.host is not None
+    lines += describe_offload(config.offload_optimizer, config.offload_params, compiled.offload, hosted)
+    lines += describe_host(compiled.host, compiled.host_fallback, compiled.final, compiled.params)
     return "\n".join(lines)
 
 

@@ -14,6 +14,8 @@ Files::
                       Config a trainer runs with (from a Config, a DeepSpeed JSON, or the arguments)
     trl.py            ZGraphSFTTrainer (TRL's SFTTrainer on ZGraphTrainer's step; its metrics come out of the
                       step), ZGraphSFTConfig; needs trl
+    trl_logprob.py    TRL's chunked log-prob kernel as one op of the step graph (its token loop would fix the
+                      token count: a capture per padded length)
     hf_deepspeed.py   DeepSpeed JSON "auto" values filled from TrainingArguments, as transformers' DeepSpeed
                       integration fills them (plain dicts: no transformers import)
 """

@@ -173,8 +173,8 @@ class ZGraphAccelerator(Accelerator):
 
 def sharded_forward(model: nn.Module, config: Config) -> Callable[..., Any]:
     """``model.forward`` as a zgraph step over ``model``: what ``prepare`` installs on the model. The original is
-    its ``__wrapped__`` (``inspect.signature(model.forward)`` is the model's). It is not recorded as
-    ``model._original_forward``, accelerate's mark for its autocast wrapper: ``unwrap_model(...,
+    its ``__wrapped__`` (``inspect.signature(model.forward)`` is the model's), the step its ``zgraph_step``. It
+    is not recorded as ``model._original_forward``, accelerate's mark for its autocast wrapper: ``unwrap_model(...,
     keep_fp32_wrapper=False)`` would strip the step, and a model zgraph sharded must keep running through it."""
     forward = model.forward
 
@@ -187,6 +187,7 @@ def sharded_forward(model: nn.Module, config: Config) -> Callable[..., Any]:
         return step(model, *args, **kwargs)
 
     call.__wrapped__ = forward  # type: ignore[attr-defined]  # inspect.signature(model.forward) is the model's
+    call.zgraph_step = step  # type: ignore[attr-defined]  # the step itself (its captures, explain())
     call.__doc__ = forward.__doc__
     return call
 

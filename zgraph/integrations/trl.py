@@ -23,10 +23,13 @@ Refused when the trainer is built, naming the option: ``compute_loss_func`` and 
 this one and must not read tensor values), ``activation_offloading`` (SFTTrainer wraps its ``training_step``, which
 the zgraph step replaces: zgraph's Config offloads), sequence and context parallelism.
 
-On CUDA, TRL's fused LM head runs Triton kernels on the labelled positions only; in the step it runs its torch
-path on every position (``torch_fused_head``), which the compiler fuses.
+TRL's fused LM head scores every position in the step (on CUDA it scores the labelled ones only, a shape that
+depends on the data), and its chunked log-prob kernel is one op of the graph (``trl_logprob``) that runs TRL's own
+forward and backward (Triton on CUDA): the same arithmetic as SFTTrainer's, at any number of tokens.
 
-Each new batch shape is a new trace: pad to one length (``max_length`` with ``pad_to_multiple_of``) for one graph.
+Batches padded to their longest row (the collator's default) or padding-free ones: the step is captured for the
+first batch's sizes, once more with the sizes that changed as symbols, and that graph serves every later size; no
+``pad_to_multiple_of`` is needed. (Padding-free batches with flash attention: ``without_flash_lengths``.)
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import trl.kernels.chunked_logprob
 import trl.trainer.utils
 from torch import nn
 from trl import SFTConfig, SFTTrainer
 
 from zgraph.integrations.transformers import ZGraphTrainer, ZGraphTrainingArguments
+from zgraph.integrations.trl_logprob import ChunkedLogProb
 
 
 class ZGraphSFTConfig(ZGraphTrainingArguments, SFTConfig):
@@ -59,9 +62,12 @@ class ZGraphSFTTrainer(ZGraphTrainer, SFTTrainer):
         super().__init__(model, args, *rest, **kwargs)
         refuse_sft_trainer(self)
 
-    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        inputs = without_flash_lengths(model, inputs)
         with torch_fused_head():  # the zgraph step is traced (forward and backward) inside ZGraphTrainer's
-            return super().training_step(*args, **kwargs)
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
@@ -91,23 +97,36 @@ class ZGraphSFTTrainer(ZGraphTrainer, SFTTrainer):
 
 @contextlib.contextmanager
 def torch_fused_head() -> Iterator[None]:
-    """TRL's fused LM head on its torch path, every position scored, while the step is traced. On CUDA it takes its
-    Triton path: kernels launched on the traced (fake) tensors, and only the labelled positions scored
-    (``hidden[mask]``, a shape that depends on the data); a zgraph trace holds neither. The compiler fuses the torch
-    path's tiles instead."""
-    modules = (trl.trainer.utils, trl.kernels.chunked_logprob)
-    saved = [module._use_triton for module in modules]
-    for module in modules:
-        module._use_triton = _no_triton
+    """TRL's fused LM head as a zgraph step traces it, while the step runs. Every position is scored: on CUDA the
+    head scores only the labelled positions (``hidden[mask]``, a shape that depends on the data, which a trace
+    cannot hold). Its chunked log-prob kernel is one op (``trl_logprob.ChunkedLogProb``): the kernel's loop over
+    the tokens would fix their number in the trace, a capture per padded length."""
+    saved = trl.trainer.utils._use_triton, trl.trainer.utils._ChunkedLogProbFunction
+    trl.trainer.utils._use_triton, trl.trainer.utils._ChunkedLogProbFunction = _no_triton, ChunkedLogProb
     try:
         yield
     finally:
-        for module, use_triton in zip(modules, saved, strict=True):
-            module._use_triton = use_triton
+        trl.trainer.utils._use_triton, trl.trainer.utils._ChunkedLogProbFunction = saved
 
 
 def _no_triton(device: torch.device) -> bool:
     return False
+
+
+FLASH_LENGTHS = ("max_length_q", "max_length_k")
+"""A padding-free batch's longest sequence, as Python ints, for flash attention's varlen kernels."""
+IGNORE_FLASH_LENGTHS = ("eager", "sdpa", "flex_attention")
+"""Attention implementations that do not read ``FLASH_LENGTHS`` (they mask packed sequences by ``position_ids``)."""
+
+
+def without_flash_lengths(model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """A padding-free batch without ``FLASH_LENGTHS`` where the model's attention does not read them. Python
+    numbers among a step's arguments are constants of its graph: a new longest sequence would capture it again.
+    Flash attention's kernels take them, so there they stay (a capture per longest sequence)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) not in IGNORE_FLASH_LENGTHS:
+        return inputs
+    return {key: value for key, value in inputs.items() if key not in FLASH_LENGTHS}
 
 
 def sft_loss(trainer: SFTTrainer, model: nn.Module, inputs: dict[str, Any], num_items: Any) -> tuple[torch.Tensor, Any]:

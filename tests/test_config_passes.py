@@ -1,4 +1,4 @@
-"""Config validation, the pass pipeline's contracts, and inspection (foundation issue, items 2, 4, 5)."""
+"""Config validation, the pass list's contracts, and inspection (foundation issue, items 2, 4, 5)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from parity import train_step
 from torch import nn
 
 import zgraph
-from zgraph.passes import Pass, build_pipeline, default_pipeline
+from zgraph.passes import Pass, build_pass_list, default_passes
 
 
 @pytest.mark.parametrize(
@@ -67,32 +67,42 @@ def test_every_config_field_has_a_docstring_under_it():
     assert documented == {f.name for f in dataclasses.fields(zgraph.Config)}
 
 
-def test_pipeline_options_are_declared_on_the_fields():
-    options = zgraph.Config().pipeline_options()
-    assert set(options) == set(inspect.signature(default_pipeline).parameters), "every option, and only those"
+def test_pass_options_are_declared_on_the_fields():
+    options = zgraph.Config().pass_options()
+    assert set(options) == set(inspect.signature(default_passes).parameters), "every option, and only those"
     declared = {f.metadata["pass_option"] for f in dataclasses.fields(zgraph.Config) if "pass_option" in f.metadata}
     assert declared == set(options)
     config = zgraph.Config(stage=3, max_reuse_distance=7, offload_optimizer="cpu", offload_fraction=0.5)
-    assert {k: config.pipeline_options()[k] for k in ("stage", "max_reuse_distance", "offload_fraction")} == {
+    assert {k: config.pass_options()[k] for k in ("stage", "max_reuse_distance", "offload_fraction")} == {
         "stage": 3,
         "max_reuse_distance": 7,
         "offload_fraction": 0.5,
     }
     bf16 = zgraph.Config(param_dtype=torch.bfloat16)
-    assert bf16.pipeline_options()["reduce_dtype"] == torch.bfloat16, "reduce_dtype None: param_dtype"
-    assert bf16.replace(reduce_dtype=torch.float32).pipeline_options()["reduce_dtype"] == torch.float32
+    assert bf16.pass_options()["reduce_dtype"] == torch.bfloat16, "reduce_dtype None: param_dtype"
+    assert bf16.replace(reduce_dtype=torch.float32).pass_options()["reduce_dtype"] == torch.float32
 
 
-def test_config_pipeline_is_the_default_pipeline_built_with_its_options():
+def test_config_passes_is_the_default_passes_built_with_its_options():
     noop = Pass("noop", lambda gm, ctx: gm, after="cse")
     config = zgraph.Config(stage=3, max_reuse_distance=7, disable_passes=["bucket"], extra_passes=[noop])
-    names = [p.name for p in config.pipeline()]
+    names = [p.name for p in config.passes()]
     assert names[:2] == ["cse", "noop"] and "bucket" not in names
-    assert names == [p.name for p in build_pipeline(default_pipeline(**config.pipeline_options()), ["bucket"], [noop])]
-    bound = {p.name: p.fn for p in config.pipeline()}
+    assert names == [p.name for p in build_pass_list(default_passes(**config.pass_options()), ["bucket"], [noop])]
+    bound = {p.name: p.fn for p in config.passes()}
     assert bound["shard_params"].keywords == {"stage": 3, "max_reuse_distance": 7}
-    with pytest.raises(zgraph.PipelineError, match="no_such_pass"):
-        zgraph.Config(disable_passes=["no_such_pass"]).pipeline()
+    with pytest.raises(zgraph.PassError, match="no_such_pass"):
+        zgraph.Config(disable_passes=["no_such_pass"]).passes()
+
+
+def test_the_old_pipeline_names_still_work_for_one_release():
+    """The word "pipeline" now means pipeline parallelism; the pass list's old names are aliases that warn."""
+    assert zgraph.PipelineError is zgraph.PassError
+    config = zgraph.Config(stage=2)
+    with pytest.warns(DeprecationWarning, match=r"Config.passes\(\)"):
+        assert [p.name for p in config.pipeline()] == [p.name for p in config.passes()]
+    with pytest.warns(DeprecationWarning, match=r"Config.pass_options\(\)"):
+        assert config.pipeline_options() == config.pass_options()
 
 
 def test_distribute_overrides_and_keeps_the_function_callable():
@@ -122,15 +132,15 @@ _step = train_step
 
 
 def test_unknown_disabled_pass_is_rejected_before_anything_runs():
-    with pytest.raises(zgraph.PipelineError, match="no_such_pass"):
+    with pytest.raises(zgraph.PassError, match="no_such_pass"):
         zgraph.distribute(disable_passes=["no_such_pass"])(_step)
 
 
 def test_disabling_a_pass_another_needs_is_rejected():
-    with pytest.raises(zgraph.PipelineError, match=r"requires .grads_reduced. \(provided by .reduce_scatter_grads.\)"):
+    with pytest.raises(zgraph.PassError, match=r"requires .grads_reduced. \(provided by .reduce_scatter_grads.\)"):
         zgraph.distribute(disable_passes=["reduce_scatter_grads"])(_step)
     needs = Pass("needs_reduced", lambda gm, ctx: gm, requires={"grads_reduced"}, after="cse")
-    with pytest.raises(zgraph.PipelineError, match="needs_reduced.*grads_reduced.*reduce_scatter_grads"):
+    with pytest.raises(zgraph.PassError, match="needs_reduced.*grads_reduced.*reduce_scatter_grads"):
         zgraph.distribute(extra_passes=[needs])(_step)
 
 
@@ -154,8 +164,8 @@ def test_extra_pass_placed_after_a_named_pass():
     def noop(gm, ctx):
         return gm
 
-    step = zgraph.distribute(extra_passes=[Pass("noop", noop, after=default_pipeline()[0].name)])(_step)
-    assert [p.name for p in step._dispatch.pipeline][1] == "noop"
+    step = zgraph.distribute(extra_passes=[Pass("noop", noop, after=default_passes()[0].name)])(_step)
+    assert [p.name for p in step._dispatch.passes][1] == "noop"
 
 
 def test_a_pass_that_breaks_its_contract_is_caught():
@@ -167,7 +177,7 @@ def test_a_pass_that_breaks_its_contract_is_caught():
         _step
     )
     model, opt = _train_setup()
-    with pytest.raises(zgraph.PipelineError, match="fake_reducer.*grads_reduced"):
+    with pytest.raises(zgraph.PassError, match="fake_reducer.*grads_reduced"):
         step(model, opt, torch.randn(5, 4), torch.randint(0, 2, (5,)))
 
 
@@ -179,7 +189,7 @@ def test_graphs_explain_and_dump(tmp_path):
     step(model, opt, torch.randn(5, 4), torch.randint(0, 2, (5,)))
     names = list(step.graphs)
     assert names[0] == "captured" and names[-1] == "final"
-    assert [p.name for p in default_pipeline()] == names[1:-1]
+    assert [p.name for p in default_passes()] == names[1:-1]
     table = step.explain()
     for name in names[:-1]:
         assert name in table

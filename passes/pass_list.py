@@ -1,12 +1,12 @@
-"""The pass pipeline: named passes with contracts, run in order, each leaving a graph to inspect.
+"""The pass list: named passes with contracts, run in order, each leaving a graph to inspect.
 
 A pass is ``fn(gm, ctx) -> gm``. It receives its own copy of the previous graph (so it may edit in place) and
-returns the graph it produced; the pipeline keeps every pass's output for ``step.graphs``. A pass that says it
+returns the graph it produced; the pass list keeps every pass's output for ``step.graphs``. A pass that says it
 does not apply to a graph (``Pass.applies``: its config or the context leaves it nothing to do) is neither run nor
 given a copy: its record shares the previous graph.
 
 Contracts are sets of property names. A pass ``requires`` properties some earlier pass (or capture)
-``provides``; the pipeline is checked before anything runs, so a disabled pass another one depends on, or a
+``provides``; the pass list is checked before anything runs, so a disabled pass another one depends on, or a
 user pass placed before what it needs, is an error naming both. Every property has a checker
 (``PROPERTY_CHECKS``): it is verified on the graph of the pass that claims to provide it (the captured graph's
 properties before the first pass).
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from zgraph.errors import PipelineError
+from zgraph.errors import PassError
 from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 from zgraph.passes.provenance import run_pass
@@ -36,7 +36,7 @@ CAPTURED_PROPERTIES = frozenset({"functional", "phases", "grad_markers"})
 @dataclass(frozen=True)
 class PassContext:
     """Everything a pass may read about the step it transforms; passes read nothing global. A pass's own options
-    (bucket sizes, dtypes, the ZeRO stage) are bound to it when the pipeline is built (``functools.partial``), so
+    (bucket sizes, dtypes, the ZeRO stage) are bound to it when the pass list is built (``functools.partial``), so
     its signature shows them.
 
     Attributes:
@@ -58,6 +58,8 @@ class PassContext:
             parameters from, out of a secondary shard kept from the forward's gather; None without hpZ.
         sequence_group: sequence parallelism (``Config.sequence_parallel``): the ranks holding a slice each of the
             same sequences, among which attention's all-to-alls run; None without it.
+        host_params: the parameters (indices) whose master value and optimizer state live in host memory and
+            whose update runs on the host (``Config.offload_update``; the ``host_update`` pass places them).
     """
 
     world_size: int = 1
@@ -72,6 +74,7 @@ class PassContext:
     replicate_group: Axis | None = None
     secondary_group: Axis | None = None
     sequence_group: Axis | None = None
+    host_params: frozenset[int] = frozenset()
 
     @property
     def distributed(self) -> bool:
@@ -99,11 +102,11 @@ class Pass:
         requires: properties that must hold on the graph it receives.
         provides: properties that hold on the graph it returns; each has a checker in ``PROPERTY_CHECKS``, run on
             the graph the pass returns.
-        after: for user passes, the pass to run right after (default: at the end of the pipeline).
+        after: for user passes, the pass to run right after (default: at the end of the pass list).
         doc: one line for ``explain()``; defaults to the first line of ``fn``'s docstring.
         applies: ``applies(gm, ctx, **options)`` with the options bound to ``fn`` (the pass's own signature):
             False only where ``fn`` would return ``gm`` unchanged (a check of its options and the context, or a
-            cheap scan of the graph); the pipeline then skips the copy and the run, and the record shares the
+            cheap scan of the graph); the pass list then skips the copy and the run, and the record shares the
             previous graph. None: the pass always runs.
     """
 
@@ -120,7 +123,7 @@ class Pass:
         object.__setattr__(self, "provides", frozenset(self.provides))
         unchecked = sorted(self.provides - PROPERTY_CHECKS.keys())
         if unchecked:
-            raise PipelineError(
+            raise PassError(
                 f"pass {self.name!r} provides {unchecked}, which have no checker; a property a pass provides is "
                 f"verified on its graph (known: {', '.join(sorted(PROPERTY_CHECKS))})"
             )
@@ -130,26 +133,26 @@ class Pass:
             object.__setattr__(self, "doc", first[0] if first else "")
 
 
-def build_pipeline(default: Sequence[Pass], disable: Sequence[str], extra: Sequence[Pass]) -> list[Pass]:
+def build_pass_list(default: Sequence[Pass], disable: Sequence[str], extra: Sequence[Pass]) -> list[Pass]:
     """The passes to run: ``default`` minus ``disable``, plus ``extra`` at their places; contracts checked."""
     names = [p.name for p in default]
     unknown = [n for n in disable if n not in names]
     if unknown:
-        raise PipelineError(
-            f"Config.disable_passes names unknown pass(es) {unknown}; the pipeline has: {', '.join(names)}"
+        raise PassError(
+            f"Config.disable_passes names unknown pass(es) {unknown}; the pass list has: {', '.join(names)}"
         )
     passes = [p for p in default if p.name not in set(disable)]
     for user_pass in extra:
         if user_pass.name in [p.name for p in passes] or user_pass.name in names:
-            raise PipelineError(f"extra pass name {user_pass.name!r} is already used by another pass")
+            raise PassError(f"extra pass name {user_pass.name!r} is already used by another pass")
         if user_pass.after is None:
             passes.append(user_pass)
             continue
         position = [p.name for p in passes]
         if user_pass.after not in position:
-            raise PipelineError(
+            raise PassError(
                 f"extra pass {user_pass.name!r} asks to run after {user_pass.after!r}, which is not in the "
-                f"pipeline ({', '.join(position)})"
+                f"pass list ({', '.join(position)})"
             )
         passes.insert(position.index(user_pass.after) + 1, user_pass)
     check_contracts(passes, default)
@@ -157,14 +160,14 @@ def build_pipeline(default: Sequence[Pass], disable: Sequence[str], extra: Seque
 
 
 def check_contracts(passes: Sequence[Pass], default: Sequence[Pass] = ()) -> None:
-    """Raise ``PipelineError`` if some pass requires a property no earlier pass provides."""
+    """Raise ``PassError`` if some pass requires a property no earlier pass provides."""
     have = set(CAPTURED_PROPERTIES)
     providers = {prop: p.name for p in default for prop in p.provides}
     for p in passes:
         missing = sorted(p.requires - have)
         if missing:
             hints = [f"{m!r} (provided by {providers[m]!r})" if m in providers else repr(m) for m in missing]
-            raise PipelineError(
+            raise PassError(
                 f"pass {p.name!r} requires {', '.join(hints)}, which no earlier pass provides; "
                 "check Config.disable_passes and where extra passes are placed"
             )
@@ -184,14 +187,14 @@ class PassRecord:
 
 
 def check_properties(gm: fx.GraphModule, properties: frozenset[str] | set[str], who: str) -> None:
-    """Raise ``PipelineError`` if ``gm`` lacks one of ``properties`` (each has a checker)."""
+    """Raise ``PassError`` if ``gm`` lacks one of ``properties`` (each has a checker)."""
     for prop in sorted(properties):
         problem = PROPERTY_CHECKS[prop](gm)
         if problem:
-            raise PipelineError(f"{who} claims {prop!r} but: {problem}")
+            raise PassError(f"{who} claims {prop!r} but: {problem}")
 
 
-def run_pipeline(
+def run_passes(
     gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, check_input: bool = True, keep: bool = True
 ) -> list[PassRecord]:
     """Run ``passes`` in order; returns one record per pass (its output graph and time).
@@ -217,7 +220,7 @@ def run_pipeline(
         before = copy_graph_module(gm) if keep else gm
         out = run_pass(p.name, before, p.fn, ctx)
         if not isinstance(out, fx.GraphModule):
-            raise PipelineError(f"pass {p.name!r} returned {type(out).__name__}, expected a torch.fx.GraphModule")
+            raise PassError(f"pass {p.name!r} returned {type(out).__name__}, expected a torch.fx.GraphModule")
         bind_sizes(out)
         out.graph.lint()
         out.recompile()

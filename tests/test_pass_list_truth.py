@@ -1,4 +1,4 @@
-"""The pipeline shows what runs: options bound when it is built, checked properties, the backend's rewrites as
+"""The pass list shows what runs: options bound when it is built, checked properties, the backend's rewrites as
 recorded passes, the pass that made each node, a keyword-only Config."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 
 import zgraph
 from zgraph.graph import MADE_BY, UPDATED_INPUTS, insert, output_node
-from zgraph.passes import PROPERTY_CHECKS, Pass, default_pipeline
+from zgraph.passes import PROPERTY_CHECKS, Pass, default_passes
 
 _step = train_step
 
@@ -37,8 +37,8 @@ def test_pass_options_are_bound_and_default_to_configs():
     def options(passes):
         return [(p.name, getattr(p.fn, "keywords", {})) for p in passes]
 
-    assert options(default_pipeline()) == options(default_pipeline(**zgraph.Config().pipeline_options()))
-    passes = {p.name: p for p in default_pipeline(stage=3, allgather_bucket_bytes=123, reduce_dtype=torch.bfloat16)}
+    assert options(default_passes()) == options(default_passes(**zgraph.Config().pass_options()))
+    passes = {p.name: p for p in default_passes(stage=3, allgather_bucket_bytes=123, reduce_dtype=torch.bfloat16)}
     assert isinstance(passes["bucket"].fn, functools.partial)
     assert passes["bucket"].fn.keywords["allgather_bytes"] == 123
     assert passes["shard_params"].fn.keywords == {"stage": 3, "max_reuse_distance": 0}
@@ -46,13 +46,13 @@ def test_pass_options_are_bound_and_default_to_configs():
     # a pass's signature names its options; the context carries no config
     assert "reduce_dtype" in inspect.signature(passes["cast"].fn.func).parameters
     assert not hasattr(zgraph.passes.PassContext(), "config")
-    assert zgraph.Config(param_dtype=torch.bfloat16).pipeline_options()["reduce_dtype"] == torch.bfloat16
+    assert zgraph.Config(param_dtype=torch.bfloat16).pass_options()["reduce_dtype"] == torch.bfloat16
 
 
 def test_every_provided_property_has_a_checker():
-    for p in default_pipeline():
+    for p in default_passes():
         assert p.provides <= PROPERTY_CHECKS.keys(), p.name
-    with pytest.raises(zgraph.PipelineError, match="no checker"):
+    with pytest.raises(zgraph.PassError, match="no checker"):
         Pass("claims", lambda gm, ctx: gm, provides={"unverifiable"})
 
 

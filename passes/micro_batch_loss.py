@@ -1,0 +1,208 @@
+"""``micro_batch_loss``: how a pipelined step's losses and 0-d results combine over micro-batches into eager's value
+on the whole batch (``Config.pipeline_parallel``), and the graph rewritten where that needs it.
+
+The loss is what the backward is seeded with (``ones_like(loss)``). It is followed back through sums, differences
+and constant factors to the reductions over the batch that make it (``sample_flow`` says which ops reduce over the
+batch), each of one *kind*:
+
+- ``mean``: a mean over every element (``.mean()``, ``mse_loss``, ...): micro-batches hold equal shares, so the
+  whole batch's value is the micro-batches' average, and the gradient their gradients' sum over ``M``;
+- ``sum``: a sum (``reduction="sum"``): the micro-batches' sum, gradients summed as they are;
+- ``token``: ``cross_entropy`` / ``nll_loss``'s mean over the labels not ``ignore_index``, of which micro-batches
+  hold different counts. It is rewritten (``zgraph.passes.token_mean``) to each micro-batch's sum, and the count is
+  returned (``GraphOutput`` kind ``loss_count``): the whole batch's value is the sum of the sums over the sum of the
+  counts, the gradient likewise (the runtime divides once all micro-batches' counts are known).
+
+A value made without the batch (of parameters only) is the same on every micro-batch (kind ``same``). The step's
+0-d results are combined by the same rule (``gm.meta[LOSS_COMBINE]``); another result must hold the samples along
+dim 0 (the runtime concatenates it). Refused (``PassError``, before anything runs): losses of different kinds in
+one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by hand), two token means,
+any other way of reaching the loss (a ratio of batch values), an op that combines samples otherwise (batch
+statistics, an in-batch contrastive loss: ``sample_flow``), and random draws (dropout).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from zgraph.errors import PassError
+from zgraph.graph import BACKWARD, OUTPUTS, PHASE, VAL, GraphOutput, fake_mode, output_node, output_roles
+from zgraph.passes.pass_list import PassContext
+from zgraph.passes.sample_flow import named_arguments, sample_flow
+from zgraph.passes.token_mean import MEAN, SUM, as_sum_over
+
+aten = torch.ops.aten
+LOSS_COMBINE = "zgraph_loss_combine"
+"""``gm.meta``: the ``LossCombine``."""
+_LINEAR = {aten.detach.default, aten.clone.default, aten.alias.default, aten._to_copy.default, aten.neg.default,
+           aten.view.default, aten.reshape.default, aten.squeeze.default, aten.lift_fresh_copy.default}  # fmt: skip
+_SCALED = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_ADDED = {aten.add.Tensor, aten.sub.Tensor}
+_NAMES = {"mean": "mean over samples", "sum": "sum", "token": "cross_entropy token mean"}
+_TOTALS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean", aten.mean.dim: "mean"}
+
+
+@dataclass
+class LossCombine:
+    """``kind`` of the loss (``mean``, ``sum``, ``token``; ``mean`` for a step without one) and of each 0-d result
+    (``results[index]``), which the runtime combines over micro-batches (see the module's docstring); the dtype of
+    a token mean's count."""
+
+    kind: str = "mean"
+    results: dict[int, str] = field(default_factory=dict)
+    count_dtype: torch.dtype = torch.float32
+
+
+def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Classify the loss and the 0-d results; a token mean becomes a sum with its count returned."""
+    flow, mixing = sample_flow(gm)
+    walk = _Walk(flow, mixing)
+    seeds = [n for n in gm.graph.nodes if n.target is aten.ones_like.default and n.meta.get(PHASE) == BACKWARD]
+    if not seeds and any(n.meta.get(PHASE) == BACKWARD for n in gm.graph.nodes):
+        raise PassError(
+            "pipeline parallelism could not find the loss: the backward is not seeded with ones (loss.backward() "
+            "of a 0-d loss); call .backward() on the loss without a gradient argument"
+        )
+    losses = {walk.kind(n.args[0]) for n in seeds if isinstance(n.args[0], fx.Node)} - {"same"}
+    if len(losses) > 1:
+        raise PassError(
+            f"the step's losses combine over micro-batches differently ({_named(losses)}); pipeline parallelism "
+            "needs one kind: all means over samples, all sums, or one cross_entropy token mean"
+        )
+    out = output_node(gm)
+    results = {}
+    for value, role in zip(out.args[0], output_roles(gm)):
+        if role.kind == "user" and isinstance(value, fx.Node) and _is_scalar(value):
+            results[role.index] = walk.kind(value)
+        elif role.kind == "user" and isinstance(value, fx.Node) and getattr(flow.get(value), "dim", None) != 0:
+            raise PassError(
+                f"the step returns {value.name}, which is not 0-d and does not hold the samples along dim 0; a "
+                "pipelined step concatenates such a result's micro-batches along dim 0. Return per-sample values "
+                "with the batch first, or 0-d ones"
+            )
+    for node, why in mixing.items():
+        if node not in walk.terms:
+            raise PassError(
+                f"{node.name} combines the samples of the batch ({why}); micro-batches cannot reproduce it exactly, "
+                "so pipeline parallelism refuses it (BatchNorm: put it in eval mode; a contrastive loss over the "
+                "batch: train without Config.pipeline_parallel)"
+            )
+    kind = losses.pop() if losses else "mean"
+    if len(walk.tokens) > 1 or (walk.tokens and kind != "token"):
+        raise PassError(
+            f"the step takes {len(walk.tokens)} cross_entropy token mean(s) ({', '.join(n.name for n in walk.tokens)}) "
+            f"and its loss is a {_NAMES[kind]}; pipeline parallelism combines one token mean over micro-batches, "
+            "and only as the loss"
+        )
+    for node in walk.tokens:
+        count = as_sum_over(gm, node, None, fake_mode(gm))
+        if count is None:
+            raise PassError(f"{node.name}: the token count of the cross_entropy mean is not in the graph")
+        out.args = ((*out.args[0], count),)
+        out.meta[OUTPUTS] = [*out.meta[OUTPUTS], GraphOutput("loss_count", count.name, 0)]
+    dtype = walk.tokens[0].meta[VAL][1].dtype if walk.tokens else torch.float32
+    gm.meta[LOSS_COMBINE] = LossCombine(kind, results, dtype)
+    gm.recompile()
+    return gm
+
+
+def _named(kinds: set[str], between: str = ", ") -> str:
+    return between.join(_NAMES[k] for k in sorted(kinds))
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    return isinstance(node.meta.get(VAL), torch.Tensor) and node.meta[VAL].dim() == 0
+
+
+class _Walk:
+    """Follows a 0-d value back to the reductions over the batch that make it."""
+
+    def __init__(self, flow: dict, mixing: dict):
+        self.flow, self.mixing = flow, mixing
+        self.terms: set[fx.Node] = set()
+        self.tokens: list[fx.Node] = []
+        self.dependent: dict[fx.Node, bool] = {}
+        self.size = next((b.size for b in flow.values()), 1)
+
+    def depends(self, node: object) -> bool:
+        if not isinstance(node, fx.Node):
+            return False
+        if node not in self.dependent:
+            inputs = node.all_input_nodes
+            self.dependent[node] = node in self.flow or node in self.mixing or any(self.depends(a) for a in inputs)
+        return self.dependent[node]
+
+    def kind(self, node: fx.Node) -> str:
+        if not self.depends(node):
+            return "same"
+        target = node.target
+        if target is operator.getitem and node.args[0].target is aten.nll_loss_forward.default:
+            return self._nll(node.args[0])
+        if node in self.mixing and _is_scalar(node):
+            return self._total(node)
+        if target in _LINEAR:
+            return self.kind(node.args[0])
+        if target in _SCALED:
+            return self._scaled(node)
+        if target in _ADDED:
+            kinds = {self.kind(a) for a in node.args[:2] if isinstance(a, fx.Node)} | {"same"}
+            if kinds <= {"same", "mean"}:
+                return "mean"
+            if len(kinds - {"same"}) == 1 and all(self.depends(a) for a in node.args[:2]):
+                return (kinds - {"same"}).pop()
+            if len(kinds - {"same"}) > 1:
+                raise PassError(
+                    f"{node.name} adds a {_named(kinds - {'same'}, ' and a ')}, which combine over "
+                    "micro-batches differently; pipeline parallelism needs the loss's terms to be of one kind (all "
+                    "means over samples, all sums, or one cross_entropy token mean)"
+                )
+        raise self._undecomposable(node)
+
+    def _nll(self, loss: fx.Node) -> str:
+        self.terms.add(loss)
+        if loss.args[3] == SUM:
+            return "sum"
+        assert loss.args[3] == MEAN
+        if loss not in self.tokens:
+            self.tokens.append(loss)
+        return "token"
+
+    def _total(self, node: fx.Node) -> str:
+        self.terms.add(node)
+        if node.target in _TOTALS:
+            return _TOTALS[node.target]
+        reduction = named_arguments(node).get("reduction")
+        if reduction in (MEAN, SUM):
+            return "mean" if reduction == MEAN else "sum"
+        raise self._undecomposable(node)
+
+    def _scaled(self, node: fx.Node) -> str:
+        a, b = node.args[:2]
+        if self.depends(b):
+            if node.target in (aten.div.Tensor, aten.div.Scalar) or self.depends(a):
+                raise self._undecomposable(node)
+            a, b = b, a
+        kind = self.kind(a)
+        factor = b if node.target in (aten.mul.Tensor, aten.mul.Scalar) else 1 / b if isinstance(b, (int, float)) else b
+        if kind in ("sum", "mean") and isinstance(factor, (int, float)) and self._by_batch_size(factor, kind):
+            how = f"divides a sum by {1 / factor:g}" if kind == "sum" else f"multiplies a mean by {factor:g}"
+            raise PassError(
+                f"{node.name} {how}, a multiple of the micro-batch's size ({self.size}; the batch size written as a "
+                "number?): the whole batch's size differs. Write a mean as .mean(), a sum as .sum()"
+            )
+        return kind
+
+    def _by_batch_size(self, factor: float, kind: str) -> bool:
+        ratio = 1 / factor if kind == "sum" else factor
+        return self.size > 1 and ratio != 0 and abs(ratio) >= self.size and float(abs(ratio)) % self.size == 0
+
+    def _undecomposable(self, node: fx.Node) -> PassError:
+        return PassError(
+            f"{node.name} ({node.target}) makes a loss or 0-d result zgraph cannot split into micro-batches: "
+            "pipeline parallelism combines means over samples, sums, and cross_entropy token means (and constant "
+            "multiples and sums of them); compute the loss as one of those"
+        )

@@ -1,0 +1,217 @@
+"""One rank's part of a pipeline-parallel step: its actions (``zgraph.runtime.pipeline_schedule``) run in order.
+
+Each stage the rank holds is a ``StageRun``: its five graphs, compiled (``Part``: forward, backward, input_grad,
+weight_grad, update; see ``zgraph.passes.stage_graphs`` for what each reads and returns). A forward's activations
+go to the next stage, a backward's input gradients to the previous one: kept in the rank when that stage is its
+own, else sent (``isend``: the rank goes on computing while it travels; every send is waited for at the end of the
+step) and received (``irecv`` of a buffer shaped as the graph's input, waited for before the action that reads
+it). Each message is tagged with its stage, micro-batch and position, so sends and receives between two ranks
+pair up whatever order the ranks' schedules run them in.
+
+Gradient contributions are summed per gradient marker over the micro-batches; the update runs once, after the last
+action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
+a mean over samples, 1 for a sum, the whole batch's counted tokens for a token mean, each micro-batch's count
+being a result of the stage that makes the loss). What a graph reads of the step's state and arguments comes
+from ``feed(spec, micro_batch)`` (micro_batch None for the update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zgraph.graph import GraphInput, GraphOutput
+from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
+
+Feed = Callable[[GraphInput, int | None], Tensor]
+Divisor = Callable[[dict[int, Tensor]], Tensor | float]
+_TAG_SPAN = 1 << 12  # tensors one boundary may carry: a message's tag numbers its position below this
+
+
+@dataclass
+class Part:
+    """One compiled stage graph: ``run(inputs) -> outputs``, what each input and output is, the inputs' example
+    values (shapes and dtypes of what is received), the outputs that are their own input updated in place, and the
+    time it took to compile."""
+
+    run: Callable[[Sequence[Tensor]], Sequence]
+    inputs: list[GraphInput]
+    outputs: list[GraphOutput]
+    examples: list[Tensor]
+    updated_inputs: frozenset[int] = frozenset()
+    compile_seconds: float = 0.0
+
+    def received(self, kind: str) -> list[Tensor]:
+        """The example values of the inputs of ``kind``, by index."""
+        pairs = sorted((s.index, e) for s, e in zip(self.inputs, self.examples) if s.kind == kind)
+        return [e for _, e in pairs]
+
+
+@dataclass
+class StageRun:
+    """A stage this rank runs: its compiled graphs."""
+
+    stage: int
+    forward: Part
+    backward: Part
+    input_grad: Part
+    weight_grad: Part
+    update: Part
+
+
+@dataclass
+class Results:
+    """What a step's actions left on this rank: ``user[(stage, index)]``, each micro-batch's value of the step's
+    result ``index`` (made by ``stage``); ``updates[stage]``, the update's inputs and outputs (``StageRun.update``
+    says what each is); ``counts[mb]``, a token mean's count of each micro-batch (where this rank's stage makes it);
+    ``divisor``, what the gradients summed over micro-batches were divided by."""
+
+    user: dict[tuple[int, int], dict[int, Tensor]] = field(default_factory=dict)
+    updates: dict[int, tuple[list[Tensor], list]] = field(default_factory=dict)
+    counts: dict[int, Tensor] = field(default_factory=dict)
+    divisor: Tensor | float = 1.0
+
+
+@dataclass
+class Peers:
+    """The pipeline's process group and each pipeline rank's global rank."""
+
+    group: dist.ProcessGroup | None
+    ranks: list[int]
+
+
+class RankRunner:
+    """Runs one rank's actions of one step (a new runner per step)."""
+
+    def __init__(
+        self, schedule: Schedule, rank: int, stages: dict[int, StageRun], feed: Feed, peers: Peers, divisor: Divisor
+    ):
+        self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
+        self.divisor = divisor
+        self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}
+        self.outbox: dict[tuple[str, int, int], list[Tensor]] = {}
+        self.saved: dict[tuple[int, int], list[Tensor]] = {}
+        self.kept: dict[tuple[int, int], list[Tensor]] = {}  # a split backward's gradients, until its W
+        self.partial: dict[tuple[int, int], list[Tensor]] = {}
+        self.sums: dict[tuple[int, str], Tensor] = {}  # by stage and gradient marker
+        self.sends: list[tuple[dist.Work, Tensor]] = []
+        self.results = Results()
+
+    def run(self) -> Results:
+        """Every action of this rank, then the sends waited for and each stage's update."""
+        handlers = {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.I: self._input_grad,
+            Kind.W: self._weight_grad,
+            Kind.SEND_F: self._send,
+            Kind.SEND_B: self._send,
+            Kind.RECV_F: self._receive,
+            Kind.RECV_B: self._receive,
+        }
+        for action in self.schedule.actions[self.rank]:
+            handlers[action.kind](action)
+        for work, _ in self.sends:
+            work.wait()
+        self.results.divisor = self.divisor(self.results.counts)
+        for s, stage in sorted(self.stages.items()):
+            self.results.updates[s] = self._update(s, stage.update)
+        return self.results
+
+    def _call(self, part: Part, mb: int, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
+        inputs = [given[s.kind][s.index] if s.kind in given else self.feed(s, mb) for s in part.inputs]
+        return list(zip(part.outputs, part.run(inputs)))
+
+    def _forward(self, a: Action) -> None:
+        part = self.stages[a.stage].forward
+        received = self.inbox.pop(("F", a.stage, a.mb), [])
+        outs = self._call(part, a.mb, {"activation": received})
+        self._hand_on("F", a, [v for role, v in outs if role.kind == "activation"])
+        self.saved[a.stage, a.mb] = [v for role, v in outs if role.kind == "saved"]
+        self._collect(a, outs)
+
+    def _backward(self, a: Action) -> None:
+        given = {"saved": self.saved.pop((a.stage, a.mb)), "activation_grad": self.inbox.pop(("B", a.stage, a.mb), [])}
+        outs = self._call(self.stages[a.stage].backward, a.mb, given)
+        self._hand_on("B", a, [v for role, v in outs if role.kind == "activation_grad"])
+        self._collect(a, outs)
+
+    def _input_grad(self, a: Action) -> None:
+        grads = self.inbox.pop(("B", a.stage, a.mb), [])
+        self.kept[a.stage, a.mb] = grads
+        given = {"saved": self.saved[a.stage, a.mb], "activation_grad": grads}
+        outs = self._call(self.stages[a.stage].input_grad, a.mb, given)
+        self._hand_on("B", a, [v for role, v in outs if role.kind == "activation_grad"])
+        self.partial[a.stage, a.mb] = [v for role, v in outs if role.kind == "partial"]
+        self._collect(a, outs)
+
+    def _weight_grad(self, a: Action) -> None:
+        key = (a.stage, a.mb)
+        given = {"saved": self.saved.pop(key), "activation_grad": self.kept.pop(key), "partial": self.partial.pop(key)}
+        self._collect(a, self._call(self.stages[a.stage].weight_grad, a.mb, given))
+
+    def _collect(self, a: Action, outs: list[tuple[GraphOutput, Tensor]]) -> None:
+        """Sum gradient contributions; keep each micro-batch's results."""
+        for role, value in outs:
+            if role.kind == "grad_contribution":
+                key = (a.stage, role.name)
+                self.sums[key] = value if key not in self.sums else self.sums[key] + value
+            elif role.kind == "loss_count":
+                self.results.counts[a.mb] = value
+            elif role.kind == "user":
+                self.results.user.setdefault((a.stage, role.index), {})[a.mb] = value
+
+    def _hand_on(self, direction: str, a: Action, values: list[Tensor]) -> None:
+        """A forward's activations to the next stage, a backward's gradients to the previous one."""
+        to = a.stage + 1 if direction == "F" else a.stage - 1
+        if not 0 <= to < self.schedule.stages:
+            return
+        if self.schedule.rank_of(to) == self.rank:
+            self.inbox[direction, to, a.mb] = values
+        else:
+            self.outbox[direction, a.stage, a.mb] = values
+
+    def _send(self, a: Action) -> None:
+        direction = "F" if a.kind is Kind.SEND_F else "B"
+        to = a.stage + 1 if direction == "F" else a.stage - 1
+        values = self.outbox.pop((direction, a.stage, a.mb))
+        assert len(values) < _TAG_SPAN, f"{len(values)} tensors cross stage {a.stage}'s boundary"
+        for i, value in enumerate(values):
+            value = value.contiguous()
+            dst = self.peers.ranks[self.schedule.rank_of(to)]
+            self.sends.append((dist.isend(value, dst, self.peers.group, self._tag(direction, a.stage, a.mb, i)), value))
+
+    def _receive(self, a: Action) -> None:
+        direction = "F" if a.kind is Kind.RECV_F else "B"
+        source = a.stage - 1 if direction == "F" else a.stage + 1
+        stage = self.stages[a.stage]
+        examples = (
+            stage.forward.received("activation") if direction == "F" else stage.backward.received("activation_grad")
+        )
+        buffers = [torch.empty(e.shape, dtype=e.dtype, device=e.device) for e in examples]
+        src = self.peers.ranks[self.schedule.rank_of(source)]
+        works = [
+            dist.irecv(b, src, self.peers.group, self._tag(direction, source, a.mb, i)) for i, b in enumerate(buffers)
+        ]
+        for work in works:
+            work.wait()
+        self.inbox[direction, a.stage, a.mb] = buffers
+
+    def _tag(self, direction: str, stage: int, mb: int, index: int) -> int:
+        """A message's tag: unique per direction, sending stage, micro-batch and position in the boundary."""
+        key = (stage * self.schedule.microbatches + mb) * 2 + (direction == "B")
+        return key * _TAG_SPAN + index
+
+    def _update(self, s: int, part: Part) -> tuple[list[Tensor], list]:
+        """The stage's update on the mean over micro-batches of each parameter's gradient contributions."""
+        inputs = []
+        for spec in part.inputs:
+            if spec.kind == "grad_mean":
+                inputs.append(self.sums.pop((s, spec.name)) / self.results.divisor)
+            else:
+                inputs.append(self.feed(spec, None))
+        return inputs, list(part.run(inputs))

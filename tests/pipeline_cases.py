@@ -1,0 +1,115 @@
+"""A residual MLP of four blocks trained with pipeline parallelism (``Config.pipeline_parallel``) against eager
+PyTorch on the whole batch, and the workers of ``test_pipeline.py``: every rank runs the same cases; each returns
+its losses, the parameters its stages own, and their largest distance from eager's after the steps."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from dist_harness import all_gather_values, run_named
+from torch import nn
+
+import zgraph
+
+STEPS = 3
+BATCH = 8
+LR = 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, blocks: int = 4, classes: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(blocks)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def step_of(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    """The training step of a loss ``loss_fn(logits, labels)``."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+step = step_of(F.cross_entropy)
+LOSSES = {
+    "sum": lambda logits, y: F.cross_entropy(logits, y, reduction="sum"),
+    "token_mean": lambda logits, y: F.cross_entropy(logits, y.masked_fill(y == 0, -100)),  # uneven counts
+    "scaled_mean": lambda logits, y: 0.5 * F.mse_loss(logits, F.one_hot(y, 3).float()) + logits.pow(2).mean(),
+}
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def train(make: Callable[[], nn.Module] = Net, loss: str = "", **config: object) -> dict:
+    """Eager and pipelined runs of the same steps of ``make()``: losses, and for the parameters this rank's stages
+    update, the largest distance between the two."""
+    eager_model = make()
+    model = copy.deepcopy(eager_model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    run = step_of(LOSSES[loss]) if loss else step
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(run)
+    want, got = [], []
+    for x, y in batches():
+        want.append(run(eager_model, eager_opt, x, y))
+        got.append(compiled(model, opt, x, y))
+    owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
+    eager = dict(eager_model.named_parameters())
+    distance = max((p - eager[name]).abs().max().item() for name, p in model.named_parameters() if name in owned)
+    return {"want": want, "got": got, "owned": owned, "distance": distance}
+
+
+def _params(gm: torch.fx.GraphModule) -> list:
+    from zgraph.graph import output_roles
+
+    return [role for role in output_roles(gm) if role.kind == "param"]
+
+
+def on_ranks(**config: object):
+    def case(rank: int, world: int) -> list[dict]:
+        return all_gather_values(train(pipeline_parallel=world, **config))
+
+    return case
+
+
+gpipe = on_ranks(schedule="gpipe", microbatches=4)
+one_f_one_b = on_ranks(schedule="1f1b", microbatches=4)
+zb_h1 = on_ranks(schedule="zb_h1", microbatches=4)
+interleaved = on_ranks(schedule="interleaved_1f1b", pipeline_virtual_stages=2, microbatches=4)
+split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
+sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
+token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
+
+
+def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
+    """Worker: run the named cases; rank 0 saves ``{name: result}``."""
+    run_named(rank, world, out_path, names, globals())

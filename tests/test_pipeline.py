@@ -1,0 +1,184 @@
+"""Pipeline parallelism end to end (issue 42, item 4): ``Config(pipeline_parallel=P, microbatches=M, schedule=...)``
+on the user's unchanged step, each rank running its stages by the schedule with gloo point-to-point sends, against
+eager PyTorch on the whole batch: the loss every rank returns, and the parameters each rank's stages own, after 3
+AdamW steps. Also on one process (two stages on one rank, no sends), and the refusals of bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pipeline_cases import Net, batches, step, step_of, train
+
+import zgraph
+
+CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean"]
+PARAMS = [name for name, _ in Net().named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from dist_harness import run_ranks
+
+    path = tmp_path_factory.mktemp("pipeline") / "results.pt"
+    run_ranks(2, "pipeline_cases.run", str(path), CASES, timeout=300)
+    return torch.load(path, weights_only=False)
+
+
+def assert_equals_eager(ranks: list[dict]) -> None:
+    owned = [name for result in ranks for name in result["owned"]]
+    assert sorted(owned) == sorted(PARAMS), "each parameter is updated by exactly one rank"
+    for result in ranks:
+        torch.testing.assert_close(torch.stack(result["got"]), torch.stack(result["want"]), rtol=1e-6, atol=1e-6)
+        assert result["distance"] < 1e-6, result["distance"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_stages_on_two_ranks_equal_eager_on_the_whole_batch(two_ranks, case):
+    result = two_ranks[case]
+    assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    assert_equals_eager(result)
+
+
+def test_interleaving_puts_every_other_block_on_each_rank(two_ranks):
+    first, second = two_ranks["interleaved"]
+    assert {n.split(".")[1] for n in first["owned"] if n.startswith("blocks.")} == {"0", "2"}
+    assert {n.split(".")[1] for n in second["owned"] if n.startswith("blocks.")} == {"1", "3"}
+
+
+@pytest.mark.parametrize("virtual,microbatches", [(2, 2), (4, 4)])
+def test_stages_on_one_rank_equal_eager(virtual, microbatches):
+    config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": virtual, "microbatches": microbatches}
+    assert_equals_eager([train(pipeline_parallel=1, **config)])
+
+
+def pipelined(**config: object) -> zgraph.DistributedStep:
+    return zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
+
+
+@pytest.mark.parametrize(
+    "config,error,message",
+    [
+        ({"pipeline_parallel": 2}, ValueError, r"pipeline_parallel=2 must equal the world size \(1\)"),
+        ({"pipeline_parallel": 1, "microbatches": 3}, ValueError, "microbatches=3 does not divide the batch of argu"),
+        (
+            {"pipeline_parallel": 1, "pipeline_virtual_stages": 8, "schedule": "interleaved_1f1b"},
+            zgraph.PassError,
+            "a pipeline of 8 stages needs at least 8 repeated blocks",
+        ),
+        (
+            {"pipeline_parallel": 1, "pipeline_virtual_stages": 2, "schedule": "interleaved_1f1b",
+             "pipeline_split": ("layers.2",)},
+            zgraph.PassError,
+            "pipeline_split name 'layers.2' is not one of the step's blocks",
+        ),
+    ],
+    ids=["world", "batch", "blocks", "split_name"],
+)  # fmt: skip
+def test_bad_input_is_refused_before_anything_changes(config, error, message):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    x, y = batches()[0]
+    with pytest.raises(error, match=message):
+        pipelined(**config)(model, opt, x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state, "no optimizer state was made"
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"microbatches": 2}, "Config.microbatches is a pipeline parallelism option: set Config.pipeline_parallel"),
+        ({"pipeline_parallel": 2, "backend": "inductor"}, "does not combine with backend='inductor' yet"),
+        ({"pipeline_parallel": 2, "stage": 3}, "does not combine with stage=3 yet"),
+        ({"pipeline_parallel": 2, "schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
+        ({"pipeline_parallel": 2, "pipeline_virtual_stages": 2}, "'1f1b' runs one stage per rank"),
+        ({"pipeline_parallel": 2, "pipeline_split": ("a", "b")}, "after the first, 1 for 2 x 1 stages; got 2"),
+        ({"pipeline_parallel": 0}, "Config.pipeline_parallel must be a positive int; got 0"),
+    ],
+)
+def test_bad_options_are_refused_by_the_config(config, message):
+    with pytest.raises(ValueError, match=message):
+        zgraph.Config(**{"backend": "eager", **config})
+
+
+def test_explain_shows_each_blocks_stage_and_the_schedules_timeline():
+    compiled = pipelined(pipeline_parallel=1, pipeline_virtual_stages=2, schedule="interleaved_1f1b", microbatches=2)
+    model = Net()
+    x, y = batches()[0]
+    compiled(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)
+    text = compiled.explain()
+    assert "pipeline: interleaved_1f1b, 1 ranks x 2 stages each, 2 micro-batches; this is rank 0" in text
+    assert "stage 0 (rank 0): 2 blocks (model.blocks.0, model.blocks.1)" in text
+    assert "stage 1 (rank 0): 2 blocks (model.blocks.2, model.blocks.3)" in text
+    assert "rank 0: 0F0 1F0 1B0 1B0 0F1 0B0 0B0 1F1 1B1 1B1 0B1 0B1" in text
+    assert {"stage0.forward", "stage1.update"} <= set(compiled.graphs)
+    with pytest.raises(zgraph.EstimateError, match="does not model pipeline parallelism yet"):
+        compiled.estimate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)
+
+
+@pytest.mark.parametrize("loss", ["sum", "token_mean", "scaled_mean"])
+def test_losses_combine_over_micro_batches_as_eager_on_the_whole_batch(loss):
+    """A sum is summed, a cross_entropy mean over the labels not ignored (micro-batches count 0 to 2 of them) is
+    the whole batch's sum over its count, a mean (times a constant, plus another) is averaged."""
+    config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "microbatches": 4}
+    assert_equals_eager([train(pipeline_parallel=1, loss=loss, **config)])
+
+
+def _contrastive(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = F.normalize(logits, dim=-1)
+    return F.cross_entropy(z @ z.T, torch.arange(len(z)))
+
+
+def _batch_statistics(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out - out.mean(0), y)
+
+
+def _batch_norm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.batch_norm(out, None, None, training=True), y)
+
+
+def _ratio(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.sum(-1) * (y > 0)).sum() / (y > 0).sum()
+
+
+@pytest.mark.parametrize(
+    "loss,message",
+    [
+        (_contrastive, r"mm combines the samples of the batch \(aten.mm.default contracts the batch or multiplies"),
+        (_batch_statistics, r"mean combines the samples of the batch \(aten.mean.dim across dim 0, the batch"),
+        (_batch_norm, r"combines the samples of the batch \(batch norm in training mode"),
+        (lambda out, y: F.cross_entropy(F.dropout(out, 0.1), y), r"the forward draws random numbers \(bernoulli"),
+        (lambda out, y: F.cross_entropy(out, y, reduction="sum") / len(out), "div divides a sum by 4, a multiple of"),
+        (_ratio, r"div \(aten.div.Tensor\) makes a loss or 0-d result zgraph cannot split into micro-batches"),
+        (lambda out, y: F.cross_entropy(out, y) + out.pow(2).sum(), "adds a sum and a cross_entropy token mean, which"),
+    ],
+    ids=["contrastive", "batch_statistics", "batch_norm", "dropout", "sum_over_batch_size", "ratio", "mixed_kinds"],
+)
+def test_what_micro_batches_cannot_combine_exactly_is_refused_before_anything_changes(loss, message):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    x, y = batches()[0]
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))(step_of(loss))
+    with pytest.raises(zgraph.PassError, match=message):
+        compiled(model, opt, x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state, "no optimizer state was made"
+
+
+def test_a_result_without_the_samples_along_dim_0_is_refused():
+    def step_returning_logits_transposed(model, opt, x, y):
+        logits = model(x)
+        F.cross_entropy(logits, y).backward()
+        opt.step()
+        opt.zero_grad()
+        return logits.detach().T
+
+    model = Net()
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))
+    with pytest.raises(zgraph.PassError, match="does not hold the samples along dim 0"):
+        compiled(step_returning_logits_transposed)(model, torch.optim.AdamW(model.parameters(), lr=1e-2), *batches()[0])

@@ -1,0 +1,155 @@
+"""Pipeline schedules (issue 42, item 2): each rank's action list, the same compute order as torch's schedule of
+that name, checked (no deadlock, sends match receives) and timed (the predicted bubble)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from zgraph.runtime.pipeline_schedule import Action, Kind, build_schedule
+from zgraph.runtime.pipeline_simulate import check_schedule, simulate
+
+CASES = [
+    ("gpipe", 2, 4, 1),
+    ("gpipe", 4, 8, 1),
+    ("1f1b", 2, 2, 1),
+    ("1f1b", 2, 5, 1),
+    ("1f1b", 4, 8, 1),
+    ("1f1b", 4, 2, 1),
+    ("interleaved_1f1b", 2, 4, 2),
+    ("interleaved_1f1b", 4, 8, 2),
+    ("interleaved_1f1b", 4, 4, 3),
+    ("interleaved_1f1b", 2, 3, 2),
+    ("zb_h1", 2, 4, 1),
+    ("zb_h1", 4, 8, 1),
+    ("zb_h1", 4, 3, 1),
+]
+
+
+def torch_order(name: str, ranks: int, microbatches: int, virtual: int) -> list[list[str]]:
+    """Each rank's compute actions as torch.distributed.pipelining's schedule of that name orders them."""
+    state = types.SimpleNamespace(
+        _num_stages=ranks,
+        _n_microbatches=microbatches,
+        pp_group_size=ranks,
+        n_local_stages=virtual,
+        microbatches_per_round=microbatches // max(1, microbatches // ranks),
+    )
+    if name == "1f1b":
+        return [one_f_one_b_as_torch_runs_it(ranks, microbatches, r) for r in range(ranks)]
+    if name == "gpipe":
+        order = torch_schedules.ScheduleGPipe._get_pipeline_order(state)
+    else:
+        cls = {"interleaved_1f1b": torch_schedules.ScheduleInterleaved1F1B}.get(
+            name, torch_schedules.ScheduleInterleavedZeroBubble
+        )
+        order = {r: cls._calculate_single_rank_operations(state, r) for r in range(ranks)}
+    compute = {"F", "B", "I", "W"}
+    return [[str(a) for a in order[r] if a is not None and a.computation_type.value in compute] for r in range(ranks)]
+
+
+def one_f_one_b_as_torch_runs_it(ranks: int, microbatches: int, rank: int) -> list[str]:
+    """``Schedule1F1B._step_microbatches``'s order: ``min(M, P - rank)`` forwards, then a backward and a forward
+    in turn. (``Schedule1F1B._get_pipeline_order``, used only to draw it, numbers some forwards wrong.)"""
+    warmup = min(microbatches, ranks - rank)
+    order = [f"{rank}F{mb}" for mb in range(warmup)]
+    for mb in range(microbatches):
+        order.append(f"{rank}B{mb}")
+        if warmup + mb < microbatches:
+            order.append(f"{rank}F{warmup + mb}")
+    return order
+
+
+@pytest.mark.parametrize("name,ranks,microbatches,virtual", CASES)
+def test_the_compute_order_is_torchs(name, ranks, microbatches, virtual):
+    schedule = build_schedule(name, ranks, microbatches, virtual)
+    assert [[str(a) for a in schedule.compute(r)] for r in range(ranks)] == torch_order(
+        name, ranks, microbatches, virtual
+    )
+
+
+@pytest.mark.parametrize("name,ranks,microbatches,virtual", CASES)
+def test_schedules_check_and_torch_agrees(name, ranks, microbatches, virtual):
+    schedule = build_schedule(name, ranks, microbatches, virtual)
+    check_schedule(schedule)
+    order = {r: [torch_schedules._Action.from_str(str(a)) for a in acts] for r, acts in enumerate(schedule.actions)}
+    stages = schedule.stages
+    torch_schedules._validate_schedule(order, ranks, stages, microbatches)
+    torch_schedules._simulate_comms_compute(order, schedule.rank_of, stages)  # raises if it does not progress
+
+
+def test_every_stage_output_is_sent_once_and_received_where_it_is_read():
+    schedule = build_schedule("1f1b", 2, 3)
+    assert str(schedule).splitlines() == [
+        "1f1b: 2 ranks x 1 stages each, 3 micro-batches",
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2",
+        "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2",
+    ]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("ranks,microbatches", [(2, 2), (2, 8), (4, 4), (4, 16)])
+def test_gpipe_and_1f1b_bubble_is_the_closed_form(name, ranks, microbatches):
+    bubble = simulate(build_schedule(name, ranks, microbatches)).bubble
+    assert bubble == pytest.approx((ranks - 1) / (microbatches + ranks - 1))
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble():
+    one_f_one_b = simulate(build_schedule("1f1b", 4, 8)).bubble
+    # a virtual stage is half a rank's layers: half the time of 1F1B's stage
+    half = {Kind.F: 0.5, Kind.B: 1.0}
+    interleaved = simulate(build_schedule("interleaved_1f1b", 4, 8, 2), half)
+    assert interleaved.bubble < one_f_one_b
+    assert interleaved.step_time - 8 * 3 == pytest.approx(3 * 3 / 2), "bubble time (P - 1)(F + B) / v"
+    zero_bubble = simulate(build_schedule("zb_h1", 4, 8))
+    assert zero_bubble.step_time - 8 * 3 == pytest.approx(3 * 1), "ZB-H1's bubble time: (P - 1)(F + I - W)"
+    assert zero_bubble.bubble < one_f_one_b
+
+
+def test_the_timeline_draws_each_rank():
+    lines = simulate(build_schedule("1f1b", 2, 2)).timeline().splitlines()
+    assert lines == [
+        "rank 0: 0F0 0F1 ... ... 0B0 0B0 ... 0B1 0B1",
+        "rank 1: ... 1F0 1B0 1B0 1F1 1B1 1B1 ... ...",
+    ]
+
+
+def test_a_schedule_that_waits_in_a_circle_is_refused():
+    good = build_schedule("1f1b", 2, 2)
+    rank0 = list(good.actions[0])
+    # rank 0 waits for micro-batch 0's gradient before it sends micro-batch 0's activation
+    rank0[1], rank0[4] = rank0[4], rank0[1]
+    with pytest.raises(ValueError, match=r"deadlocks: every rank waits \(rank 0: 0RECV_B0; rank 1: 1RECV_F0\)"):
+        check_schedule(dataclasses.replace(good, actions=(tuple(rank0), good.actions[1])))
+
+
+def test_broken_schedules_are_refused_naming_the_action():
+    good = build_schedule("zb_h1", 2, 2)
+    rank1 = list(good.actions[1])
+    swapped = dataclasses.replace(good, actions=(good.actions[0], tuple(rank1[::-1])))
+    with pytest.raises(ValueError, match="rank 1: 1W1 runs before 1I1"):
+        check_schedule(swapped)
+    dropped = dataclasses.replace(good, actions=(good.actions[0], tuple(a for a in rank1 if str(a) != "1SEND_B1")))
+    with pytest.raises(ValueError, match="sends and receives do not match: 0RECV_B1"):
+        check_schedule(dropped)
+    extra = dataclasses.replace(good, actions=(good.actions[0] + (Action(0, Kind.F, 0),), good.actions[1]))
+    with pytest.raises(ValueError, match="0F0 is computed twice"):
+        check_schedule(extra)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("pipedream", 2, 4), "unknown pipeline schedule 'pipedream'; known: gpipe, 1f1b, interleaved_1f1b, zb_h1"),
+        (("1f1b", 0, 4), "pipeline ranks must be a positive int; got 0"),
+        (("1f1b", 2, 2.0), "pipeline microbatches must be a positive int; got 2.0"),
+        (("1f1b", 2, 4, 2), "'1f1b' runs one stage per rank; 2 virtual stages need interleaved_1f1b"),
+        (("interleaved_1f1b", 4, 9, 2), "rounds of 4 .4 ranks.: 9 micro-batches are not a multiple of 2 rounds"),
+    ],
+)
+def test_bad_input_is_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_schedule(*args)

@@ -1,0 +1,189 @@
+"""Pipeline parallelism (``Config.pipeline_parallel``) for one call: the graph captured on one micro-batch
+(``zgraph.binding.micro_batches``) cut into stages (``zgraph.passes.stage_cut``, ``stage_graphs``), this rank's stages
+compiled, and a call run by this rank's schedule (``zgraph.runtime.pipeline_run``) against the live state.
+
+State is read once per call and written back after the update. The step's results are made by one stage each, per
+micro-batch: a 0-d one (a mean loss) is averaged over the micro-batches, another concatenated along dim 0; the rank
+that makes it broadcasts it to the pipeline, so every rank returns what eager returns on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import Tensor
+
+from zgraph.capture.as_written import hyperparameters
+from zgraph.capture.captured import CapturedGraph
+from zgraph.compile.build import pass_context
+from zgraph.compile.lower import lower
+from zgraph.compile.run import finish_call, unalias
+from zgraph.compile.variant import CompiledStep, PipelineCompiled
+from zgraph.config import Config
+from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
+from zgraph.passes import Pass, PassContext, run_passes
+from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
+from zgraph.passes.stage_cut import stage_cut
+from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
+from zgraph.runtime.consistency import describe_graph, digest
+from zgraph.runtime.executor import Executable
+from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
+from zgraph.runtime.pipeline_schedule import build_schedule
+from zgraph.runtime.process_group import ProcessGroupInfo
+from zgraph.runtime.state import Binding
+from zgraph.runtime.state_io import StateIO
+
+_PASSES_BEFORE_THE_CUT = ("cse", "remat")
+
+
+def compile_pipeline(
+    captured: CapturedGraph, binding: Binding, config: Config, group: ProcessGroupInfo, capture_seconds: float
+) -> CompiledStep:
+    """Cut ``captured`` (traced on one micro-batch) into stages and compile this rank's."""
+    assert captured.gm is not None and config.pipeline_parallel is not None
+    if group.world_size != config.pipeline_parallel:
+        raise ValueError(
+            f"Config.pipeline_parallel={config.pipeline_parallel} must equal the world size ({group.world_size}) for "
+            "now: data parallelism across pipelines is not supported yet"
+        )
+    ctx = PassContext(params=pass_context(binding).params)  # no process group: the stages' own groups come later
+    stages = config.pipeline_parallel * config.pipeline_virtual_stages
+    cut = functools.partial(stage_cut, stages=stages, split=config.pipeline_split)
+    passes = [p for p in config.passes() if p.name in _PASSES_BEFORE_THE_CUT]
+    loss = Pass("micro_batch_loss", micro_batch_loss, requires={"phases"})
+    records = run_passes(captured.gm, ctx, [loss, *passes, Pass("stage_cut", cut, requires={"phases"})])
+    every = stage_graphs(records[-1].gm)
+    count = config.microbatches or config.pipeline_parallel
+    schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
+    graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
+    mine = {g.stage: _compile_stage(g, ctx, graphs) for g in every if schedule.rank_of(g.stage) == group.rank}
+    combine = records[0].gm.meta[LOSS_COMBINE]
+    count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
+    program = PipelineCompiled(schedule, group.rank, mine, _results(every), graphs, combine, count_stage)
+    description = describe_graph(captured.gm) + [str(schedule)]
+    seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
+    executable = Executable(_runs_by_schedule, "eager", seconds)
+    compiled = CompiledStep(captured, records, executable, capture_seconds, description=description)
+    compiled.digest, compiled.pipeline = digest(description), program
+    return compiled
+
+
+def _runs_by_schedule(inputs: object) -> object:
+    raise AssertionError("a pipelined step runs by its schedule (zgraph.compile.pipeline.run_pipeline)")
+
+
+def _parts(stage: StageRun) -> list[Part]:
+    return [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
+
+
+def _compile_stage(g: StageGraphs, ctx: PassContext, graphs: OrderedDict[str, fx.GraphModule]) -> StageRun:
+    parts = []
+    for name in ("forward", "backward", "input_grad", "weight_grad", "update"):
+        records, executable = lower(getattr(g, name), ctx, "eager")
+        final = records[-1].gm
+        graphs[f"stage{g.stage}.{name}"] = final
+        examples = [p.meta[VAL] for p in placeholders(final)]
+        run, seconds = executable.run, executable.compile_seconds
+        parts.append(Part(run, input_specs(final), output_roles(final), examples, executable.updated_inputs, seconds))
+    return StageRun(g.stage, *parts)
+
+
+def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:
+    """Where each of the step's results is made, with one micro-batch's value of it (a fake tensor)."""
+    out = {}
+    for g in every:
+        for gm in (g.forward, g.backward, g.update):
+            node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+            for value, role in zip(node.args[0], output_roles(gm)):
+                if role.kind == "user":
+                    out[role.index] = (g.stage, value.meta[VAL] if isinstance(value, fx.Node) else value)
+    return out
+
+
+def run_pipeline(
+    compiled: CompiledStep, binding: Binding, micro: list[list[tuple[str, Tensor]]], group: ProcessGroupInfo
+) -> object:
+    """Run this rank's schedule of ``compiled`` on the live state; ``micro``: each micro-batch's user tensors."""
+    program = compiled.pipeline
+    io = StateIO(binding, binding.plan)
+    hyper: dict[tuple[int, int], dict[str, float]] = {}
+    state: dict[GraphInput, Tensor] = {}
+
+    def feed(spec: GraphInput, mb: int | None) -> Tensor:
+        if spec.kind in ("input", "input_grad"):
+            return io.read(spec, micro[mb or 0], hyper)
+        if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
+            opt = binding.optimizers[spec.optimizer].optimizer
+            hyper[(spec.optimizer, spec.group)] = hyperparameters(opt, opt.param_groups[spec.group])
+        if spec not in state:  # state is read once per call
+            state[spec] = io.read(spec, micro[0], hyper)
+        return state[spec]
+
+    peers = _peers(group)
+    divisor = functools.partial(_divisor, program, peers)
+    results = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor).run()
+    user: dict[int, Tensor] = {}
+    for s, (inputs, outputs) in results.updates.items():
+        part = program.stages[s].update
+        unalias(outputs, inputs, part.updated_inputs)
+        for role, value in zip(part.outputs, outputs):
+            if role.kind == "user":
+                user[role.index] = value
+            else:
+                io.write(role, value, micro[0])
+    for (_, index), values in results.user.items():
+        kind = program.combine.results.get(index, "mean")
+        user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
+    values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
+    return finish_call(compiled, binding, micro[0], values)
+
+
+def _combined(values: list[Tensor], kind: str, divisor: Tensor | float) -> Tensor:
+    """A result over the micro-batches: a 0-d one by its kind (``LossCombine``), another concatenated along dim 0."""
+    if values[0].dim():
+        return torch.cat(values)
+    total = torch.stack(values).sum()
+    if kind == "sum":
+        return total
+    return total / (divisor if kind == "token" else len(values))
+
+
+def _divisor(program: PipelineCompiled, peers: Peers, counts: dict[int, Tensor]) -> Tensor | float:
+    """What the summed gradients are divided by: the micro-batch count for a mean, 1 for a sum, the whole batch's
+    counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast)."""
+    kind = program.combine.kind
+    if kind != "token":
+        return 1.0 if kind == "sum" else float(program.schedule.microbatches)
+    stage = program.count_stage
+    total = torch.stack([counts[mb] for mb in sorted(counts)]).sum() if counts else None
+    if len(peers.ranks) > 1:
+        if total is None:
+            total = torch.empty((), dtype=program.combine.count_dtype)
+        dist.broadcast(total, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
+    assert total is not None
+    return total
+
+
+def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers) -> Tensor:
+    """Result ``index`` on every rank of the pipeline: broadcast by the rank whose stage makes it."""
+    stage, example = program.results[index]
+    if len(peers.ranks) == 1:
+        assert value is not None
+        return value
+    if value is None:
+        count = program.schedule.microbatches
+        shape = example.shape if example.dim() == 0 else (example.shape[0] * count, *example.shape[1:])
+        value = torch.empty(shape, dtype=example.dtype, device=example.device)
+    dist.broadcast(value, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
+    return value
+
+
+def _peers(group: ProcessGroupInfo) -> Peers:
+    if not group.distributed:
+        return Peers(None, [0])
+    process_group = dist.distributed_c10d._resolve_process_group(group.group_name)
+    return Peers(process_group, list(group.ranks or range(group.world_size)))

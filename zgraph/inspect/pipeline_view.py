@@ -1,0 +1,39 @@
+"""``explain()`` of a pipelined step (``Config.pipeline_parallel``): which stage each block went to, on which rank,
+and the schedule's predicted timeline and bubble (``zgraph.runtime.pipeline_simulate``, unit costs)."""
+
+from __future__ import annotations
+
+from zgraph.compile.variant import CompiledStep
+from zgraph.passes.stage_cut import STAGE_PLAN
+from zgraph.runtime.pipeline_simulate import UNIT_COSTS, simulate
+
+_WIDEST_TIMELINE = 60  # time units a drawn timeline may span
+
+
+def pipeline_lines(compiled: CompiledStep) -> list[str]:
+    """The stages (blocks, rank, forward flops) and the schedule (bubble, timeline); none without a pipeline."""
+    program = compiled.pipeline
+    if program is None:
+        return []
+    schedule = program.schedule
+    plan = compiled.transformed.meta[STAGE_PLAN]
+    simulation = simulate(schedule)
+    p, m = schedule.ranks, schedule.microbatches
+    costs = ", ".join(f"{kind.value} {cost:g}" for kind, cost in UNIT_COSTS.items())
+    lines = [
+        f"pipeline: {schedule.name}, {p} ranks x {schedule.virtual} stages each, {m} micro-batches; this is rank "
+        f"{program.rank}",
+        f"  predicted bubble {simulation.bubble:.1%} (costs: {costs}; for GPipe and 1F1B, (P - 1) / (M + P - 1) = "
+        f"{(p - 1) / (m + p - 1):.1%})",
+    ]
+    for stage in range(plan.stages):
+        blocks = [name for name, s in plan.blocks.items() if s == stage]
+        shown = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 2 else ", ".join(blocks) or "no block"
+        lines.append(
+            f"  stage {stage} (rank {schedule.rank_of(stage)}): {len(blocks)} blocks ({shown}), "
+            f"{plan.flops[stage]:.3g} forward flops per micro-batch"
+        )
+    if simulation.step_time <= _WIDEST_TIMELINE:
+        lines.append("  timeline (one column per forward's time; '.': idle):")
+        lines += [f"    {line}" for line in simulation.timeline().splitlines()]
+    return lines
