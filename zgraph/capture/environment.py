@@ -7,7 +7,6 @@ code, and how a failed trace is explained.
   forwards run under autocast when the config asks;
 - modules and optimizers the step reaches that zgraph has not bound stop the trace (``UnboundState``) before
   they act on real tensors; Python state the step changed (param groups, train flags) is restored if it fails;
-- libraries that tell a trace by its fake tensors (transformers' ``is_tracing``) see the functional ones as traced;
 - ``trace`` runs ``make_fx`` and turns its failures into ``CaptureError`` naming the user's line (found by
   ``zgraph.capture.diagnosis``), or, where a ``torch.compile`` wrapper refused the trace, into the signal to trace
   through it (``zgraph.capture.compiled``).
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -151,25 +149,6 @@ def is_real(t: Any) -> bool:
 def traced_tensor(t: object) -> bool:
     """Whether ``t`` is a tensor of a trace: a fake tensor, or the functional tensor of one."""
     return isinstance(t, (FakeTensor, FunctionalTensor))
-
-
-@contextlib.contextmanager
-def libraries_see_the_trace() -> Iterator[None]:
-    """Libraries that tell a trace by its fake tensors see the step's functional tensors (over fakes: the trace
-    functionalizes, ``zgraph.capture.functionalize``) as traced too: transformers' ``is_tracing(tensor)``, which
-    skips value checks such as ``torch.all(mask == 1)`` under a trace, asks ``is_fake_tensor``. (Torch's own
-    make_fx-based export says "tracing" by ``torch.compiler.is_compiling()`` instead, which would also change the
-    code torch.optim runs.) Nothing is imported: a library the process has not loaded is left alone."""
-    module = sys.modules.get("transformers.utils.import_utils")
-    original = getattr(module, "is_fake_tensor", None)
-    if original is None:
-        yield
-        return
-    module.is_fake_tensor = lambda x: traced_tensor(x) or original(x)
-    try:
-        yield
-    finally:
-        module.is_fake_tensor = original
 
 
 @contextlib.contextmanager

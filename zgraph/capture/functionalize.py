@@ -11,8 +11,10 @@ phase.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -44,14 +46,33 @@ def functionalized(fn: Callable[..., list[object]]) -> Callable[..., list[object
     require grad where the inputs do: autograd runs above functionalization, as in eager), its outputs unwrapped.
     Traced by ``make_fx``, the graph is functional: in-place ops become their functional forms and each mutated
     input's new value is the output that names it (the caller returns every piece of state; nothing is written
-    back)."""
+    back). Libraries see the functional tensors as traced (``libraries_see_the_trace``)."""
 
     def run(*flat: object) -> list[object]:
-        with RecordingFills() as mode:
+        with RecordingFills() as mode, libraries_see_the_trace():
             outs = fn(*[_to_functional(t, mode) for t in flat])
             return [_from_functional(o) for o in outs]
 
     return run
+
+
+@contextlib.contextmanager
+def libraries_see_the_trace() -> Iterator[None]:
+    """Libraries that tell a trace by its fake tensors see the step's functional tensors (over fakes) as traced too:
+    transformers' ``is_tracing(tensor)``, which skips value checks such as ``torch.all(mask == 1)`` under a trace,
+    asks ``is_fake_tensor``. (Torch's own make_fx-based export says "tracing" by ``torch.compiler.is_compiling()``
+    instead, which would also change the code torch.optim runs.) A library the process has not loaded is left
+    alone."""
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    module.is_fake_tensor = lambda x: isinstance(x, FunctionalTensor) or original(x)
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original
 
 
 def _to_functional(t: object, mode: FunctionalTensorMode) -> object:

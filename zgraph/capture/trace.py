@@ -58,7 +58,6 @@ from zgraph.capture.environment import (
     cast_forward_inputs,
     data_assignment_as_copy,
     group_values,
-    libraries_see_the_trace,
     real_constants,
     refuse_created_state,
     restore_python_state_on_error,
@@ -261,7 +260,6 @@ def _environment(
         stack.enter_context(StepMode(step_trace.precision, is_grad))
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
         stack.enter_context(optimized_modules_as_modules())
-        stack.enter_context(libraries_see_the_trace())
         yield traced
 
 
