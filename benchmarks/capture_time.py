@@ -8,8 +8,9 @@ Two cases, each in a fresh process (one thread per rank, the eager backend, Adam
   per rank (rank 0's times).
 
 The first call's wall time is split into: ``trace`` (the step traced on fake tensors, every trace the capture
-made), ``functionalize`` (the traced graph made functional), the rest of the capture (binding, first optimizer
-state), each pass of the pass list, ``lowering`` (the backend's rewrites and compilation), ``first run`` (running
+made, functionalized as it runs), ``functionalize`` (the functional graph finished: named, random layout, phases),
+the rest of the capture (binding, first optimizer state), each pass of the pass list, ``lowering`` (the backend's
+rewrites and compilation), ``first run`` (running
 the graph the first time, state read and written back) and the rest. Also its CPU time (rank 0's: less sensitive
 to other load on the machine), and the second call's wall time (the steady step).
 
@@ -38,7 +39,7 @@ WORLD = {"gpt2": 1, "100m": 2}
 TIMED = {  # (module, attribute) wrapped with a timer -> the row it adds to
     ("zgraph.capture.protocol", "trace_step"): "trace",
     ("zgraph.capture.protocol", "trace_joint"): "trace",
-    ("zgraph.capture.protocol", "functionalize"): "functionalize",
+    ("zgraph.capture.protocol", "functional_step"): "functionalize",
     ("zgraph.compile.build", "lower"): "lowering",
     ("zgraph.dispatch", "run"): "run",
 }

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from zgraph.capture.environment import traced_tensor
 from zgraph.ops import current_host_read
 
 DEVICE = torch.device("meta")
@@ -84,8 +84,8 @@ def _target_device(args: tuple, kwargs: dict) -> torch.device:
 
 class DeviceAudit(TorchDispatchMode):
     """Fails (``DeviceAuditError``) the device rules of the module docstring for ops on real stand-in tensors
-    (fake tensors, as capture traces them, are left to capture). ``reads``: the reasons of the host reads seen;
-    ``moved``: the bytes copied each way (``"to_host"``, ``"to_device"``)."""
+    (fake tensors and the functional tensors over them, as capture traces them, are left to capture). ``reads``:
+    the reasons of the host reads seen; ``moved``: the bytes copied each way (``"to_host"``, ``"to_device"``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,7 +95,7 @@ class DeviceAudit(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        if any(isinstance(t, FakeTensor) for t in tensors):
+        if any(traced_tensor(t) for t in tensors):
             return func(*args, **kwargs)
         if getattr(func, "namespace", None) == "zgraph":  # zgraph's own operators: audit the ops they run too
             with self:  # its Python implementation, below this mode's dispatch key, with the mode pushed again

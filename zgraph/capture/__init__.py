@@ -20,7 +20,7 @@ Files::
     collectives.py      ``torch.distributed`` calls in the step, traced as functional collectives
     generator_state.py  random generator state read and set in the step, as graph operations
     random_layout.py    random ops draw their numbers into the elements eager PyTorch gives them
-    functionalize.py    from the traced (mutating) graph to the captured step graph
+    functionalize.py    the step functionalized as it is traced; the functional graph named and tagged
     joint.py            split mode: the step and the backward of its returned outputs, traced as one joint graph
     blocks.py           the model's repeated blocks marked on the nodes they make (``Config.remat``)
     cuda_trace.py       tracing a step as CUDA would run it, on CPU fakes (estimates)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.lr_scheduler import LRScheduler
 
 from zgraph.capture.environment import UnboundState
@@ -141,11 +140,10 @@ class Traced:
 
     Attributes:
         unbound: the trace stopped at modules or optimizers zgraph has not bound (the rest is then empty).
-        gm: the traced graph, still mutating its inputs.
+        gm: the traced graph, functional, its inputs and outputs not yet named.
         captured: what the trace recorded (``gm`` not set yet; ``created_state``: optimizer state it created).
         constants: real tensors the trace froze into ``gm`` (read from places zgraph did not swap).
-        specs, roles: the graph's inputs and outputs; fakes, mode: the fake inputs and their mode (for
-            functionalizing).
+        specs, roles: the graph's inputs and outputs (before unchanged state is dropped).
     """
 
     unbound: UnboundState | None = None
@@ -154,5 +152,3 @@ class Traced:
     constants: list[Tensor] = field(default_factory=list)
     specs: list[GraphInput] = field(default_factory=list)
     roles: list[GraphOutput] = field(default_factory=list)
-    fakes: list[Tensor] = field(default_factory=list)
-    mode: FakeTensorMode | None = None

@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -63,27 +64,31 @@ def _batch_norm_with_honest_schema(
 
 
 def _random_from_to(self: Tensor, low: int, high: int | None = None, *, generator: Any = None) -> Tensor:
-    # FX cannot print `aten.random_.from` (`from` is a Python keyword). The CPU and CUDA kernels draw
-    # `low + (random % (high - low))`: drawing in [0, high - low) and adding `low` gives the same numbers.
+    # FX cannot print `aten.random.from` (`from` is a Python keyword; the trace functionalizes, so `x.random_(low,
+    # high)` arrives here as `random.from`). The CPU and CUDA kernels draw `low + (random % (high - low))`: drawing
+    # in [0, high - low) and adding `low` gives the same numbers.
     if high is None:
         raise CaptureError("Tensor.random_(from) without `to` is not supported inside a zgraph step")
-    return aten.random_.to(self, high - low, generator=generator).add_(low)
+    return aten.random.to(self, high - low, generator=generator).add(low)
 
 
-def _foreach_lerp_(selves: list[Tensor], ends: list[Tensor], weight: Any) -> None:
-    # One lerp_ per tensor, the kernel torch's foreach lerp runs per tensor on the host (the same arithmetic as
+def _foreach_lerp(selves: list[Tensor], ends: list[Tensor], weight: Any) -> list[Tensor]:
+    # One lerp per tensor, the kernel torch's foreach lerp runs per tensor on the host (the same arithmetic as
     # its fused CUDA kernel): element-wise ops that stage 3 runs on shards (an EMA of sharded parameters updates
-    # its shards in place; the foreach op, whose output is a list, would be gathered whole).
+    # its shards; the foreach op, whose output is a list, would be gathered whole). The trace functionalizes, so
+    # the ``_foreach_lerp_`` of the step arrives here as ``_foreach_lerp``.
     weights = weight if isinstance(weight, (list, tuple)) else [weight] * len(selves)
-    for start, end, w in zip(selves, ends, weights):
-        (aten.lerp_.Tensor if isinstance(w, Tensor) else aten.lerp_.Scalar)(start, end, w)
+    return [
+        (aten.lerp.Tensor if isinstance(w, Tensor) else aten.lerp.Scalar)(start, end, w)
+        for start, end, w in zip(selves, ends, weights)
+    ]
 
 
 _TRACE_DECOMPOSITIONS = {
     aten.native_batch_norm.default: _batch_norm_with_honest_schema,
-    getattr(aten.random_, "from"): _random_from_to,
-    **{overload: _foreach_lerp_ for overload in (aten._foreach_lerp_.Scalar, aten._foreach_lerp_.List)},
-    aten._foreach_lerp_.ScalarList: _foreach_lerp_,
+    getattr(aten.random, "from"): _random_from_to,
+    **{overload: _foreach_lerp for overload in (aten._foreach_lerp.Scalar, aten._foreach_lerp.List)},
+    aten._foreach_lerp.ScalarList: _foreach_lerp,
 }
 
 
@@ -138,7 +143,12 @@ class UnboundState(Exception):  # noqa: N818 - a signal to the caller, not an er
 
 
 def is_real(t: Any) -> bool:
-    return isinstance(t, Tensor) and not isinstance(t, FakeTensor)
+    return isinstance(t, Tensor) and not traced_tensor(t)
+
+
+def traced_tensor(t: object) -> bool:
+    """Whether ``t`` is a tensor of a trace: a fake tensor, or the functional tensor of one."""
+    return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 @contextlib.contextmanager
@@ -337,7 +347,7 @@ def traced_arguments(args: tuple, kwargs: dict) -> bool:
     called from inside another step zgraph is capturing."""
     for _, leaf in iter_leaves((args, kwargs)):
         tensors = leaf.parameters() if isinstance(leaf, nn.Module) else [leaf]
-        if any(isinstance(t, FakeTensor) for t in tensors):
+        if any(traced_tensor(t) for t in tensors):
             return True
     return False
 

@@ -1,26 +1,27 @@
-"""From the traced (mutating) graph to the captured step graph: functionalization, then naming and phases.
+"""The step traced as a functional graph, then named and tagged: the captured step graph.
 
-The graph ``make_fx`` traced still mutates its inputs in place; it is traced again through
-``torch.func.functionalize``, so every change of state becomes an output. Then: placeholders get their
-``GraphInput`` and readable names, outputs their ``GraphOutput`` (state the step did not change is dropped),
-eager's random fill order is restored (``zgraph.capture.random_layout``) and every op gets its phase.
+The step runs under functionalization while ``make_fx`` traces it (``functionalized``): in-place ops reach the
+trace as their functional forms, views as views of the new values, so the one trace yields a graph that mutates
+nothing (as AOTAutograd traces under functionalization). Autograd runs above functionalization, as in eager. The
+traced step returns every piece of state; nothing is written back into the inputs. Then (``functional_step``):
+placeholders get their ``GraphInput`` and readable names, outputs their ``GraphOutput`` (state the step did not
+change is dropped), eager's random fill order is restored (``zgraph.capture.random_layout``) and every op gets its
+phase.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx import traceback as fx_traceback
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from zgraph.capture.host_scalars import replay
-from zgraph.capture.random_layout import match_random_layout
+from zgraph.capture.random_layout import RecordingFills, match_random_layout
 from zgraph.graph import (
     BACKWARD,
     CUSTOM,
@@ -39,18 +40,62 @@ from zgraph.graph import (
 aten = torch.ops.aten
 
 
-def functionalize(
-    gm1: fx.GraphModule, specs: list[GraphInput], fakes: list[Tensor], mode: FakeTensorMode, roles: list[GraphOutput]
-) -> fx.GraphModule:
-    """The functional step graph of ``gm1`` (see the module docstring); ``specs``: its inputs, ``roles``: its
-    outputs before unchanged state is dropped."""
+def functionalized(fn: Callable[..., list[object]]) -> Callable[..., list[object]]:
+    """``fn`` run under functionalization (torch's ``FunctionalTensorMode``, as AOTAutograd traces; in-place random
+    fills recorded: ``zgraph.capture.random_layout``): its tensor inputs wrapped as functional tensors (leaves that
+    require grad where the inputs do: autograd runs above functionalization, as in eager), its outputs unwrapped.
+    Traced by ``make_fx``, the graph is functional: in-place ops become their functional forms and each mutated
+    input's new value is the output that names it (the caller returns every piece of state; nothing is written
+    back). Libraries see the functional tensors as traced (``libraries_see_the_trace``)."""
 
-    def traced(*flat: Tensor) -> Any:
-        return replay(gm1, *flat)
+    def run(*flat: object) -> list[object]:
+        with RecordingFills() as mode, libraries_see_the_trace():
+            outs = fn(*[_to_functional(t, mode) for t in flat])
+            return [_from_functional(o) for o in outs]
 
-    plain = [f.detach() for f in fakes]
-    with fx_traceback.preserve_node_meta(), mode, _use_lazy_graph_module(True):
-        gm = make_fx(torch.func.functionalize(traced, remove="mutations"), tracing_mode="fake")(*plain)
+    return run
+
+
+@contextlib.contextmanager
+def libraries_see_the_trace() -> Iterator[None]:
+    """Libraries that tell a trace by its fake tensors see the step's functional tensors (over fakes) as traced too:
+    transformers' ``is_tracing(tensor)``, which skips value checks such as ``torch.all(mask == 1)`` under a trace,
+    asks ``is_fake_tensor``. (Torch's own make_fx-based export says "tracing" by ``torch.compiler.is_compiling()``
+    instead, which would also change the code torch.optim runs.) A library the process has not loaded is left
+    alone."""
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    module.is_fake_tensor = lambda x: isinstance(x, FunctionalTensor) or original(x)
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original
+
+
+def _to_functional(t: object, mode: FunctionalTensorMode) -> object:
+    if not isinstance(t, Tensor):
+        return t
+    return FunctionalTensor(torch._to_functional_tensor(t), mode).requires_grad_(t.requires_grad)
+
+
+def _from_functional(t: object) -> object:
+    if not isinstance(t, FunctionalTensor):
+        return t
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def unwrapped(t: object) -> object:
+    """The traced tensor a functional tensor stands for (its current value); anything else as it is."""
+    return _from_functional(t) if isinstance(t, FunctionalTensor) else t
+
+
+def functional_step(gm: fx.GraphModule, specs: list[GraphInput], roles: list[GraphOutput]) -> fx.GraphModule:
+    """The captured step graph from the functional trace ``gm`` (see the module docstring); ``specs``: its inputs,
+    ``roles``: its outputs before unchanged state is dropped. Rewrites ``gm`` in place and returns it."""
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -58,14 +103,8 @@ def functionalize(
         node.meta[INPUT] = spec
     output = output_node(gm)
     values = list(output.args[0])
-    # copy_ into inputs at the end is functionalization's write-back; the new values are already outputs.
-    profiler_nodes = []
-    for node in list(graph.nodes):
-        if node.target is aten.copy_.default and node.args[0].op == "placeholder" and not node.users:
-            graph.erase_node(node)
-        elif node.op == "call_function" and str(node.target).startswith("profiler."):
-            profiler_nodes.append(node)  # record_function enter/exit from torch.optim: no effect on values
-    for node in reversed(profiler_nodes):
+    profiler_nodes = [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith("profiler.")]
+    for node in reversed(profiler_nodes):  # record_function enter/exit from torch.optim: no effect on values
         graph.erase_node(node)
     kept_values, kept_roles = [], []
     placeholder_of = {state_key(n.meta[INPUT]): n for n in placeholders}
@@ -78,7 +117,7 @@ def functionalize(
     output.meta[OUTPUTS] = kept_roles
     _name_placeholders(graph, placeholders)
     eliminate_dead_code(graph)
-    match_random_layout(gm, gm1)  # eager's random fill order on non-contiguous tensors
+    match_random_layout(gm)  # eager's random fill order on non-contiguous tensors
     _tag_phases(graph)
     gm.recompile()
     return gm

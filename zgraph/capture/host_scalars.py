@@ -39,6 +39,7 @@ from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from zgraph.capture.functionalize import unwrapped
 from zgraph.graph import GraphInput
 from zgraph.ops import host_read
 
@@ -143,6 +144,7 @@ class HostScalars(TorchDispatchMode):
         """Give ``fake`` a backed symbol as its ``.item()`` when its value is host-known (a bool one the symbol's
         ``!= 0``); whether it did."""
         tracer = get_proxy_mode().tracer
+        fake = unwrapped(fake)  # the step's tensors are functional; the traced one is under it
         node = get_proxy_slot(fake, tracer).proxy.node
         nodes = self._slice(node)
         if nodes is None:
@@ -249,39 +251,6 @@ def _run(graph: fx.Graph, constants: dict[str, Tensor], inputs: list[Tensor]) ->
     raise AssertionError("a host slice graph has an output")
 
 
-class _Replay(fx.Interpreter):
-    """The traced graph run again on fakes (functionalization's replay). Its ops run as traced: one whose scalars
-    are symbols is not folded on constant tensors (``_unfolded``), and an ``.item()`` that the trace read as a
-    host-known symbol reads the same symbol, so what an op's own fake kernel decides on it (``addmm``'s
-    ``beta == 0``) is decided as in the trace, not refused as a value only the run knows."""
-
-    def run_node(self, n: fx.Node) -> object:
-        self.current = n
-        return super().run_node(n)
-
-
-class _ReplayMode(TorchDispatchMode):
-    def __init__(self, interpreter: _Replay):
-        super().__init__()
-        self.interpreter = interpreter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
-        node = self.interpreter.current
-        if func is aten._local_scalar_dense.default and node.target is func:
-            val = node.meta.get("val")
-            if isinstance(val, (torch.SymFloat, torch.SymInt, torch.SymBool)) and val.node.hint is not None:
-                args[0].item_memo = val
-        return _unfolded(func, args, kwargs or {})
-
-
-def replay(gm: fx.GraphModule, *flat: Tensor) -> object:
-    """Run the traced graph ``gm`` on ``flat`` as traced (``_Replay``)."""
-    interpreter = _Replay(gm)
-    interpreter.current = None
-    with torch.no_grad(), _ReplayMode(interpreter):
-        return interpreter.run(*flat)
-
-
 def _unfolded(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     """``func(*args, **kwargs)``, traced rather than folded on constant tensors when a scalar is a symbol (a
     hyper-parameter): FakeTensorMode would run it for real, the symbol made a float (a NaN for one only the run
@@ -290,13 +259,13 @@ def _unfolded(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     flat = pytree.tree_leaves((args, kwargs))
     if not any(isinstance(a, (torch.SymFloat, torch.SymInt)) for a in flat):
         return func(*args, **kwargs)
-    for t in flat:
+    for t in map(unwrapped, flat):
         if isinstance(t, FakeTensor) and t.constant is not None:
             t.fake_mode.fake_tensor_converter.invalidate_constant_aliases(t.constant)
     out = func(*args, **kwargs)
     proxy_mode = get_proxy_mode()
     if proxy_mode is not None:
-        for t in pytree.tree_leaves(_written(func, args, kwargs)):
+        for t in map(unwrapped, pytree.tree_leaves(_written(func, args, kwargs))):
             slot = get_proxy_slot(t, proxy_mode.tracer, None)
             if isinstance(t, Tensor) and slot is not None and slot.constant is not None:
                 set_proxy_slot(t, proxy_mode.tracer, _ProxyTensor(slot.proxy, None))

@@ -11,7 +11,7 @@ After each trace the caller says whether the trace found something to bind first
 optimizers reached outside the arguments, tensors frozen as constants that zgraph can locate); the capture then
 leaves the state as it was and returns ``Rebind``: the caller binds it and captures again. A step whose returned
 tensors still require grad is traced once more, with their backward (``zgraph.capture.joint``); the result is
-functionalized (``finish``). A trace that stops at a ``torch.compile`` wrapper is done again through it
+finished (``finish``). A trace that stops at a ``torch.compile`` wrapper is done again through it
 (``zgraph.capture.compiled``), as are the capture's later traces.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from zgraph.capture.captured import CapturedGraph, CaptureRequest, Traced
 from zgraph.capture.collectives import untraceable_collective
 from zgraph.capture.compiled import CompileWrapperReached
-from zgraph.capture.functionalize import functionalize
+from zgraph.capture.functionalize import functional_step
 from zgraph.capture.joint import needs_split, trace_joint
 from zgraph.capture.optimizers import create_first_state, drop_state, first_state_candidates
 from zgraph.capture.trace import trace_step
@@ -79,9 +79,9 @@ def capture(request: CaptureRequest, more_to_bind: Callable[[Traced], str | None
 
 
 def finish(traced: Traced) -> CapturedGraph:
-    """The captured step graph from a complete trace: refuses collectives zgraph cannot trace, then
-    functionalizes (``zgraph.capture.functionalize``)."""
-    assert traced.gm is not None and traced.captured is not None and traced.mode is not None
+    """The captured step graph from a complete trace: refuses collectives zgraph cannot trace, then names and
+    tags the functional graph (``zgraph.capture.functionalize``)."""
+    assert traced.gm is not None and traced.captured is not None
     collective = untraceable_collective(traced.gm)
     if collective is not None:
         raise CaptureError(
@@ -90,5 +90,5 @@ def finish(traced: Traced) -> CapturedGraph:
             "tensors (traced as functional collectives), or torch.distributed._functional_collectives"
         )
     captured = traced.captured
-    captured.gm = functionalize(traced.gm, traced.specs, traced.fakes, traced.mode, traced.roles)
+    captured.gm = functional_step(traced.gm, traced.specs, traced.roles)
     return captured

@@ -6,10 +6,11 @@ transposed activation (``nn.TransformerEncoderLayer(batch_first=True)``'s attent
 column by column. Functionalization turns ``x.bernoulli_(p)`` into ``bernoulli.p(x, p)``, whose kernel returns
 a fresh *contiguous* tensor filled row by row: the same random stream lands on other elements.
 
-The rule (``match_random_layout``): a functional random op of ``_RANDOM_FILLS`` whose output the first trace
-(the in-place graph, where eager semantics are still explicit) had with a different order of strides than the
-functional op produces, is rewritten to draw on its inputs permuted into that memory order (dims sorted by
-decreasing stride: the order the CPU kernels fill in) and to permute the result back::
+The rule (``match_random_layout``): while the step is traced (functionalized as it runs), each in-place random
+fill marks the functional op it becomes with the tensor it filled (``RecordingFills``: ``node.meta[FILLED]``, where
+eager semantics are still explicit). A functional random op of ``_RANDOM_FILLS`` whose filled tensor had a different
+order of strides than the functional op produces is rewritten to draw on its inputs permuted into that memory order
+(dims sorted by decreasing stride: the order the CPU kernels fill in) and to permute the result back::
 
     bernoulli.p(x, p)  ->  permute(bernoulli.p(permute(x, order), p), inverse(order))
 
@@ -39,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from zgraph.graph import compute_val, fake_mode
 
@@ -51,6 +54,29 @@ _RANDOM_FILLS = {
     aten.bernoulli.Tensor,
     aten.bernoulli.default,
 }
+_IN_PLACE_FILLS = {aten.bernoulli_.float, aten.bernoulli_.Tensor}  # what functionalization makes of them: above
+FILLED = "zgraph_filled"
+"""``node.meta`` key of a functional random op made from an in-place fill: the fake tensor it filled, as it was."""
+
+
+class RecordingFills(FunctionalTensorMode):
+    """Torch's functionalization (the trace's), each in-place random fill of ``_IN_PLACE_FILLS`` marking the
+    functional op it becomes with the tensor it filled (``FILLED``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        if func not in _IN_PLACE_FILLS or not isinstance(args[0], FunctionalTensor):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        torch._sync(args[0])
+        filled = torch._from_functional_tensor(args[0].elem)
+        graph = get_proxy_mode().tracer.graph
+        last = next(iter(reversed(graph.nodes)))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        node = last.next  # the ops functionalization traced for it: the functional fill (then a view's write-back)
+        while node.op != "root" and node.target not in _RANDOM_FILLS:
+            node = node.next
+        if node.op != "root":
+            node.meta[FILLED] = filled
+        return out
 
 
 def _fill_order(t: torch.Tensor) -> list[int] | None:
@@ -96,21 +122,16 @@ def _permuted_arg(gm: fx.GraphModule, arg: Any, random_op: fx.Node, order: list[
     return _insert(gm, aten.permute.default, (arg, order), random_op, mode)
 
 
-def match_random_layout(gm: fx.GraphModule, traced: fx.GraphModule) -> list[fx.Node]:
+def match_random_layout(gm: fx.GraphModule) -> list[fx.Node]:
     """Rewrite the random ops of the functional graph ``gm`` so each fills its elements in the memory order
-    eager uses (the rule: module docstring); ``traced`` is the in-place graph ``gm`` was functionalized from.
-    Returns the rewritten random nodes."""
-    by_name = {n.name: n for n in traced.graph.nodes}
-    graph_id = id(traced.graph)
+    eager uses (the rule: module docstring). Returns the rewritten random nodes."""
     rewritten: list[fx.Node] = []
     changed: set[fx.Node] = set()
     mode = None
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _RANDOM_FILLS:
             continue
-        sources = [s for s in node.meta.get("from_node") or [] if s.graph_id == graph_id]
-        source = by_name.get(sources[-1].name) if sources else None
-        expected = source.meta.get("val") if source is not None else None
+        expected = node.meta.get(FILLED)
         actual = node.meta.get("val")
         if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor):
             continue

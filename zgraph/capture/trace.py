@@ -12,17 +12,18 @@ How:
    from graph inputs; other optimizers run their own ``step()``. The ``.item()`` or ``bool()`` of a value the host
    knows before the call (from hyper-parameters, step counters, modules' 0-d integer buffers) is a backed
    symbol whose Python branches are guards (``zgraph.capture.host_scalars``).
-2. The traced graph (which still mutates its inputs in place) is traced again through
-   ``torch.func.functionalize``: the result is functional. Every piece of state the step changed is a graph
-   output: the new value of a parameter, buffer, optimizer state tensor, mutated tensor argument, and the
-   ``.grad`` left on each parameter. State the step did not change is not an output.
+2. The step runs under functionalization while traced (``zgraph.capture.functionalize``), so the one trace yields
+   a functional graph (as AOTAutograd does): autograd runs above functionalization, in-place ops reach the graph
+   as their functional forms. Every piece of state the step changed is a graph output: the new value of a
+   parameter, buffer, optimizer state tensor, mutated tensor argument, and the ``.grad`` left on each parameter.
+   State the step did not change is not an output.
 
 Where: this module collects the graph inputs and traces the step once (``trace_step``), returning what the trace
 found (``Traced``: the graph, frozen constants, created optimizer state, or the unbound modules and optimizers it
 stopped at); the capture protocol (``zgraph.capture.protocol``) decides whether to bind more and trace again, and
-``finish`` functionalizes. The trace
+``finish`` names and tags the graph. The trace
 environment (swaps, autocast, restoring Python state, diagnosing failures) is ``zgraph.capture.environment``;
-optimizers and LR schedulers while tracing, ``zgraph.capture.optimizers``; functionalization and naming,
+optimizers and LR schedulers while tracing, ``zgraph.capture.optimizers``; functionalization, naming and phases,
 ``zgraph.capture.functionalize``.
 
 What later code may rely on (the captured graph's contract; meta keys from ``zgraph.graph``):
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from zgraph.capture.blocks import mark_blocks
@@ -63,8 +64,10 @@ from zgraph.capture.environment import (
     swap_module_tensors,
     swap_slots,
     trace,
+    traced_tensor,
     watch_unbound_state,
 )
+from zgraph.capture.functionalize import functionalized
 from zgraph.capture.generator_state import generator_state_ops
 from zgraph.capture.host_scalars import HostScalars
 from zgraph.capture.inputs import check_dense, collect_inputs, fake_inputs
@@ -118,17 +121,17 @@ def trace_step(request: CaptureRequest) -> Traced:
 
     try:
         with through_compile_wrappers() if request.through_compile else contextlib.nullcontext():
-            gm = trace(traced_step, fakes, mode, request.fn)
+            gm = trace(functionalized(traced_step), fakes, mode, request.fn)
     except UnboundState as unbound:
         return Traced(unbound=unbound)
     constants = real_constants(gm)
     for t in constants:
-        if isinstance(t.grad, FakeTensor):  # autograd reached a real leaf the trace read as a constant
+        if traced_tensor(t.grad):  # autograd reached a real leaf the trace read as a constant
             t.grad = None
     captured, roles = found[-1]
     captured.host_guards = host.guards()
     captured.size_guards = size_guards(mode.shape_env, inputs.specs, fakes, request.dynamic)
-    return Traced(None, gm, captured, constants, inputs.specs, roles, fakes, mode)
+    return Traced(None, gm, captured, constants, inputs.specs, roles)
 
 
 def _step_trace(request: CaptureRequest, state: _TracedState, host: HostScalars) -> Trace:

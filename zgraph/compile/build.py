@@ -102,8 +102,8 @@ def collector_paused(promote: bool = False) -> Iterator[None]:
     ``promote``: on the way out what was made inside moves to the oldest generation (``gc.freeze`` then
     ``gc.unfreeze``: their documented effect, where nothing else is frozen). For a step being built: its graphs
     live as long as the step, and the young generations' collections would otherwise walk all of them twice in
-    its first run (a 12-layer GPT-2's: 0.6 s); the garbage among them (the traced graph functionalization
-    replaced) is freed by the next full collection. Not where what is made is all garbage (an estimate)."""
+    its first run (a 12-layer GPT-2's: 0.6 s); the garbage among them (the traces the capture discarded)
+    is freed by the next full collection. Not where what is made is all garbage (an estimate)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
