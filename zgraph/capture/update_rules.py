@@ -71,15 +71,23 @@ def _scalar(t: Tensor) -> float:
 
 class _GroupScalars:
     """The graph scalars of one parameter group's hyper-parameters, each read (``item()``) once for the whole
-    group, on first use: every ``item()`` is a node and a symbol of its own in the traced graph."""
+    group, on first use: every ``item()`` is a node and a symbol of its own in the traced graph. ``tensor``: a
+    0-d tensor computed from hyper-parameters alone, traced once for the group (the same ops, on the same
+    values, for every parameter: what ``cse`` would merge, at a trace's cost per op)."""
 
     def __init__(self) -> None:
         self._values: dict[str, float] = {}
+        self._tensors: dict[str, Tensor] = {}
 
     def get(self, name: str, make: Callable[[], Tensor]) -> float:
         if name not in self._values:
             self._values[name] = _scalar(make())
         return self._values[name]
+
+    def tensor(self, name: str, make: Callable[[], Tensor]) -> Tensor:
+        if name not in self._tensors:
+            self._tensors[name] = make()
+        return self._tensors[name]
 
 
 def _lerp_(t: Tensor, end: Tensor, weight: Tensor) -> None:
@@ -219,10 +227,10 @@ def _adam_update(
         step_t += 1
         if decay_on:
             if decoupled:
-                param.mul_(1 - lr * weight_decay)
+                param.mul_(scalars.tensor("1-lr*weight_decay", lambda: 1 - lr * weight_decay))
             else:
                 grad = grad.add(param, alpha=scalars.get("weight_decay", lambda: weight_decay))
-        _lerp_(exp_avg, grad, 1 - beta1)
+        _lerp_(exp_avg, grad, scalars.tensor("1-beta1", lambda: 1 - beta1))
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=scalars.get("1-beta2", lambda: 1 - beta2))
         step = step_t.to(torch.float64)
         bias_correction1 = 1 - beta1**step
