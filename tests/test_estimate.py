@@ -7,10 +7,12 @@ The accuracy cases are a representative subset (the whole matrix, world 1/2/4 x 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import operator
 import os
+import re
 import subprocess
 
 import cli_runner
@@ -22,9 +24,13 @@ from estimate_cases import compare, train_step
 from parity import WithUnused, square_step
 
 import zgraph
+from zgraph.binding.arguments import StepCall
 from zgraph.demos.models import BENCH_GPT, GPT
 from zgraph.graph import shard_rows
+from zgraph.inspect.budget import plan_for_sizes
+from zgraph.inspect.estimate import estimate_step
 from zgraph.inspect.liveness import liveness
+from zgraph.inspect.reuse import CAPTURE_FIELDS
 from zgraph.runtime.memory import LiveTensorBytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,3 +251,47 @@ def test_estimate_traces_once_unless_a_parameter_gets_no_gradient(monkeypatch, u
     assert e.model_state_bytes["optimizer"] == sum(2 * p.numel() * 4 + 4 for p in used)  # moments + step counter
     assert len(traces) == (2 if unused else 1)
     assert not opt.state
+
+
+def _count_traces(monkeypatch) -> list:
+    module = importlib.import_module("zgraph.capture.protocol")
+    traces = []
+    trace_step = module.trace_step
+    monkeypatch.setattr(module, "trace_step", lambda *a, **k: traces.append(1) or trace_step(*a, **k))
+    return traces
+
+
+def test_an_estimate_of_a_call_the_step_made_copies_its_capture(monkeypatch):
+    """After calls, an estimate of the same sizes traces nothing (the step's own capture is copied) and is the very
+    Estimate a fresh capture on stand-ins gives, for another world size too; other sizes are traced for
+    themselves; with a memory budget (remat already chosen: the plan's capture marks blocks as the step's did) the
+    plan copies it too, and plans the same."""
+    traces = _count_traces(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    step = zgraph.distribute(stage=1, backend="eager", remat="selective")(square_step)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        step(model, opt, x)
+    traced = len(traces)
+    reused = step.estimate(model, opt, x, world_size=2)
+    plan = step.estimate(model, opt, x, world_size=2, memory_budget=2**40)
+    assert len(traces) == traced
+    call = StepCall.of(square_step, (model, opt, x), {})
+    assert reused == estimate_step(call, step.config, 2)
+    assert plan == plan_for_sizes(call, step.config, 2**40, {}, 2)
+    assert len(traces) == traced + 2
+    step.estimate(model, opt, torch.randn(6, 8))
+    assert len(traces) == traced + 3
+
+
+def test_the_capture_fields_are_those_the_capture_reads():
+    """An estimate copies a capture made under another config only where these fields agree: every Config field
+    the capture reads is among them (``remat``: only whether blocks are marked, compared apart)."""
+    fields = {f.name for f in dataclasses.fields(zgraph.Config)}
+    read = set()
+    for name in os.listdir(os.path.join(ROOT, "zgraph", "capture")):
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, "zgraph", "capture", name)) as f:
+                read |= set(re.findall(r"config\.(\w+)", f.read())) & fields
+    assert read - {"remat"} <= set(CAPTURE_FIELDS), read - set(CAPTURE_FIELDS)

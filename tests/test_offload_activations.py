@@ -8,6 +8,7 @@ removes its files; the estimated peak goes down where saved activations dominate
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -18,7 +19,10 @@ from pass_graphs import Builder, aten, context, count
 from remat_cases import Net, step, train_split
 
 import zgraph
+from zgraph.binding.arguments import StepCall
 from zgraph.graph import BACKWARD, FORWARD, PHASE, GraphOutput
+from zgraph.inspect.estimate import prepare
+from zgraph.inspect.variants import estimate_variants
 from zgraph.ops import STASH, UNSTASH, offload_tier
 from zgraph.passes import Pass, run_passes
 from zgraph.passes.offload_activations import offload_activations, plan_offload_activations
@@ -226,15 +230,15 @@ def test_offload_is_bitwise_equal_to_none(ranks, world, stage, variant):
 
 def test_offload_lowers_the_estimated_peak(tmp_path):
     """Wide activations (a long batch through narrow blocks): the saved values leave memory between the forward and
-    the backward."""
+    the backward. One capture estimated through each config's passes, as the memory planner estimates them: the
+    numbers ``step.estimate`` gives for each."""
     model = Net(d_model=32, layers=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = torch.randn(64, 64, 8), torch.randint(0, 5, (64,))
-    peaks = {
-        tier: zgraph.distribute(zgraph.Config(backend="eager", offload_activations=tier, offload_dir=tmp_path))(step)
-        .estimate(model, opt, x, y)
-        .peak_bytes
-        for tier in (None, "nvme")
-    }
+    config = zgraph.Config(backend="eager", offload_dir=tmp_path)
+    prepared = prepare(StepCall.of(step, (model, opt, x, y), {}), config)
+    tiers = (None, "nvme")
+    estimates = estimate_variants(prepared, [dataclasses.replace(config, offload_activations=t) for t in tiers])
+    peaks = {tier: e.peak_bytes for tier, e in zip(tiers, estimates)}
     print(f"estimated peak bytes by Config.offload_activations: {peaks}")
     assert peaks["nvme"] < peaks[None]

@@ -38,6 +38,7 @@ from zgraph.compile.variant import CompiledStep
 from zgraph.config import Config
 from zgraph.errors import CaptureError
 from zgraph.graph import GraphInput
+from zgraph.inspect.reuse import HeldCapture
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.consistency import check_same_graph, raise_different_graphs, same_digests
 from zgraph.runtime.devices import control_device
@@ -215,6 +216,16 @@ class Dispatcher:
             if (sizes is None or sizes.hold(bound.user_tensors)) and (guards is None or guards.hold(read)):
                 return compiled
         return None
+
+    def held_capture(self, call: StepCall) -> HeldCapture | None:
+        """The untransformed capture of the variant ``call`` would run now, for an estimate to reuse (read only:
+        nothing is bound, located or captured); None where the call would bind or capture first."""
+        bound = self.session.bound_as_is(call)
+        compiled = self._lookup(bound) if bound is not None else None
+        if bound is None or compiled is None:
+            return None
+        dims = self.dynamic.of([path for path, _ in bound.user_tensors])
+        return HeldCapture(compiled.captured, self.config, bound.binding, dims)
 
     def _key(self, bound: Bound) -> tuple:
         """The call's guard key, the sizes of its symbolic dims left out."""

@@ -135,15 +135,20 @@ class DistributedStep:
         Arguments marked with ``zgraph.mark_dynamic`` are traced with those sizes as symbols: the estimate is at
         ``sizes`` (by symbol name or ``(argument path, dim)``; the others at the call's sizes) and carries the
         peak and activation bytes as formulas in the symbols (``Estimate.peak_formula``, ``size_symbols``);
-        with ``memory_budget``, the plan is for ``sizes``."""
+        with ``memory_budget``, the plan is for ``sizes``.
+
+        A call the step has made with the same guard key (sizes, dtypes, state) is not traced again: the estimate
+        copies the step's own capture where it is the graph it would trace (``zgraph.inspect.reuse``)."""
         call = StepCall.of(self.__wrapped__, args, kwargs)
         config = self.config
+        held = self._dispatch.held_capture(call)  # the step's own capture of this call, copied where it serves
         if memory_budget is not None:
-            return plan_for_sizes(call, config, budget_bytes(memory_budget), sizes or {}, world_size, device)
+            return plan_for_sizes(call, config, budget_bytes(memory_budget), sizes or {}, world_size, device, held=held)
         if config.memory_budget is not None:
-            config = plan_for_sizes(call, config, config.memory_budget, sizes or {}, world_size, device).config(config)
+            plan = plan_for_sizes(call, config, config.memory_budget, sizes or {}, world_size, device, held=held)
+            config = plan.config(config)
         links = {"ranks_per_node": ranks_per_node, "inter_node_gbps": inter_node_gbps}
-        return estimate_step(call, config, world_size, device=device, sizes=sizes, **links)
+        return estimate_step(call, config, world_size, device=device, sizes=sizes, held=held, **links)
 
 
 def distribute(

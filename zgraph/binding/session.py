@@ -119,6 +119,16 @@ class Session:
         located = self._located(call)
         return Bound(call, binding, located, user_tensors(binding, call, located))
 
+    def bound_as_is(self, call: StepCall) -> Bound | None:
+        """The call bound as the next call would bind it, where that changes nothing: its state bound already and
+        no tensors located outside its arguments; else None (an estimate then captures on its own)."""
+        if self.locators:
+            return None
+        binding = self.bindings.get(binding_key(*discover(call, self.observed)))
+        if binding is None:
+            return None
+        return Bound(call, binding, [], user_tensors(binding, call))
+
     def more_to_bind(self, bound: Bound) -> Callable[[Traced], str | None]:
         """What the capture protocol asks after each trace of ``bound``'s call: the modules and optimizers it
         reached, or the frozen tensors zgraph can locate (observed or located: bound from the next capture on)."""

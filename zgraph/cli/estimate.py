@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import re
@@ -187,9 +188,10 @@ def run_plan(setting: Setting, micro_batch: int, budget: int) -> MemoryPlan:
             raise EstimateInputError(str(error)) from error
 
 
+@functools.lru_cache(maxsize=16)
 def run_estimate(setting: Setting, micro_batch: int) -> Estimate:
     """Estimate one setting at one micro-batch (the model on the meta device; collectives priced as NCCL's: on
-    ``cuda`` by this machine's NCCL measurement when it has one, else analytically)."""
+    ``cuda`` by this machine's NCCL measurement when it has one, else analytically); once per ``run``."""
     call = _meta_call(setting, micro_batch)
     with _gc_paused():
         model, rpn = _cost_model(setting), setting.ranks_per_node
@@ -235,11 +237,9 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise EstimateInputError(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
     latency = args.inter_node_latency_us * 1e-6 if args.inter_node_latency_us is not None else None
-    setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance, args.device)
-    setting = replace(
-        setting, groups=groups, ranks_per_node=args.ranks_per_node, inter_node=(args.inter_node_gbps, latency)
-    )
-    setting = replace(setting, sequence_parallel=args.sequence_parallel)
+    setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance, args.device, groups)
+    links = {"ranks_per_node": args.ranks_per_node, "inter_node": (args.inter_node_gbps, latency)}
+    setting = replace(setting, sequence_parallel=args.sequence_parallel, **links)
     if args.sequence_parallel and seq % args.sequence_parallel:
         raise EstimateInputError(f"--seq {seq} does not divide by --sequence-parallel {args.sequence_parallel}")
     try:
@@ -349,8 +349,8 @@ def alternatives(setting: Setting, micro_batch: int, budget: int) -> list[tuple[
 
 
 def run(args: argparse.Namespace) -> str:
-    """The command's output for ``args``; raises ``EstimateInputError`` (or ``zgraph.CaptureError``) on bad
-    input."""
+    """The command's output for ``args``; raises ``EstimateInputError`` (or ``zgraph.CaptureError``) on bad input."""
+    run_estimate.cache_clear()
     setting = setting_from_args(args)
     budget = parse_bytes(args.budget) if args.budget is not None else None
     if args.plan:

@@ -40,6 +40,7 @@ from zgraph.compile.build import pass_context
 from zgraph.config import Config
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant, prepare
+from zgraph.inspect.reuse import HeldCapture
 from zgraph.inspect.variants import estimate_variants
 from zgraph.passes import run_passes
 from zgraph.passes.remat import blocks_in
@@ -162,23 +163,29 @@ def plan_for_sizes(
     world_size: int | None = None,
     device: str | torch.device | None = None,
     process_group: dist.ProcessGroup | None = None,
+    held: HeldCapture | None = None,
 ) -> MemoryPlan:
     """``plan_memory`` for a step whose arguments have symbolic sizes (``zgraph.mark_dynamic``, or found varying):
     every combination is estimated at ``sizes`` (by symbol name or ``(argument path, dim)``: the largest the step
     will see, a ``mark_dynamic`` ``max=`` or the largest seen so far; the others at the call's sizes), so the plan
-    fits every smaller size too. A larger size later needs a plan of its own (the caller plans again)."""
-    prepared = dataclasses.replace(prepare_plan(call, config, world_size, device), sizes=dict(sizes))
+    fits every smaller size too. A larger size later needs a plan of its own (the caller plans again). ``held``: the
+    step's own capture of the call, copied where it is the graph the plan would trace (``zgraph.inspect.reuse``)."""
+    prepared = dataclasses.replace(prepare_plan(call, config, world_size, device, held), sizes=dict(sizes))
     nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
     return plan_prepared(prepared, config, nbytes)
 
 
 def prepare_plan(
-    call: StepCall, config: Config, world_size: int | None = None, device: str | torch.device | None = None
+    call: StepCall,
+    config: Config,
+    world_size: int | None = None,
+    device: str | torch.device | None = None,
+    held: HeldCapture | None = None,
 ) -> Prepared:
-    """The step captured once for planning (its repeated blocks marked), with the passes every combination
-    shares (those before ``remat``) already run on it."""
+    """The step captured once for planning (its repeated blocks marked; or ``held`` copied where it is that graph),
+    with the passes every combination shares (those before ``remat``) already run on it."""
     capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)
-    prepared = prepare(call, capture_config, world_size, device=device)
+    prepared = prepare(call, capture_config, world_size, device=device, held=held)
     passes = capture_config.passes()
     shared = next((i for i, p in enumerate(passes) if p.name == "remat"), 0)
     if not shared:

@@ -26,7 +26,6 @@ attention and autocast CUDA's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,14 +36,10 @@ import torch
 import torch.fx as fx
 
 from zgraph.binding.arguments import StepCall
-from zgraph.binding.dynamic import DynamicDims
 from zgraph.binding.guards import discover
-from zgraph.binding.session import user_tensors
 from zgraph.binding.setup import plan_state
-from zgraph.capture.captured import CapturedGraph, CaptureRequest, Traced
-from zgraph.capture.cuda_trace import cuda_trace
-from zgraph.capture.protocol import capture
-from zgraph.compile.build import collector_paused, pass_context
+from zgraph.capture.captured import CapturedGraph
+from zgraph.compile.build import pass_context
 from zgraph.compile.lower import lower
 from zgraph.config import Config
 from zgraph.graph import (
@@ -60,7 +55,8 @@ from zgraph.graph import (
     tensor_bytes,
 )
 from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
-from zgraph.inspect.shadow import EstimateError, shadow_call
+from zgraph.inspect.reuse import HeldCapture, reused
+from zgraph.inspect.shadow import EstimateError, capture_standins, marked_dims, shadow_call
 from zgraph.passes import run_passes
 from zgraph.runtime.cost_model import CostModel as RuntimeCostModel
 from zgraph.runtime.cost_model import analytical_cost_model, crossing_groups, known_cost_model, with_inter_node
@@ -164,6 +160,7 @@ def estimate_step(
     ranks_per_node: int | None = None,
     inter_node_gbps: float | None = None,
     sizes: Mapping[str | tuple[str, int], int] | None = None,
+    held: HeldCapture | None = None,
 ) -> Estimate:
     """The ``Estimate`` of a step of ``config`` making ``call`` on ``world_size`` ranks (None: the current world),
     planned for ``device`` (``"cpu"``, ``"cuda"`` or a ``torch.device``; None: the device of the model's
@@ -172,13 +169,15 @@ def estimate_step(
     ``LOCAL_WORLD_SIZE``, else one node); a collective whose group spans nodes is priced at ``inter_node_gbps``
     (Gbit/s per rank; None: the cost model's across-node default) and counted in ``link_bytes["inter_node"]``.
     ``sizes``: for arguments marked with ``zgraph.mark_dynamic`` (traced as size symbols), the sizes to estimate
-    at, by symbol name or ``(argument path, dim)`` (``Estimate.size_symbols``); the others at the call's sizes."""
+    at, by symbol name or ``(argument path, dim)`` (``Estimate.size_symbols``); the others at the call's sizes.
+    ``held``: the step's own capture of this call, copied where it is the graph the estimate would trace
+    (``zgraph.inspect.reuse``)."""
     if config.pipeline_parallel is not None:
         raise EstimateError(
             "step.estimate does not model pipeline parallelism yet (Config.pipeline_parallel): estimate the step "
             "without it, or run it and read explain() for the stages and the schedule's predicted bubble"
         )
-    prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
+    prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps, held)
     return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
 
 
@@ -204,8 +203,10 @@ def prepare(
     device: str | torch.device | None = None,
     ranks_per_node: int | None = None,
     inter_node_gbps: float | None = None,
+    held: HeldCapture | None = None,
 ) -> Prepared:
-    """The step of ``config`` making ``call`` captured on stand-ins (``estimate_step``'s arguments)."""
+    """The step of ``config`` making ``call`` captured on stand-ins, or its capture ``held`` copied where that is
+    the same graph (``estimate_step``'s arguments)."""
     if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
@@ -224,7 +225,9 @@ def prepare(
         model = with_inter_node(model, group.backend, inter_node_gbps)
     binding = plan_state(config, group, modules, optimizers, device, model)
     crossing = crossing_groups(group, ranks_per_node) if group.distributed else {}
-    return Prepared(_capture(shadow, binding, config, device), binding, group, device, crossing=crossing)
+    captured = reused(held, config, binding, device, marked_dims(shadow, binding))
+    captured = captured or capture_standins(shadow, binding, config, device)
+    return Prepared(captured, binding, group, device, crossing=crossing)
 
 
 def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
@@ -290,44 +293,6 @@ def symbol_sizes(symbols: Mapping[str, tuple[str, int]], sizes: Mapping[str | tu
             raise ValueError(f"sizes: {key!r} is not a symbolic size of the step; its symbolic sizes: {known}")
         out[name] = size
     return out
-
-
-def _capture(call: StepCall, binding: Binding, config: Config, device: torch.device) -> CapturedGraph:
-    """The step captured on the stand-ins by the capture protocol (``zgraph.capture.protocol``), as a call would
-    capture it; on ``"cuda"`` where this torch cannot trace CUDA tensors, as CPU fakes under CUDA's attention and
-    autocast (``zgraph.capture.cuda_trace``)."""
-    emulated = device.type == "cuda" and not torch.cuda.is_available()
-    request = CaptureRequest(
-        fn=call.fn,
-        args=call.args,
-        kwargs=call.kwargs,
-        binding=binding,
-        user_tensors=user_tensors(binding, call),
-        config=dataclasses.replace(config, autocast_dtype=None) if emulated else config,
-        meta_as=torch.device("cpu") if emulated else device,
-        dynamic=_marked(call, binding),
-    )
-    modules = [m for _, m in binding.modules]
-    with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext(), collector_paused():
-        captured = capture(request, _refuse_unbound)
-    assert isinstance(captured, CapturedGraph)  # _refuse_unbound never asks to bind more
-    return captured
-
-
-def _marked(call: StepCall, binding: Binding) -> dict[str, frozenset[int]]:
-    """The argument dims marked with ``zgraph.mark_dynamic``, by path: the estimate traces them as size symbols."""
-    dims = DynamicDims()
-    dims.observe(call)
-    return dims.of([path for path, _ in user_tensors(binding, call)])
-
-
-def _refuse_unbound(traced: Traced) -> None:
-    """An estimate binds once: a step that reaches modules or optimizers outside its arguments is refused."""
-    if traced.unbound is not None:
-        raise EstimateError(
-            "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
-            "arguments"
-        )
 
 
 def _planned_device(device: str | torch.device | None, found: torch.device) -> torch.device:

@@ -1,9 +1,12 @@
 """The stand-ins an estimate traces (``zgraph.inspect.estimate``): copies of a step call's arguments whose modules
-and optimizers hold meta tensors (no memory) in place of every parameter, buffer, ``.grad`` and optimizer state."""
+and optimizers hold meta tensors (no memory) in place of every parameter, buffer, ``.grad`` and optimizer state;
+and the step captured on them (``capture_standins``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -11,8 +14,16 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zgraph.binding.arguments import StepCall
+from zgraph.binding.dynamic import DynamicDims
 from zgraph.binding.guards import discover
+from zgraph.binding.session import user_tensors
+from zgraph.capture.captured import CapturedGraph, CaptureRequest, Traced
+from zgraph.capture.cuda_trace import cuda_trace
+from zgraph.capture.protocol import capture
+from zgraph.compile.build import collector_paused
+from zgraph.config import Config
 from zgraph.errors import CaptureError
+from zgraph.runtime.state import Binding
 
 
 class EstimateError(CaptureError):
@@ -75,3 +86,41 @@ def _share_other_tensors(value: object, memo: dict[int, object]) -> None:
     elif isinstance(value, (list, tuple, set)):
         for v in value:
             _share_other_tensors(v, memo)
+
+
+def capture_standins(call: StepCall, binding: Binding, config: Config, device: torch.device) -> CapturedGraph:
+    """The step captured on the stand-ins by the capture protocol (``zgraph.capture.protocol``), as a call would
+    capture it; on ``"cuda"`` where this torch cannot trace CUDA tensors, as CPU fakes under CUDA's attention and
+    autocast (``zgraph.capture.cuda_trace``)."""
+    emulated = device.type == "cuda" and not torch.cuda.is_available()
+    request = CaptureRequest(
+        fn=call.fn,
+        args=call.args,
+        kwargs=call.kwargs,
+        binding=binding,
+        user_tensors=user_tensors(binding, call),
+        config=dataclasses.replace(config, autocast_dtype=None) if emulated else config,
+        meta_as=torch.device("cpu") if emulated else device,
+        dynamic=marked_dims(call, binding),
+    )
+    modules = [m for _, m in binding.modules]
+    with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext(), collector_paused():
+        captured = capture(request, _refuse_unbound)
+    assert isinstance(captured, CapturedGraph)  # _refuse_unbound never asks to bind more
+    return captured
+
+
+def marked_dims(call: StepCall, binding: Binding) -> dict[str, frozenset[int]]:
+    """The argument dims marked with ``zgraph.mark_dynamic``, by path: the estimate traces them as size symbols."""
+    dims = DynamicDims()
+    dims.observe(call)
+    return dims.of([path for path, _ in user_tensors(binding, call)])
+
+
+def _refuse_unbound(traced: Traced) -> None:
+    """An estimate binds once: a step that reaches modules or optimizers outside its arguments is refused."""
+    if traced.unbound is not None:
+        raise EstimateError(
+            "step.estimate: the step reaches modules or optimizers that are not among its arguments; pass them as "
+            "arguments"
+        )
