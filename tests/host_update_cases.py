@@ -70,16 +70,25 @@ PARITY = {
 }
 
 
+def both_places(cases: dict[str, dict], rank: int, fused: bool | None) -> dict[str, Any]:
+    """Each case trained with the update in the graph and on the host (``fused``: AdamW's flag)."""
+    return {
+        name: {
+            where: train(
+                {**options, "offload_optimizer": "cpu", "offload_update": where},
+                rank,
+                1 if "overflow" in name else None,
+                fused,
+            )
+            for where in ("device", "host")
+        }
+        for name, options in cases.items()
+    }
+
+
 def parity(rank: int, world: int) -> dict[str, Any]:
     """Each case of ``PARITY`` trained with the update in the graph and on the host (rank 0's results)."""
-    out = {}
-    for name, options in PARITY.items():
-        overflow = 1 if "overflow" in name else None
-        runs = {}
-        for where in ("device", "host"):
-            runs[where] = train({**options, "offload_optimizer": "cpu", "offload_update": where}, rank, overflow)
-        out[name] = runs
-    return out
+    return both_places(PARITY, rank, False)
 
 
 FUSED = {  # the update on the host by torch's fused kernel (an AdamW without fused=False)
@@ -99,14 +108,7 @@ FUSED = {  # the update on the host by torch's fused kernel (an AdamW without fu
 
 def fused(rank: int, world: int) -> dict[str, Any]:
     """Each case of ``FUSED`` with the update in the graph (op by op) and on the host (torch's fused kernel)."""
-    out = {}
-    for name, options in FUSED.items():
-        overflow = 1 if "overflow" in name else None
-        out[name] = {
-            where: train({**options, "offload_optimizer": "cpu", "offload_update": where}, rank, overflow, None)
-            for where in ("device", "host")
-        }
-    return out
+    return both_places(FUSED, rank, None)
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
