@@ -23,7 +23,8 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PassError
-from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo, copy_graph_module
+from zgraph.graph import PHASE, PHASES, Axis, CostModel, ParamInfo
+from zgraph.graph_copy import copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM, LAYOUT_OPS, NONFINITE
 from zgraph.passes.provenance import run_pass
 from zgraph.sequence_ops import SEQUENCE_OPS

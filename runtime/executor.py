@@ -38,7 +38,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph.graph import PHASE, UPDATED_INPUTS, copy_graph_module, fake_mode, insert, placeholders
+from zgraph.graph import PHASE, UPDATED_INPUTS, fake_mode, insert, placeholders
+from zgraph.graph_copy import copy_graph_module
 from zgraph.host_ops import HOST_PARTS
 from zgraph.runtime.float64_scalars import float64_scalars
 from zgraph.runtime.host_partitions import has_host_ops, host_partitions

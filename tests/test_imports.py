@@ -49,6 +49,7 @@ FLOORS = {
 }
 LAYER_OF = {
     "zgraph.graph": "contract",
+    "zgraph.graph_copy": "contract",
     "zgraph.sizes": "contract",
     "zgraph.ops": "contract",
     "zgraph.sequence_ops": "contract",

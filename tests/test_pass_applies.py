@@ -10,7 +10,8 @@ import torch.fx as fx
 from pass_graphs import Builder, aten, context, count, grad_step, param
 
 from zgraph.errors import PassError
-from zgraph.graph import INPUT, OPTIMIZER, OUTPUTS, GraphOutput, copy_graph_module
+from zgraph.graph import INPUT, OPTIMIZER, OUTPUTS, GraphOutput
+from zgraph.graph_copy import copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION, GRAD_NORM
 from zgraph.passes import Pass, PassContext, default_passes, run_passes
 from zgraph.passes.pass_list import pass_applies

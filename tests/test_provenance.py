@@ -19,11 +19,11 @@ from zgraph.graph import (
     VAL,
     GraphOutput,
     compute_val,
-    copy_graph_module,
     fake_mode,
     insert,
     output_node,
 )
+from zgraph.graph_copy import copy_graph_module
 from zgraph.passes import Pass, run_passes
 from zgraph.passes.provenance import run_pass
 

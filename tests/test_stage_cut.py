@@ -15,7 +15,8 @@ from torch import nn
 
 import zgraph
 from zgraph.errors import PassError
-from zgraph.graph import BACKWARD, FORWARD, INPUT, PHASE, copy_graph_module, input_specs, output_roles
+from zgraph.graph import BACKWARD, FORWARD, INPUT, PHASE, input_specs, output_roles
+from zgraph.graph_copy import copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION
 from zgraph.passes import PassContext
 from zgraph.passes.stage_cut import STAGE, STAGE_PLAN, balance, stage_cut

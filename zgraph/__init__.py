@@ -13,7 +13,8 @@ The house, bottom to top (each floor imports only the floors below it; ``tests/t
 
     graph.py ops.py sequence_ops.py host_ops.py errors.py tree.py version.py   the contract: what a step graph
                    means, zgraph's ops (sequence parallelism's all-to-alls, the update on the host's copies and
-                   partitions among them), errors; sizes.py: symbolic sizes in a graph
+                   partitions among them), errors; sizes.py: symbolic sizes in a graph; graph_copy.py: the copy of a
+                   graph a pass edits
     runtime/ (zgraph.runtime), passes/ (zgraph.passes)   process groups and state; the graph passes
     deepspeed/     DeepSpeed JSON configs read as plain values
     checkpoint/    zgraph.save / load / consolidate, zgraph.gather, full_state_dict, stream_state_dict

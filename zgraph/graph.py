@@ -20,7 +20,6 @@ This module depends on torch only: passes, runtime and the user surface all buil
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import warnings
@@ -32,7 +31,6 @@ import torch.fx as fx
 from torch._guards import TracingContext
 from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 # ---------------------------------------------------------------------------------------------------- phases
@@ -375,26 +373,3 @@ def set_input_layout(node: fx.Node, layout: str, val: torch.Tensor) -> None:
     """Change what a placeholder receives (e.g. the rank's padded shard instead of the whole tensor)."""
     node.meta[INPUT] = dataclasses.replace(node.meta[INPUT], layout=layout)
     node.meta[VAL] = val
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph can be edited without touching ``gm`` (node meta is shallow-copied).
-
-    The copy is a ``_LazyGraphModule`` (inductor's own): its Python code is generated when it is first called or
-    printed, not on every ``recompile()`` — a pass list keeps one graph per pass and most are only inspected. Like
-    ``copy.deepcopy``, it carries ``gm``'s create-node and deepcopy hooks (a pass that edits a copy of its graph
-    has its nodes stamped by ``run_pass``) and calls the deepcopy hooks with the copy."""
-    graph = fx.Graph()
-    graph._codegen = copy.copy(gm.graph._codegen)
-    value_map: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, value_map)
-    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    new_output = graph.output(out)
-    new_output.meta = copy.copy(old_output.meta)
-    new = _LazyGraphModule(gm, graph)
-    new.meta = copy.copy(getattr(gm, "meta", {}))
-    new._create_node_hooks = list(getattr(gm, "_create_node_hooks", ()))
-    new._deepcopy_hooks = list(getattr(gm, "_deepcopy_hooks", ()))
-    for hook in new._deepcopy_hooks:
-        hook(new)
-    return new

@@ -48,12 +48,12 @@ from zgraph.graph import (
     STATE_KINDS,
     VAL,
     CostModel,
-    copy_graph_module,
     output_node,
     placeholders,
     state_key,
     tensor_bytes,
 )
+from zgraph.graph_copy import copy_graph_module
 from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
 from zgraph.inspect.reuse import HeldCapture, reused
 from zgraph.inspect.shadow import EstimateError, capture_standins, marked_dims, shadow_call

@@ -20,7 +20,7 @@ import torch
 
 from zgraph.capture.captured import CapturedGraph
 from zgraph.config import Config
-from zgraph.graph import copy_graph_module
+from zgraph.graph_copy import copy_graph_module
 from zgraph.runtime.state import Binding
 
 CAPTURE_FIELDS = (  # the Config fields the capture reads (zgraph.capture: tests/test_estimate.py checks the list)

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from zgraph.compile.build import pass_context
 from zgraph.config import Config
-from zgraph.graph import copy_graph_module
+from zgraph.graph_copy import copy_graph_module
 from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant
 from zgraph.passes import Pass, PassContext, run_passes
 
