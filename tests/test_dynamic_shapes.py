@@ -38,6 +38,15 @@ def test_changing_sizes_are_captured_twice_and_equal_eager():
     assert got["variants"] == [1, 2, 2, 2, 2, 3, 3, 3]
 
 
+def test_sizes_equal_at_the_second_capture_keep_symbols_of_their_own():
+    """The call that makes the sizes symbolic has as many rows as positions (6 x 6): each dim still gets a symbol of
+    its own (not torch's duck sizing, which would tie them and capture again at the next unequal pair)."""
+    sizes = [(4, 12), (6, 6), (4, 20), (6, 9), (8, 8)]
+    got = zgraph_run(zgraph.Config(backend="eager"), sizes=sizes)
+    _equal(got, eager(sizes=sizes))
+    assert got["variants"] == [1, 2, 2, 2, 2]
+
+
 def test_an_optimizer_traced_as_written_is_captured_twice():
     """RMSprop's first step creates its state in the graph: the second call's key differs in the state as well as
     in the sizes, and still makes the sizes symbolic (a third capture would otherwise follow)."""

@@ -118,11 +118,12 @@ def argument_path(spec: GraphInput) -> str:
 def _symbolic(
     mode: FakeTensorMode, value: Tensor, name: str, dims: Collection[int], meta_as: torch.device | None = None
 ) -> Tensor:
-    """A fake of ``value`` whose sizes in ``dims`` are backed symbols (torch's duck sizing: equal sizes share one;
-    sizes 0 and 1 are specialized, as torch does); ``dims`` may map a dim to its declared ``(min, max)`` (either
+    """A fake of ``value`` whose sizes in ``dims`` are backed symbols, a symbol each (not torch's duck sizing, where
+    sizes equal at this call would share one, and a later call where they differ would break its guard); sizes 0
+    and 1 are specialized, as torch does; ``dims`` may map a dim to its declared ``(min, max)`` (either
     None), which becomes the symbol's value range (as ``torch._dynamo.mark_dynamic``'s does); a meta ``value``
     stands for one on ``meta_as`` (estimates)."""
-    sizes = [DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(value.dim())]
+    sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
     ranges = dims if isinstance(dims, Mapping) else {}
     constraints = [_range_constraint(ranges.get(d, (None, None))) for d in range(value.dim())]
     context = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=constraints)

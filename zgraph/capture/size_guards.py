@@ -3,9 +3,9 @@ call uses it.
 
 A tensor argument's dim traced as a symbol (a backed symbol of the capture's ShapeEnv, hinted with the size the
 capturing call had) keeps every size the graph computes symbolic, but the trace may have relied on facts about it:
-torch's value range for a backed size ([2, inf): sizes 0 and 1 are specialized), duck sizing (equal sizes traced as
-one symbol), the user's ``mark_dynamic`` range, and every condition a Python branch of the step, or an op's own
-shape check, took on a size (``if t.shape[1] > 64``, a ``view`` that needs a size to divide). The ShapeEnv records
+torch's value range for a backed size ([2, inf): sizes 0 and 1 are specialized), the user's ``mark_dynamic`` range,
+and every condition a Python branch of the step, or an op's own shape check, took on a size (two dims an op needs
+equal become one symbol; ``if t.shape[1] > 64``, a ``view`` that needs a size to divide). The ShapeEnv records
 them as guards; ``SizeGuards`` turns those over the arguments' symbols into one Python expression over the call's
 tensors (torch's ``produce_guards_expression``) and evaluates it before a variant is used, as the host guards are
 (``zgraph.capture.host_scalars``): a call that breaks one is captured again, never run on a graph that would
