@@ -8,5 +8,5 @@ Files::
     models.py           a GPT-2-style decoder (demo, benchmarks, tests)
     llama.py            a Llama-shaped decoder (``zgraph estimate --model llama-7b``)
     data.py             demo text, generated locally
-    ranks.py            local ranks for the demos: spawn, wait, collect
+    ranks.py            local ranks for the demos: start (forked from a forkserver), wait, collect
 """
