@@ -80,10 +80,11 @@ class _Propagation(FakeTensorProp):
 def decompositions(gm: fx.GraphModule) -> dict[torch._ops.OpOverload, Callable]:
     """Inductor's decompositions, less those that would branch on a number only the run knows (each tried once on
     this graph's fake values, per op and the positions of its symbolic arguments): that op runs its aten kernel."""
-    from torch._inductor.decomposition import select_decomp_table  # imports inductor: only when it compiles
+    from torch._inductor import config as inductor_config
 
-    table = dict(select_decomp_table())
-    tried = set()
+    random = inductor_config.fallback_random
+    table = inductor_table(random, ())
+    tried, removed = set(), []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in table:
             continue
@@ -102,7 +103,31 @@ def decompositions(gm: fx.GraphModule) -> dict[torch._ops.OpOverload, Callable]:
         except GuardOnDataDependentSymNode:
             del table[node.target]
             _run_aten_kernel(node.target)
-    return table
+            removed.append(node.target.name())
+    return inductor_table(random, tuple(sorted(removed))) if removed else table
+
+
+class _Table(dict):
+    """A decomposition table that pickles as what it is made from (inductor's own, less some ops), not as its
+    functions (most do not pickle): inductor's cache key for a graph compiled with it is stable, so its compiled
+    code is reused (another process, a restarted job) instead of compiled again."""
+
+    def __init__(self, table: dict, made_from: tuple[bool, tuple[str, ...]]):
+        super().__init__(table)
+        self.made_from = made_from
+
+    def __reduce__(self) -> tuple:
+        return inductor_table, self.made_from
+
+
+def inductor_table(fallback_random: bool, removed: tuple[str, ...]) -> dict[torch._ops.OpOverload, Callable]:
+    """Inductor's decomposition table (as with ``fallback_random``) without the ops named ``removed``."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table  # imports inductor: only when it compiles
+
+    with inductor_config.patch(fallback_random=fallback_random):
+        table = {op: fn for op, fn in select_decomp_table().items() if op.name() not in removed}
+    return _Table(table, (fallback_random, removed))
 
 
 def _run_aten_kernel(op: torch._ops.OpOverload) -> None:

@@ -58,11 +58,12 @@ def collectives(step: Any) -> list[tuple[str, tuple[int, ...], int]]:
     return found
 
 
-def run_split(rank: int, world: int, out_path: str, stages: list[int], names: list[str], fields: dict) -> None:
-    """``split_cases.run_split_cases`` with more Config fields."""
+def run_split(rank: int, world: int, out_dir: str, stages: list[int], names: list[str], layouts: dict) -> None:
+    """``split_cases.run_split_cases`` at each layout (``{label: Config fields}``): rank 0 saves ``label.pt``."""
     import split_cases
 
-    split_cases.run_split_cases(rank, world, out_path, stages, names, fields)
+    for label, fields in layouts.items():
+        split_cases.run_split_cases(rank, world, os.path.join(out_dir, f"{label}.pt"), stages, names, fields)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -84,19 +85,23 @@ LAYOUTS = {
 def reshard_worker(rank: int, world: int, out_dir: str, pairs: list[tuple[str, str]], single: str) -> None:
     """For each ``(saved, loaded)`` layout pair: train at ``saved``, save, load into a fresh model, resume at
     ``loaded``; also ``single`` (a checkpoint one process saved) resumed at HSDP. Rank 0 saves the losses per pair
-    (``("one", "hsdp")`` for ``single``); the checkpoints stay in ``out_dir``."""
+    (``("one", "hsdp")`` for ``single``); the checkpoints stay in ``out_dir``, one per saved layout
+    (``saved-<layout>``: the pairs that save at one layout train the same steps, and load the same checkpoint)."""
     import checkpoint_cases as cc
 
     head, tail = cc.batches()[: cc.BEFORE], cc.batches()[cc.BEFORE :]
     results: dict = {}
+    done: set[str] = set()
     fresh = cc.make_state()
     zgraph.load(single, fresh[0], fresh[1], scheduler=fresh[2])
     results[("one", "hsdp")] = cc.train(fresh, _step(**LAYOUTS["hsdp"]), tail, rank, world)
     for saved, loaded in pairs:
-        state = cc.make_state()
-        cc.train(state, _step(**LAYOUTS[saved]), head, rank, world)
-        path = os.path.join(out_dir, f"{saved}-to-{loaded}")
-        zgraph.save(path, state[0], state[1], scheduler=state[2])
+        path = os.path.join(out_dir, f"saved-{saved}")
+        if saved not in done:
+            done.add(saved)
+            state = cc.make_state()
+            cc.train(state, _step(**LAYOUTS[saved]), head, rank, world)
+            zgraph.save(path, state[0], state[1], scheduler=state[2])
         fresh = cc.make_state()
         zgraph.load(path, fresh[0], fresh[1], scheduler=fresh[2])
         results[(saved, loaded)] = cc.train(fresh, _step(**LAYOUTS[loaded]), tail, rank, world)

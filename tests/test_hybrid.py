@@ -151,13 +151,22 @@ def test_cross_group_dtype_error_against_fp32(results, layout):
     assert sum(crossing) * 2 == sum(wide)  # half the bytes cross
 
 
+SPLIT_NAMES = ["gradient", "accumulate", "seeds"]
+
+
+@pytest.fixture(scope="module")
+def split_results(tmp_path_factory):
+    """The split cases at stage 3 under both layouts: one job on the ranks."""
+    out = tmp_path_factory.mktemp("hybrid_split")
+    layouts = {layout: LAYOUTS[layout] for layout in ("2x2", "hpz")}
+    run_ranks(WORLD, "hybrid_cases.run_split", str(out), [3], SPLIT_NAMES, layouts, timeout=600)
+    return {layout: torch.load(out / f"{layout}.pt", weights_only=False) for layout in layouts}
+
+
 @pytest.mark.parametrize("layout", ["2x2", "hpz"])
-def test_split_backward_under_hybrid_layouts(tmp_path, layout):
-    path = tmp_path / "split.pt"
-    names = ["gradient", "accumulate", "seeds"]
-    run_ranks(WORLD, "hybrid_cases.run_split", str(path), [3], names, LAYOUTS[layout], timeout=600)
-    got = torch.load(path, weights_only=False)
-    for name in names:
+def test_split_backward_under_hybrid_layouts(split_results, layout):
+    got = split_results[layout]
+    for name in SPLIT_NAMES:
         want = split_cases.reference(name, WORLD)
         for key, value in want.items():
             if value is None:
@@ -197,7 +206,7 @@ def test_checkpoint_reshards_between_layouts(resharded, pair):
 
 def test_hsdp_checkpoint_resumes_on_one_process(resharded):
     state = cc.make_state()
-    zgraph.load(os.fspath(resharded[0] / "hsdp-to-flat"), state[0], state[1], scheduler=state[2])
+    zgraph.load(os.fspath(resharded[0] / "saved-hsdp"), state[0], state[1], scheduler=state[2])
     losses = cc.train(state, cc.zgraph_step(3), cc.batches()[cc.BEFORE :])
     _assert_losses(losses, cc.eager_run()["losses"][cc.BEFORE :], "HSDP checkpoint resumed on one process")
 
