@@ -19,9 +19,11 @@ first eager ``step()`` re-points it: the user's, not zgraph's).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -167,12 +169,21 @@ def _unknown(
     """What each ``live`` storage outside the model and optimizer is (``tensors``: ``live_tensors()``, by data
     pointer), and the types of what refers to it (for the failure message)."""
     known = {t.untyped_storage().data_ptr() for t in _local_tensors(model, opt)}
-    out = []
-    for ptr in set(live) - known:
-        t = tensors.pop(ptr)  # not held by the dict when its referrers are listed
-        refs = sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"frame"})
-        out.append(f"{t.dtype} {tuple(t.shape)}, {live[ptr]} bytes, held by {', '.join(refs)}")
-    return out
+    unknown = set(live) - known
+    if not unknown:
+        return []
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()  # gc.get_referrers sees no frozen object (``_frozen``): a cache made before would go unnamed
+    try:
+        out = []
+        for ptr in unknown:
+            t = tensors.pop(ptr)  # not held by the dict when its referrers are listed
+            refs = sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"frame"})
+            out.append(f"{t.dtype} {tuple(t.shape)}, {live[ptr]} bytes, held by {', '.join(refs)}")
+        return out
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def _local_tensors(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Tensor]:
@@ -186,8 +197,23 @@ def _local_tensors(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[
 def ranks(rank: int, world: int, cases: list, out: str) -> None:
     """On each spawned rank: ``measure`` every ``(stage, recipe, grads, model)`` of ``cases``; each rank writes its
     results so far as JSON to ``out.<rank>`` after each."""
-    results = []
-    for case in cases:
-        results.append(measure(*case, rank))
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(results, f)
+    with _frozen():
+        results = []
+        for case in cases:
+            results.append(measure(*case, rank))
+            with open(f"{out}.{rank}", "w") as f:
+                json.dump(results, f)
+
+
+@contextlib.contextmanager
+def _frozen() -> Iterator[None]:
+    """What the process held before these cases (torch, zgraph, earlier jobs: never garbage after a collection)
+    frozen (``gc.freeze``): each ``gc.collect`` and object scan of ``measure`` then walks only what the cases made
+    (a fifth of a second less each). Reachability is unchanged (a tensor a frozen cache holds is still found: the
+    tensor is not frozen); what was made before the freeze is in no scan, so in no ``before`` either."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
