@@ -43,7 +43,8 @@ def test_only_model_state_is_held_between_steps(tmp_path, group):
 
 def test_one_extra_tensor_held_between_steps_is_seen(monkeypatch):
     """The measurement can fail: a 4-byte tensor (an AdamW step counter's size) kept by a cache after each call is
-    counted, both ways. One process, stage 0."""
+    counted, both ways, though the cache was made before the measurement froze what the process held (as the ranks
+    do: ``held_cases._frozen``). One process, stage 0."""
     import held_cases
     import torch
 
@@ -55,7 +56,8 @@ def test_one_extra_tensor_held_between_steps_is_seen(monkeypatch):
         cache.append(torch.zeros(1))
 
     monkeypatch.setattr(held_cases, "_call", leaky_call)
-    case = held_cases.measure(0, "fp32", "none", "mlp", rank=0)
+    with held_cases._frozen():
+        case = held_cases.measure(0, "fp32", "none", "mlp", rank=0)
     expected = case["estimated"]["total"] + 4 * (held_cases.STEPS + 1)  # one per call
     assert case["live"] == expected and case["tracked"] == expected, case
     assert any("(1,), 4 bytes, held by list" in line for line in case["unknown"]), case["unknown"]

@@ -212,7 +212,10 @@ def gather_roundtrip(rank: int, world: int) -> dict:
 
 def run_checks(rank: int, world: int, out_path: str, names: list[str]) -> None:
     """Worker: run the named checks; rank 0 saves ``{name: result}``."""
-    run_named(rank, world, out_path, names, globals())
+    try:
+        run_named(rank, world, out_path, names, globals())
+    finally:
+        _GPT_GRAPHS.clear()
 
 
 def _gpt_step(model, opt, idx, tgt):
@@ -237,17 +240,27 @@ def _gpt_batch(rank: int) -> tuple:
     return torch.randint(0, 128, (4, 32), generator=g), torch.randint(0, 128, (4, 32), generator=g)
 
 
+_GPT_GRAPHS: dict[int, fx.GraphModule] = {}  # stage -> final graph, for the checks of one ``run_checks``
+
+
+def _gpt_final_graph(rank: int, stage: int) -> fx.GraphModule:
+    """The final graph of the small GPT's step at ``stage`` (every parameter sharded, buckets and prefetch as by
+    default) after one call, compiled once for every check of a ``run_checks`` that reads it."""
+    if stage not in _GPT_GRAPHS:
+        model = _small_gpt()
+        step = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(_gpt_step)
+        step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
+        _GPT_GRAPHS[stage] = step.graphs["final"]
+    return _GPT_GRAPHS[stage]
+
+
 def collective_sequences(rank: int, world: int) -> dict:
     """Every rank's final graph issues the same collectives in the same order (bucketed, scheduled)."""
     from zgraph.runtime.consistency import describe_collectives
 
     out = {}
     for stage in range(4):
-        model = _small_gpt()
-        step = zgraph.distribute(stage=stage, backend="eager", param_persistence_threshold=0)(_gpt_step)
-        step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
-        mine = describe_collectives(step.graphs["final"])
-        out[stage] = all_gather_values(mine)
+        out[stage] = all_gather_values(describe_collectives(_gpt_final_graph(rank, stage)))
     return out
 
 
@@ -452,10 +465,7 @@ def waits_before_use(rank: int, world: int) -> dict:
         operator.getitem,
     }
 
-    model = _small_gpt()
-    step = zgraph.distribute(stage=3, backend="eager", param_persistence_threshold=0)(_gpt_step)
-    step(model, torch.optim.AdamW(model.parameters()), *_gpt_batch(rank))
-    nodes = list(step.graphs["final"].graph.nodes)
+    nodes = list(_gpt_final_graph(rank, 3).graph.nodes)  # collective_sequences' stage-3 step
     position = {n: i for i, n in enumerate(nodes)}
 
     def passive(n: fx.Node) -> bool:
