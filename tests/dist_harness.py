@@ -1,4 +1,8 @@
-"""Run a function on N local ranks (spawned processes, gloo), as tests of multi-rank behaviour need."""
+"""Run a function on N local ranks (processes, gloo), as tests of multi-rank behaviour need.
+
+The ranks are forked from a ``forkserver`` that imported this module (torch, zgraph) once per test process, not
+spawned fresh interpreters that each import them (~3 CPU-s a rank); they get the test's environment with each job,
+as a spawned rank got it at its start."""
 
 from __future__ import annotations
 
@@ -56,7 +60,11 @@ def _target(target: str) -> Any:
     return getattr(importlib.import_module(module_name), fn_name)
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, init_group: bool | str) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, target: str, args: tuple, init_group: bool | str, environ: dict
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the test's environment (the forkserver's is from when it started)
     _join(rank, world_size, port, init_group)
     try:
         _target(target)(rank, world_size, *args)
@@ -120,14 +128,14 @@ def _serve(rank: int, world_size: int, port: int, init_group: bool | str, jobs: 
 
 
 class RankGroup:
-    """``world_size`` spawned ranks in one process group that run one test's target after another
-    (``run_ranks``): the spawn, torch's and zgraph's import, their first-use warm-up and the group's set-up are paid
+    """``world_size`` ranks in one process group that run one test's target after another
+    (``run_ranks``): the start, torch's and zgraph's import, their first-use warm-up and the group's set-up are paid
     once per session, not once per call. A rank that fails, dies or runs past the deadline ends the whole group
     (the next call starts another)."""
 
     def __init__(self, world_size: int, init_group: bool | str):
         self.world_size = world_size
-        context = mp.get_context("spawn")
+        context = rank_context()
         self.jobs = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
         port = free_port()
@@ -188,6 +196,15 @@ class RankGroup:
 _groups: dict[tuple[int, bool | str], RankGroup] = {}
 
 
+def rank_context() -> Any:
+    """The ranks' multiprocessing context: a forkserver that imported this module (spawn where there is none)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def close_groups() -> None:
     """End every shared rank group (pytest's session end calls it)."""
     for group in list(_groups.values()):
@@ -221,13 +238,13 @@ def run_ranks(
 
 
 def _run_fresh(world_size: int, target: str, args: tuple, timeout: float, init_group: bool | str) -> None:
-    """``run_ranks`` on ranks spawned for this call alone."""
+    """``run_ranks`` on ranks started for this call alone."""
     context = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), target, args, init_group),
+        args=(world_size, free_port(), target, args, init_group, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=rank_context().get_start_method(),
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=2):

@@ -7,13 +7,12 @@ two ranks, the store's rank killed, a Ray actor of ``zgraph demo --multimodal`` 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
 import pytest
 import torch
-from dist_harness import _entry, free_port
+from dist_harness import _entry, free_port, rank_context
 from failure_cases import TIMEOUT
 
 import zgraph
@@ -23,14 +22,14 @@ KILLED = -9
 
 
 def run_with_casualties(world: int, target: str, *args: object, timeout: float = 180) -> list[int]:
-    """Run ``fault_cases.<target>(rank, world, *args)`` on ``world`` spawned ranks, some of which are meant to
-    die (``dist_harness.run_ranks`` ends every rank when one does); returns each rank's exit code, after
-    killing every rank still running at ``timeout`` seconds (a hang) and failing."""
+    """Run ``fault_cases.<target>(rank, world, *args)`` on ``world`` ranks started as ``run_ranks`` starts them,
+    some of which are meant to die (``dist_harness.run_ranks`` ends every rank when one does); returns each rank's
+    exit code, after killing every rank still running at ``timeout`` seconds (a hang) and failing."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    spawn = multiprocessing.get_context("spawn")
+    context, environ = rank_context(), dict(os.environ)
     port, fn = free_port(), f"fault_cases.{target}"
-    ranks = [spawn.Process(target=_entry, args=(r, world, port, fn, args, True)) for r in range(world)]
+    ranks = [context.Process(target=_entry, args=(r, world, port, fn, args, True, environ)) for r in range(world)]
     for process in ranks:
         process.start()
     deadline = time.monotonic() + timeout
