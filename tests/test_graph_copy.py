@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
+from zero_cases import classify_step
 
 import zgraph
 from zgraph import graph_copy
@@ -18,15 +18,7 @@ def _captured() -> fx.GraphModule:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def step(model, opt, x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    decorated = zgraph.distribute(zgraph.Config(stage=0, backend="eager"))(step)
+    decorated = zgraph.distribute(zgraph.Config(stage=0, backend="eager"))(classify_step)
     x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
     zgraph.mark_dynamic(x, 0)
     zgraph.mark_dynamic(y, 0)
