@@ -1,5 +1,5 @@
-"""``zgraph.graph.copy_graph_module`` (each pass edits a copy; the pass list keeps every graph): the copy is the one
-``torch.fx``'s own ``Graph.graph_copy`` makes, node for node, on a captured step with symbolic sizes."""
+"""``zgraph.graph_copy.copy_graph_module`` (each pass edits a copy; the pass list keeps every graph): the copy is the
+one ``torch.fx``'s own ``Graph.graph_copy`` makes, node for node, on a captured step with symbolic sizes."""
 
 from __future__ import annotations
 
