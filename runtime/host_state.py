@@ -5,7 +5,8 @@ one of those optimizers is one the host can run (zgraph's update rules: SGD, Ada
 reason is kept for ``explain()`` (or, with ``"host"`` asked for explicitly, raised before anything changes).
 
 Where (``move_to_host``, at set-up, after the sharding plan is applied): each such parameter's master value (the
-whole tensor at stages 1 and 2, the padded shard of its ``DTensor`` at stage 3), its ``.grad`` and its optimizer
+whole tensor at stages 1 and 2 on one rank, the padded shard of its ``DTensor`` at stage 3 — which stages 1 and 2 on
+several ranks run: ``zgraph.binding.host_layout``), its ``.grad`` and its optimizer
 state tensors move to host memory — pinned on CUDA, where the parameter is copied to the device each step — as
 FSDP2's ``CPUOffloadPolicy`` keeps them: ``model.parameters()``, ``.grad`` and ``optimizer.state`` are host tensors,
 so ``optimizer.state_dict()``, ``zgraph.save`` and ``full_state_dict`` read them where they are. A first step's
@@ -62,10 +63,10 @@ def host_parameters(
     return already | frozenset(i for i in indices if binding.params[i].tensor.requires_grad), None
 
 
-def check_overlap(config: object, group: object, binding: Binding, host: frozenset[int]) -> None:
+def check_overlap(config: object, binding: Binding, host: frozenset[int]) -> None:
     """Raise ``OffloadError`` (before anything changes) for a ``Config.offload_overlap`` the step cannot honour: a
-    step without the optimizer (split mode's forward, a forward/backward step), nothing updated on the host, or
-    stages 1 and 2 on several ranks (the update's shards are all-gathered within the step)."""
+    step without the optimizer (split mode's forward, a forward/backward step) or nothing updated on the host.
+    (Stages 1 and 2 on several ranks run stage 3's layout there: ``zgraph.binding.host_layout``.)"""
     overlap = getattr(config, "offload_overlap", None)
     if overlap is None:
         return
@@ -80,12 +81,6 @@ def check_overlap(config: object, group: object, binding: Binding, host: frozens
             f"zgraph: Config.offload_overlap={overlap!r} overlaps the update on the host with the next step, but no "
             'update runs on the host here (offload_update="auto" keeps the update where the state is on a CPU '
             'machine, or falls back to the device); set offload_update="host", or offload_overlap=None'
-        )
-    if config.stage in (1, 2) and group.distributed and group.shard_axis.size > 1:
-        raise OffloadError(
-            f"zgraph: Config.offload_overlap={overlap!r} at stage {config.stage} on {group.shard_axis.size} ranks: "
-            "each step all-gathers its updated shards, so the update cannot wait for the next step. Use stage 3 "
-            "(parameters gathered when read), or offload_overlap=None"
         )
 
 

@@ -185,8 +185,7 @@ class HostRunner(HostTier):
         if part in step.late:
             raise ZGraphError(
                 'zgraph: Config.offload_overlap="one_step" cannot be honoured here: the step reads a value of its '
-                "own host update (an all-gather of updated shards at stage 1 or 2, or a state the update cannot "
-                "write in place) before it returns. Use offload_overlap=None"
+                "own host update (a state the update cannot write in place) before it returns. Use offload_overlap=None"
             )
         step.jobs[part].result()
         return step.values[step.parts[part].meta[ENV_OUTPUTS][index]]

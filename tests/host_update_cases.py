@@ -70,25 +70,34 @@ PARITY = {
 }
 
 
-def both_places(cases: dict[str, dict], rank: int, fused: bool | None) -> dict[str, Any]:
-    """Each case trained with the update in the graph and on the host (``fused``: AdamW's flag)."""
-    return {
-        name: {
-            where: train(
-                {**options, "offload_optimizer": "cpu", "offload_update": where},
+# stages 1 and 2 with the update on the host on several ranks run stage 3's layout (``zgraph.binding.host_layout``)
+STAGE_3_LAYOUT = {"stage": 3, "max_reuse_distance": 10**9}
+
+
+def both_places(cases: dict[str, dict], rank: int, fused: bool | None, layout: bool = False) -> dict[str, Any]:
+    """Each case trained with the update in the graph and on the host (``fused``: AdamW's flag); with ``layout``,
+    at stages 1 and 2 also in the graph with the layout the host's runs (``"layout"``)."""
+    out = {}
+    for name, options in cases.items():
+        overflow = 1 if "overflow" in name else None
+        places = {"device": options, "host": options}
+        if layout and options["stage"] < 3:
+            places["layout"] = {**options, **STAGE_3_LAYOUT}
+        out[name] = {
+            label: train(
+                {**opts, "offload_optimizer": "cpu", "offload_update": "host" if label == "host" else "device"},
                 rank,
-                1 if "overflow" in name else None,
+                overflow,
                 fused,
             )
-            for where in ("device", "host")
+            for label, opts in places.items()
         }
-        for name, options in cases.items()
-    }
+    return out
 
 
 def parity(rank: int, world: int) -> dict[str, Any]:
     """Each case of ``PARITY`` trained with the update in the graph and on the host (rank 0's results)."""
-    return both_places(PARITY, rank, False)
+    return both_places(PARITY, rank, False, layout=True)
 
 
 FUSED = {  # the update on the host by torch's fused kernel (an AdamW without fused=False)
@@ -116,14 +125,26 @@ def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
     run_named(rank, world, out_path, names, globals())
 
 
-def delayed_eager(steps: int = STEPS) -> dict[str, Any]:
+def late(rank: int, world: int) -> dict[str, Any]:
+    """``offload_overlap="one_step"`` at stage 2 on several ranks (stage 3's layout: ``zgraph.binding.host_layout``)."""
+    options = {"stage": 2, "offload_optimizer": "cpu", "offload_update": "host", "offload_overlap": "one_step"}
+    return train(options, rank)
+
+
+def global_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's whole batch: the rows of ``world`` ranks."""
+    per_rank = [batches(r) for r in range(world)]
+    return [tuple(torch.cat(parts) for parts in zip(*step)) for step in zip(*per_rank)]
+
+
+def delayed_eager(steps: int = STEPS, world: int = 1) -> dict[str, Any]:
     """Eager PyTorch on the CPU applying each step's gradients one step late: step ``t`` computes its gradients
     with the parameters its forward reads, then AdamW applies step ``t - 1``'s; the last step's is applied at the
-    end (what a read of the state after the steps sees)."""
+    end (what a read of the state after the steps sees). ``world``: on the rows of that many ranks."""
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     pending, losses = None, []
-    for x, y in batches()[:steps]:
+    for x, y in global_batches(world)[:steps]:
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         losses.append(loss.detach())

@@ -169,7 +169,6 @@ def refusals(rank: int, world: int, out: str) -> None:
         "nvme offload of device state": (model_on(), {"stage": 1, "offload_optimizer": "nvme", "offload_dir": out}),
         "too little host memory for the update on the host": (model_on(), host),
         "an optimizer the host cannot run": (model_on(), host),
-        "one step late at stage 1 on 2 ranks": (model_on(), {**host, "stage": 1, "offload_overlap": "one_step"}),
     }
     for name, (model, options) in checks.items():
         opt = (torch.optim.RMSprop if "optimizer" in name else torch.optim.AdamW)(model.parameters(), lr=1e-3)

@@ -176,6 +176,14 @@ RUNS = {
         }
     },
     "stage 3, split backward": {"options": {"stage": 3}, "split": True},
+    "stage 1, update on the host one step late, bf16": {
+        "options": {
+            "stage": 1,
+            "offload_optimizer": "cpu",
+            "param_dtype": "torch.bfloat16",
+            "offload_overlap": "one_step",
+        }
+    },
 }
 
 
@@ -215,24 +223,33 @@ LINEAR_SHARD, NORM_SHARD = (64 * 16 + 64 + 8 * 64 + 8) // 2, 2 * 64 // 2
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype_bytes"),
-    [("stage 3, update on the host, bf16", 2), ("stage 3, update on the host, fp32", 4)],
+    ("name", "dtype_bytes", "scalars"),
+    [
+        ("stage 3, update on the host, bf16", 2, 0),
+        ("stage 3, update on the host, fp32", 4, 0),
+        ("stage 2, update on the host, fp16 loss scaling, clipping", 2, 32),
+        ("stage 1, update on the host one step late, bf16", 2, 0),
+    ],
 )
-def test_the_update_on_the_host_copies_the_compute_dtype_only(standin_runs, name, dtype_bytes):
+def test_the_update_on_the_host_copies_the_compute_dtype_only(standin_runs, name, dtype_bytes, scalars):
     """Issue 43: a step of the update on the host copies each gradient shard to the host once, in the reduce dtype,
     and each parameter shard to the device once, in the dtype the forward reads (the LayerNorm's in fp32): 4.1
     bytes per parameter for bf16 (4 with no norm layer), 8 for fp32 — where the states brought to the device for
-    the update and back copy 16 (AdamW's two fp32 states each way; more with parameter shards offloaded too)."""
+    the update and back copy 16 (AdamW's two fp32 states each way; more with parameter shards offloaded too).
+    Stages 1 and 2 on several ranks copy what stage 3 does (they run its layout, ``zgraph.binding.host_layout``;
+    they copied 18.3 bytes per shard element, the whole fp32 master all-gathered through the device); loss scaling
+    and clipping add ``scalars`` bytes at most (0-d values: the overflow flag, the clipping coefficient)."""
     fingerprints = standin_runs["stage 0"]["moved"]  # what every step reads on the host (the graph's fingerprint)
     step, today = (
         {k: v - fingerprints[k] for k, v in standin_runs[run]["moved"].items()}
         for run in (name, "stage 1, optimizer offloaded to host memory")
     )
     shard = LINEAR_SHARD + NORM_SHARD
-    assert step["to_host"] == shard * dtype_bytes
+    assert shard * dtype_bytes <= step["to_host"] <= shard * dtype_bytes + scalars
     assert step["to_device"] == LINEAR_SHARD * dtype_bytes + NORM_SHARD * 4
     assert (step["to_host"] + step["to_device"]) / shard <= 2.1 * dtype_bytes
     assert (today["to_host"] + today["to_device"]) / shard == 16
+    assert ("runs stage 3's layout" in standin_runs[name]["explain"]) == (RUNS[name]["options"]["stage"] < 3)
 
 
 def test_host_resident_state_is_read_without_the_device(standin_runs):
@@ -258,6 +275,4 @@ def test_bad_input_on_a_device_only_backend_is_refused_before_anything_changes(t
     assert "OffloadError" in memory["error"] and "bytes of host memory" in memory["error"], memory
     rmsprop = seen["an optimizer the host cannot run"]
     assert 'offload_update="host"' in rmsprop["error"] and "not opt (RMSprop)" in rmsprop["error"], rmsprop
-    late = seen["one step late at stage 1 on 2 ranks"]
-    assert "offload_overlap='one_step' at stage 1 on 2 ranks" in late["error"], late
-    assert memory["unchanged"] and rmsprop["unchanged"] and late["unchanged"]
+    assert memory["unchanged"] and rmsprop["unchanged"]

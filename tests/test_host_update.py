@@ -27,9 +27,9 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("host_update") / "results.pt"
-    run_ranks(2, "host_update_cases.run", str(path), ["parity", "fused"], timeout=600)
+    run_ranks(2, "host_update_cases.run", str(path), ["parity", "fused", "late"], timeout=600)
     results = torch.load(path, weights_only=False)
-    for name in ("parity", "fused"):
+    for name in ("parity", "fused", "late"):
         assert "error" not in results[name], results[name].get("error")
     return results
 
@@ -37,11 +37,17 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PARITY))
 def test_the_update_on_the_host_equals_the_update_in_the_graph_on_two_ranks(two_ranks, name):
     """Losses, whole parameters and optimizer states after 3 steps of an ``AdamW(fused=False)``: bitwise those of
-    the update in the graph (``offload_update="device"``, on a CPU machine the step without offload), op by op."""
-    device, host = two_ranks["parity"][name]["device"], two_ranks["parity"][name]["host"]
+    the update in the graph (``offload_update="device"``, on a CPU machine the step without offload), op by op, in
+    the layout the host's runs (stages 1 and 2 on several ranks: stage 3's, ``zgraph.binding.host_layout``); and
+    within torch's own fused-vs-for-loop distance of the update in the graph at the stage asked for (there the
+    global norm sums whole gradients, not shards)."""
+    runs = two_ranks["parity"][name]
+    device, host = runs.get("layout", runs["device"]), runs["host"]
     assert 'offload_update="host"' in host["explain"] and 'offload_update="host"' not in device["explain"]
     for part in ("losses", "params", "optim"):
         assert same(host[part], device[part]), part
+        close(host[part], runs["device"][part])
+    assert ("runs stage 3's layout" in host["explain"]) == ("layout" in runs)
 
 
 @pytest.mark.parametrize("name", list(FUSED))
@@ -98,6 +104,31 @@ def test_one_step_late_equals_eager_applying_each_step_one_step_late():
     assert same(got["losses"], want["losses"]) and same(got["params"], want["params"])
     assert same(got["optim"], want["optim"])
     assert 'offload_overlap="one_step"' in got["explain"]
+
+
+def test_one_step_late_at_stage_2_on_two_ranks_equals_eager_one_step_late(two_ranks):
+    """Stage 2 on several ranks runs stage 3's layout with the update on the host, so ``offload_overlap="one_step"``
+    is honoured there too (it was refused: the updated shards were all-gathered within the step): eager PyTorch on
+    the whole batch applying each step's gradients one step late, within the distance of two ranks' averaged
+    gradients."""
+    got, want = two_ranks["late"], delayed_eager(world=2)
+    assert "runs stage 3's layout" in got["explain"] and 'offload_overlap="one_step"' in got["explain"]
+    for part in ("params", "optim"):  # (each rank's losses are its own rows', as DDP's)
+        close(got[part], want[part])
+
+
+def test_stage_1_or_2_with_the_update_on_the_host_is_estimated_in_the_layout_it_runs():
+    """``step.estimate`` for a GPU at stage 1 or 2 on several ranks (the update on the host): stage 3's layout,
+    gathered once per step (``zgraph.binding.host_layout``), as the step runs it."""
+    x, y = batches()[0]
+    estimates = []
+    for options in ({"stage": 1}, {"stage": 2}, {"stage": 3, "max_reuse_distance": 10**9}):
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        config = zgraph.Config(backend="eager", offload_optimizer="cpu", param_persistence_threshold=0, **options)
+        e = zgraph.distribute(config)(plain_step).estimate(net, opt, x, y, world_size=4, device="cuda")
+        estimates.append((e.model_state_bytes, e.peak_bytes, e.comm_bytes))
+    assert estimates[0] == estimates[1] == estimates[2]
 
 
 # ------------------------------------------------------------------------------------------------ bad input

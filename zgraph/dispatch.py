@@ -20,10 +20,11 @@ from torch import Tensor
 
 from zgraph.binding.arguments import StepCall
 from zgraph.binding.dynamic import DynamicDims, argument_sizes, argument_tensors
-from zgraph.binding.guards import KEY_PARTS, describe_leaf
+from zgraph.binding.guards import KEY_PARTS, describe_leaf, discover
+from zgraph.binding.host_layout import host_layout
 from zgraph.binding.micro_batches import microbatches, split_call
 from zgraph.binding.session import Bound, Session, user_tensors
-from zgraph.binding.setup import step_groups
+from zgraph.binding.setup import layout_device, step_groups
 from zgraph.capture.as_written import hyperparameters, lifts
 from zgraph.capture.compiled import WRAPPER_WARNING
 from zgraph.capture.environment import traced_arguments
@@ -44,6 +45,7 @@ from zgraph.runtime.consistency import check_same_graph, raise_different_graphs,
 from zgraph.runtime.devices import control_device
 from zgraph.runtime.optimizers import unwrap_optimizer
 from zgraph.runtime.process_group import ProcessGroupInfo, ensure_process_group, timed_group
+from zgraph.runtime.state import Binding
 
 _MAX_REBINDS = 4  # captures of one call that may each find more state to bind
 _RECAPTURE_WARNING = 8  # captures for the same state after which the step warns
@@ -64,6 +66,7 @@ class Dispatcher:
         self.calls = 0  # calls made, for naming the call in errors other ranks see
         self.dynamic = DynamicDims()  # the arguments' symbolic dims (marked, or found by automatic dynamic)
         self.own_sizes = config.pipeline_parallel is None  # ranks may pass sizes of their own (a pipeline: one batch)
+        self.asked: Config | None = None  # the config given, where the state's layout changed it (_lay_out_on_host)
 
     def __call__(self, call: StepCall) -> object:
         if traced_arguments(call.args, call.kwargs):
@@ -97,6 +100,8 @@ class Dispatcher:
             channel.enter(label)
             group = timed_group(group, self.config.collective_timeout, lambda: channel.exchange(f"{label} (set-up)"))
             group = step_groups(group, self.config)
+            if self.calls == 1:
+                self._lay_out_on_host(call, group)
             if self.calls == 1 and self.own_sizes:  # every rank captures: sizes differing between ranks are symbols
                 self._widen_across_ranks(channel, label, argument_tensors(call))
         prepared = call if micro is None else micro[0]
@@ -117,6 +122,14 @@ class Dispatcher:
             if failure is error:
                 raise
             raise failure from error
+
+    def _lay_out_on_host(self, call: StepCall, group: ProcessGroupInfo) -> None:
+        """At the first call: run the config ``zgraph.binding.host_layout`` says (stage 1 or 2 updating on the
+        host on several ranks runs stage 3's layout)."""
+        binding = Binding(*discover(call, self.session.observed))
+        config = host_layout(self.config, group, layout_device(group, binding), binding)
+        if config is not self.config:
+            self.asked, self.config, self.passes, self.session = self.config, config, config.passes(), Session(config)
 
     def _prepare_or_tell(
         self, call: StepCall, group: ProcessGroupInfo, channel: Channel | None, label: str, again: bool = False

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from zgraph.binding.arguments import StepCall
+from zgraph.binding.host_layout import layout_lines
 from zgraph.compile.variant import CompiledStep
 from zgraph.config import Config
 from zgraph.config_checks import budget_bytes
@@ -100,6 +101,7 @@ class DistributedStep:
     def explain(self) -> str:
         """A table of the pass list: per pass, node count, collectives (count and bytes by kind), time."""
         table = explain_table(self._compiled(), self._dispatch.config)
+        table = "\n".join([table, *layout_lines(self._dispatch.asked, self._dispatch.config)])
         return table if self.memory_plan is None else "\n".join([table, *self.memory_plan.lines()])
 
     def dump(self, directory: str | os.PathLike) -> list[str]:

@@ -89,18 +89,16 @@ def lay_out(
     """Check, then lay out ``binding``'s state for ``config`` on ``group``: device, master dtype, loss-scale state,
     meta tensors made real (``values``: the model's initialisation, or ``"empty"`` storage for weights about to
     be loaded), rank 0's values everywhere, the sharding plan applied. Collective where ``channel`` is given."""
-    standin = served_backend(group.backend, "meta") is not None  # a test's stand-in accelerator: meta is a device
-    device = state_device(state_tensors(binding), meta_is_device=standin)
-    if device.type == "meta" and not standin:
-        device = allocation_device(group.backend)
+    device = layout_device(group, binding)
     check_served(group.backend, device)
     check_offload_device(config, device)
-    host, binding.host_fallback = host_parameters(config, binding, device, _host_runnable)
+    host, binding.host_fallback = host_parameters(config, binding, device, host_runnable)
     moving = frozenset(i for i in host if home_device(binding.params[i].tensor) is None)  # not there already
     if moving and device.type != "cpu":
         check_host_memory(_host_bytes(binding, moving, config, group), f"{len(moving)} parameters' masters and states")
-    check_overlap(config, group, binding, host)
+    check_overlap(config, binding, host)
     check_owners(config.stage, group, binding)
+    standin = served_backend(group.backend, "meta") is not None  # a test's stand-in accelerator
     source = None if standin else meta_source(binding, group, channel)
     routes = fill_routes(binding, values) if source == "init" else []
     if channel is not None:
@@ -116,7 +114,15 @@ def lay_out(
     return binding
 
 
-def _host_runnable(optimizer: torch.optim.Optimizer) -> bool:
+def layout_device(group: ProcessGroupInfo, binding: Binding) -> torch.device:
+    """The device ``binding``'s state is laid out on over ``group``: where its tensors are; for state on meta, the
+    device the group's backend allocates on (a test's stand-in accelerator serves meta: meta is its device)."""
+    standin = served_backend(group.backend, "meta") is not None
+    device = state_device(state_tensors(binding), meta_is_device=standin)
+    return allocation_device(group.backend) if device.type == "meta" and not standin else device
+
+
+def host_runnable(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the host can run ``optimizer``'s update: zgraph has an update rule for its class."""
     return kernel_for(optimizer) is not None
 

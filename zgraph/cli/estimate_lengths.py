@@ -51,7 +51,8 @@ def run_seq_lens(setting: Setting, micro_batch: int, lengths: list[int]) -> list
         config = setting.config()
         rpn = setting.ranks_per_node
         prepared = prepare(call, config, setting.world, _cost_model(setting), setting.device, ranks_per_node=rpn)
-        return estimate_sizes(prepared, config, [{("idx", 1): n // per_rank} for n in lengths], copy=False)
+        at = [{("idx", 1): n // per_rank} for n in lengths]
+        return estimate_sizes(prepared, prepared.config or config, at, copy=False)
 
 
 def seq_lens_table(setting: Setting, micro_batch: int, lengths: list[int], estimates: list[Estimate]) -> str:

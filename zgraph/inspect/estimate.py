@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from zgraph.binding.arguments import StepCall
 from zgraph.binding.guards import discover
+from zgraph.binding.host_layout import host_layout
 from zgraph.binding.setup import plan_state
 from zgraph.capture.captured import CapturedGraph
 from zgraph.compile.build import pass_context
@@ -178,6 +179,7 @@ def estimate_step(
             "without it, or run it and read explain() for the stages and the schedule's predicted bubble"
         )
     prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps, held)
+    config = prepared.config or config
     return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
 
 
@@ -193,6 +195,7 @@ class Prepared:
     ran: int = 0
     crossing: Mapping[str, bool] = field(default_factory=dict)  # whether each group, by name, crosses nodes
     sizes: Mapping[str | tuple[str, int], int] = field(default_factory=dict)  # where symbolic sizes are estimated
+    config: Config | None = None  # the config the state was laid out for (``host_layout`` may change the stage)
 
 
 def prepare(
@@ -220,6 +223,7 @@ def prepare(
         sizes["sequence_parallel"] = config.sequence_parallel
         group = planned_group(group, **sizes, ranks_per_node=ranks_per_node)
     modules, optimizers = discover(shadow)
+    config = host_layout(config, group, device, Binding(modules, optimizers))
     model = cost_model or _cost_model(config, group, device)
     if isinstance(model, RuntimeCostModel):  # a ``zgraph.graph.CostModel`` of the user's is priced as it is
         model = with_inter_node(model, group.backend, inter_node_gbps)
@@ -227,7 +231,7 @@ def prepare(
     crossing = crossing_groups(group, ranks_per_node) if group.distributed else {}
     captured = reused(held, config, binding, device, marked_dims(shadow, binding))
     captured = captured or capture_standins(shadow, binding, config, device)
-    return Prepared(captured, binding, group, device, crossing=crossing)
+    return Prepared(captured, binding, group, device, crossing=crossing, config=config)
 
 
 def estimate_variant(prepared: Prepared, config: Config, *, copy: bool = True) -> Estimate:
