@@ -3,7 +3,9 @@
 Every system trains the same model on the same batches, 24 steps whose sequence length cycles over 8 values (global
 batch 4): in one process (eager PyTorch, ``torch.compile(dynamic=True)``, zgraph with the eager and the inductor
 backend) and on 2 gloo ranks (DDP, FSDP2, ``torch.compile(dynamic=True)`` + DDP, zgraph stage 3 with either
-backend), each run in a fresh group of one-thread processes (``benchmarks.varlen_worker``).
+backend), each run in a fresh group of one-thread processes (``benchmarks.varlen_worker``). zgraph's eager rows find
+the symbolic sizes automatically (the default ``Config.dynamic=None``: two captures); its inductor rows, beside
+``torch.compile(dynamic=True)``, ask for them from the first call (``Config(dynamic=True)``: one).
 
     python -m benchmarks.varlen [--model gpt2|gpt100m] [--steps 24] [--systems all|a,b,...] [--quick]
 

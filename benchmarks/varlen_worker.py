@@ -112,7 +112,9 @@ def build_system(name: str, model: nn.Module, blocks: list[nn.Module], lr: float
         import zgraph
 
         opt = adamw(model, lr)
-        config = zgraph.Config(stage=3 if "z3" in name else 0, backend="inductor" if "inductor" in name else "eager")
+        inductor = "inductor" in name  # beside torch.compile(dynamic=True): symbolic sizes from the first call
+        backend, dynamic = ("inductor", True) if inductor else ("eager", None)
+        config = zgraph.Config(stage=3 if "z3" in name else 0, backend=backend, dynamic=dynamic)
         step = zgraph.distribute(config)(train_step)
         return (lambda idx, tgt: step(model, opt, idx, tgt)), step._dispatch.variants
     if name == "fsdp2":

@@ -86,6 +86,40 @@ def test_inductor_compiles_the_symbolic_capture_once_and_equals_eager(stage):
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_config_dynamic_true_captures_once_and_false_captures_every_size():
+    """``Config(dynamic=True)``, as ``torch.compile(dynamic=True)``: every dim of every argument symbolic from the
+    first call, one capture for every size (sizes 1 aside), equal to eager bitwise; the feature dim the model
+    needs as a number (``nn.Linear``'s input in a classifier step) is fixed without a warning. ``dynamic=False``:
+    a capture per new size, no automatic symbols."""
+    sizes = [(4, 12), (6, 20), (8, 7), (4, 33)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning about fixed sizes
+        got = zgraph_run(zgraph.Config(backend="eager", dynamic=True), sizes=sizes)
+    _equal(got, eager(sizes=sizes))
+    assert got["variants"] == [1, 1, 1, 1]
+    got = zgraph_run(zgraph.Config(backend="eager", dynamic=False), sizes=sizes[:3])
+    _equal(got, eager(sizes=sizes[:3]))
+    assert got["variants"] == [1, 2, 3]
+    net = torch.nn.Linear(8, 3)
+    step = zgraph.distribute(zgraph.Config(backend="eager", dynamic=True))(classify)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (5, 7):
+            step(net, opt, torch.randn(rows, 8), torch.randint(0, 3, (rows,)))
+    assert step._dispatch.variants() == 1
+    with pytest.raises(ValueError, match=r"Config.dynamic must be True, False or None; got 'yes'"):
+        zgraph.Config(dynamic="yes")
+
+
+def classify(net, opt, x, y):
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def test_mark_dynamic_captures_once_and_refuses_a_size_outside_its_range():
     m, opt = model(), None
     opt = adamw(m)

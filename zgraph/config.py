@@ -130,6 +130,11 @@ class Config(DeprecatedNames):
     """``"inductor"`` compiles the transformed graph with inductor; ``"eager"`` runs the transformed FX GraphModule
     op by op (no compile time, same numbers). Default ``"inductor"``."""
 
+    dynamic: bool | None = None
+    """Symbolic argument sizes, as ``torch.compile(dynamic=...)``. None (default): dims whose sizes change become
+    symbolic at the second capture. True: every dim of every tensor argument, from the first call (sizes 0 and 1 aside;
+    dims the code needs as numbers are fixed silently). False: ``zgraph.mark_dynamic``'s (and ranks' differing) only."""
+
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip (see ``zgraph.passes.default_passes``). An unknown name, or a pass another
     enabled pass depends on, is rejected before anything runs."""
@@ -314,6 +319,7 @@ class Config(DeprecatedNames):
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, _STAGES, int)
         check_choice("backend", self.backend, _BACKENDS, str)
+        check_bool("dynamic", self.dynamic, optional=True)
         check_groups(self.stage, self.shard_group_size, self.secondary_shard_group_size, self.cross_group_dtype)
         check_sequence_parallel(self.sequence_parallel)
         object.__setattr__(self, "pipeline_split", as_str_tuple("pipeline_split", self.pipeline_split))

@@ -111,9 +111,10 @@ def check_float_dtype(name: str, value: object) -> None:
         )
 
 
-def check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"Config.{name} must be True or False; got {value!r} ({type_name(value)})")
+def check_bool(name: str, value: object, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        either = "True, False or None" if optional else "True or False"
+        raise ValueError(f"Config.{name} must be {either}; got {value!r} ({type_name(value)})")
 
 
 def check_max_grad_norm(value: object) -> None:

@@ -64,7 +64,7 @@ class Dispatcher:
         self.cache: dict[tuple, list[CompiledStep]] = {}
         self.last: CompiledStep | None = None  # the variant the last call ran
         self.calls = 0  # calls made, for naming the call in errors other ranks see
-        self.dynamic = DynamicDims()  # the arguments' symbolic dims (marked, or found by automatic dynamic)
+        self.dynamic = DynamicDims(config.dynamic)  # the arguments' symbolic dims (marked, automatic, Config.dynamic)
         self.own_sizes = config.pipeline_parallel is None  # ranks may pass sizes of their own (a pipeline: one batch)
         self.asked: Config | None = None  # the config given, where the state's layout changed it (_lay_out_on_host)
 
@@ -279,7 +279,7 @@ class Dispatcher:
         except BaseException:  # a pass refused the graph: the optimizer state the capture created goes again
             drop_state(bound.binding, fresh)
             raise
-        _warn_fixed_sizes(captured.size_guards, bound.call)
+        _warn_fixed_sizes(captured.size_guards, bound.call, self.dynamic.assumed)
         return compiled
 
     def _warn_if_recaptured_often(self, key: tuple, call: StepCall) -> None:
@@ -330,9 +330,11 @@ class Dispatcher:
         return bool(first) and (guarded or any(not lifts(unwrap_optimizer(scheduler.optimizer)) for scheduler in first))
 
 
-def _warn_fixed_sizes(guards: SizeGuards | None, call: StepCall) -> None:
-    """Warn when the capture fixed a symbolic dim to one size: each new size of it is captured again."""
-    fixed = guards.fixed() if guards is not None else []
+def _warn_fixed_sizes(guards: SizeGuards | None, call: StepCall, assumed: set[tuple[str, int]]) -> None:
+    """Warn when the capture fixed a symbolic dim to one size: each new size of it is captured again. Not for the
+    ``assumed`` dims (``Config.dynamic=True`` made every dim symbolic: those the code needs as numbers are fixed, as
+    torch.compile(dynamic=True) does)."""
+    fixed = [f for f in (guards.fixed() if guards is not None else []) if (f[0], f[1]) not in assumed]
     if fixed:
         shown = ", ".join(f"dim {dim} of `{path}` to {size}" for path, dim, size in fixed)
         warnings.warn(

@@ -61,20 +61,29 @@ def marked_ranges(t: Tensor) -> dict[int, Range]:
 
 
 class DynamicDims:
-    """A step's symbolic argument dims (path -> dims) and the declared ranges of marked ones."""
+    """A step's symbolic argument dims (path -> dims) and the declared ranges of marked ones. ``mode``:
+    ``Config.dynamic`` (None: automatic; True: every dim of every argument tensor; False: marked dims only, and
+    those that differ between ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: bool | None = None) -> None:
+        self.mode = mode
         self.dims: dict[str, frozenset[int]] = {}
         self.ranges: dict[tuple[str, int], Range] = {}
+        self.assumed: set[tuple[str, int]] = set()  # dims made symbolic by mode True alone (fixed without a word)
 
     def observe(self, call: StepCall) -> None:
-        """Take this call's marks, then check every declared range: a size outside one is refused (nothing has
-        changed yet)."""
+        """Take this call's marks (with mode True, every dim of size 2 or more not yet symbolic), then check every
+        declared range: a size outside one is refused (nothing has changed yet)."""
         tensors = argument_tensors(call)
         for path, t in tensors:
             for dim, bounds in marked_ranges(t).items():
                 self.ranges[(path, dim)] = bounds
                 self.add(path, [dim])
+                self.assumed.discard((path, dim))
+            if self.mode:
+                new = [d for d, n in enumerate(t.shape) if n > 1 and d not in self.dims.get(path, ())]
+                self.assumed.update((path, d) for d in new)
+                self.add(path, new)
         for path, t in tensors:
             for dim in self.dims.get(path, ()):
                 self._check(call, path, t, dim)
@@ -106,7 +115,9 @@ class DynamicDims:
         variant's key, where that is all their arguments differ in, become symbolic, and with them dim 0 of the same
         tensors (the batch: a sequence that varies now is usually followed by a smaller last batch, which then needs
         no capture of its own; a dim 0 that is not a batch costs nothing, the guards keep what the graph needs).
-        Whether any became symbolic."""
+        Whether any became symbolic (never with mode False)."""
+        if self.mode is False:
+            return False
         found: dict[str, set[int]] = {}
         for other in cached:
             dims = _size_changes(key, other)

@@ -229,7 +229,7 @@ def prepare(
         model = with_inter_node(model, group.backend, inter_node_gbps)
     binding = plan_state(config, group, modules, optimizers, device, model)
     crossing = crossing_groups(group, ranks_per_node) if group.distributed else {}
-    captured = reused(held, config, binding, device, marked_dims(shadow, binding))
+    captured = reused(held, config, binding, device, marked_dims(shadow, binding, config.dynamic))
     captured = captured or capture_standins(shadow, binding, config, device)
     return Prepared(captured, binding, group, device, crossing=crossing, config=config)
 

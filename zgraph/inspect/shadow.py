@@ -101,7 +101,7 @@ def capture_standins(call: StepCall, binding: Binding, config: Config, device: t
         user_tensors=user_tensors(binding, call),
         config=dataclasses.replace(config, autocast_dtype=None) if emulated else config,
         meta_as=torch.device("cpu") if emulated else device,
-        dynamic=marked_dims(call, binding),
+        dynamic=marked_dims(call, binding, config.dynamic),
     )
     modules = [m for _, m in binding.modules]
     with cuda_trace(modules, config.autocast_dtype) if emulated else contextlib.nullcontext(), collector_paused():
@@ -110,9 +110,10 @@ def capture_standins(call: StepCall, binding: Binding, config: Config, device: t
     return captured
 
 
-def marked_dims(call: StepCall, binding: Binding) -> dict[str, frozenset[int]]:
-    """The argument dims marked with ``zgraph.mark_dynamic``, by path: the estimate traces them as size symbols."""
-    dims = DynamicDims()
+def marked_dims(call: StepCall, binding: Binding, mode: bool | None = None) -> dict[str, frozenset[int]]:
+    """The argument dims marked with ``zgraph.mark_dynamic`` (with ``mode``, ``Config.dynamic``, True: every dim),
+    by path: the estimate traces them as size symbols."""
+    dims = DynamicDims(mode)
     dims.observe(call)
     return dims.of([path for path, _ in user_tensors(binding, call)])
 
