@@ -9,7 +9,8 @@ stay whole on every rank (every stage may read those the step does not update).
 
 Whole tensors outside the step come from their holder (``fetch``: a broadcast, or a send to one rank), for
 ``zgraph.gather``, ``zgraph.full_state_dict`` and ``zgraph.save_pretrained``; ``zgraph.save`` writes each
-parameter's tensors from its holder's rank. Loading into a placed model is refused for now (``refuse_placed``).
+parameter's tensors from its holder's rank; ``zgraph.load`` reads on each rank its own stages' tensors
+(``held_elsewhere``). ``zgraph.load_pretrained`` into a placed model is refused for now (``refuse_placed``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def fetch(value: Tensor, owner: int, binding: Binding, to: int | None = None) ->
     elif me != to:
         return None
     return buffer
+
+
+def held_elsewhere(model: nn.Module) -> dict[str, Tensor]:
+    """The parameters of ``model`` a pipelined step placed on other ranks (meta here), by name: a load reads
+    neither them nor their optimizer state on this rank (their holder does)."""
+    found = sharding_of(model)
+    if found is None or not found[1].holders:
+        return {}
+    ids = {id(found[1].params[i].tensor) for i in found[1].holders if found[1].params[i].tensor.is_meta}
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
 def refuse_placed(model: nn.Module, what: str) -> None:

@@ -120,7 +120,8 @@ def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
 
 def stage_state(rank: int, world: int) -> dict:
     """Each rank holds its stages' parameters and optimizer state only (1F1B, 3 steps); the whole model still
-    comes out of ``zgraph.full_state_dict``, ``zgraph.gather`` and ``zgraph.save`` (loaded into a fresh model)."""
+    comes out of ``zgraph.full_state_dict``, ``zgraph.gather`` and ``zgraph.save`` (loaded into a fresh model, and
+    into the pipelined model after a 4th step, which then trains on as eager from the checkpoint)."""
     eager_model, tracker = Net(), LiveTensorBytes()
     with tracker:
         model = copy.deepcopy(eager_model)
@@ -160,10 +161,16 @@ def stage_state(rank: int, world: int) -> dict:
     exported = Net()
     zgraph.load_pretrained(exported, f"{path}/hf")
     out["exported"] = _distance(exported.state_dict(), eager_model.state_dict())
-    try:
-        zgraph.load(f"{path}/ckpt", model, opt)
-    except zgraph.CheckpointError as error:
-        out["load_refused"] = str(error)
+    x, y = batches()[0]
+    compiled(model, opt, x, y)  # a 4th step: the state moves on from the checkpoint's
+    zgraph.load(f"{path}/ckpt", model, opt)  # into the placed model: each rank reads its own stages' tensors
+    out["after_load"] = state_bytes(model, opt)
+    reloaded, reloaded_opt = zgraph.full_state_dict(model, opt)
+    out["reloaded"] = _distance(reloaded, eager_model.state_dict())
+    out["reloaded_opt"] = _distance(_by_name(reloaded_opt, model), _by_name(eager_opt.state_dict(), eager_model))
+    compiled(model, opt, x, y)
+    step(eager_model, eager_opt, x, y)
+    out["continued"] = _distance(zgraph.full_state_dict(model), eager_model.state_dict())
     return all_gather_values(out)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zgraph.checkpoint.state import Staged, keeps_on_host, optimizer_params, restore_loss_scale, split_state_key
+from zgraph.checkpoint.state import LOSS_SCALE_ATTR, Staged, keeps_on_host, optimizer_params, split_state_key
 from zgraph.errors import CheckpointError
 
 
@@ -62,3 +62,18 @@ def commit_optimizers(
                 }
         if loss_scale is not None:
             restore_loss_scale(opt, loss_scale)
+
+
+def restore_loss_scale(opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+    """Put the saved loss-scale state into the dict a zgraph step reads it from (in place: the step's binding
+    shares it; only the fields the step's ``Config.loss_scale`` has, on the device it keeps them on); before any
+    step, leave it on the optimizer for the first step to start from."""
+    current = getattr(opt, LOSS_SCALE_ATTR, None)
+    if isinstance(current, dict):
+        for key, value in loaded.items():
+            if key in current:
+                here = current[key]
+                on_device = isinstance(value, Tensor) and isinstance(here, Tensor)
+                current[key] = value.to(here.device) if on_device else value
+    else:
+        setattr(opt, LOSS_SCALE_ATTR, dict(loaded))

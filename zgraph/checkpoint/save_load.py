@@ -67,7 +67,7 @@ from zgraph.ops import host_read
 from zgraph.runtime.agreement import Channel, world_channel
 from zgraph.runtime.offload import materialize
 from zgraph.runtime.sharded_state import normalize_state, sharding_of
-from zgraph.runtime.stage_state import refuse_placed
+from zgraph.runtime.stage_state import held_elsewhere
 
 MARKER = cio.MARKER
 
@@ -251,7 +251,6 @@ def _stage(
     path: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any, verify: bool
 ) -> Callable[[], dict[str, Any]]:
     """Check, verify and read everything into staging tensors; returns the function that commits it."""
-    refuse_placed(model, "zgraph.load")
     manifest = read_manifest(path)
     metadata = read_metadata(path, manifest, verify)
     tensor_meta = metadata.state_dict_metadata
@@ -262,10 +261,11 @@ def _stage(
     if scheduler is not None and manifest.get("scheduler") is None:
         raise CheckpointError(f"{path} holds no LR scheduler state (it was saved without scheduler=)")
     rank, _ = rank_and_world()
-    targets = model_targets(model_state)
+    elsewhere = held_elsewhere(model)  # a pipelined step's other stages' parameters: their ranks read them
+    targets = model_targets(model_state, elsewhere)
     new_states = []
     for i, opt in enumerate(optimizers):
-        opt_targets, new_state = state_targets(model, opt, i, names, tensor_meta)
+        opt_targets, new_state = state_targets(model, opt, i, names, tensor_meta, {id(p) for p in elsewhere.values()})
         targets.update(opt_targets)
         new_states.append(new_state)
     saved_optimizers = manifest["optimizers"]
@@ -295,7 +295,7 @@ def _stage(
             scheduler.load_state_dict(values["scheduler"])
         with torch.no_grad():
             for key, live in model_state.items():
-                if isinstance(live, Tensor):  # host to device, one tensor at a time; the staging tensor goes
+                if isinstance(live, Tensor) and key not in elsewhere:  # host to device, one at a time
                     _local(live).copy_(_local(targets.pop(MODEL + key)))
         commit_optimizers(optimizers, new_states, optimizer_values)
         found = sharding_of(model)

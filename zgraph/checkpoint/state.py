@@ -5,7 +5,7 @@ manifest ``save`` writes, the checks ``load`` makes before reading, and the host
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,9 +271,10 @@ def _host_dtensor(local: Tensor, mesh: Any, placements: Sequence[Any], shape: Se
     return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
-def model_targets(model_state: dict[str, Any]) -> dict[str, Tensor]:
-    """Empty host tensors like the model's (``DTensor`` for a ``DTensor``: same shards), to read into."""
-    return {MODEL + k: host_like(v) for k, v in model_state.items() if isinstance(v, Tensor)}
+def model_targets(model_state: dict[str, Any], elsewhere: Collection[str] = ()) -> dict[str, Tensor]:
+    """Empty host tensors like the model's (``DTensor`` for a ``DTensor``: same shards), to read into; none for
+    the keys ``elsewhere`` (parameters another pipeline stage's rank holds and reads)."""
+    return {MODEL + k: host_like(v) for k, v in model_state.items() if isinstance(v, Tensor) and k not in elsewhere}
 
 
 @dataclass
@@ -339,12 +340,18 @@ def _local(t: Tensor) -> Tensor:
 
 
 def state_targets(
-    model: nn.Module, opt: torch.optim.Optimizer, index: int, names: dict[int, str], metadata: dict[str, Any]
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    index: int,
+    names: dict[int, str],
+    metadata: dict[str, Any],
+    elsewhere: Collection[int] = (),
 ) -> tuple[dict[str, Tensor], dict[Tensor, dict[str, Any]]]:
     """``(targets, new_state)``: host tensors to read the optimizer's new state into, and per parameter its
     fields as ``Staged``: for each saved field a zero tensor of the saved shape, in the dtype of the optimizer's
     current state (the saved dtype if it has none yet), laid out as zgraph keeps that state now (a padded shard
-    when sharded, else whole). Nothing is allocated on the device: ``Staged.live`` moves them there at commit."""
+    when sharded, else whole). Nothing is allocated on the device: ``Staged.live`` moves them there at commit.
+    ``elsewhere``: ``id`` of parameters another pipeline stage's rank holds (their state stays meta here)."""
     found = sharding_of(model)
     bound = found is not None and any(o.optimizer is opt for o in found[1].optimizers)
     prefix = f"optim.{index}.state."
@@ -362,6 +369,9 @@ def state_targets(
         live = opt.state[param].get(field) if param in opt.state else None
         if isinstance(live, Tensor) and tuple(live.shape) == size:
             dtype = live.dtype  # the dtype the run keeps this state in (Config.optimizer_state_dtype)
+        if id(param) in elsewhere:  # another pipeline stage's parameter: its holder reads the state, here meta
+            new_state.setdefault(param, {})[field] = torch.empty(size, dtype=dtype, device="meta")
+            continue
         device = _local(param).device
         if bound and size == tuple(param.shape):
             plan, binding = found
@@ -380,18 +390,3 @@ def state_targets(
         targets[key] = staged.host
         new_state.setdefault(param, {})[field] = staged
     return targets, new_state
-
-
-def restore_loss_scale(opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
-    """Put the saved loss-scale state into the dict a zgraph step reads it from (in place: the step's binding
-    shares it; only the fields the step's ``Config.loss_scale`` has, on the device it keeps them on); before any
-    step, leave it on the optimizer for the first step to start from."""
-    current = getattr(opt, LOSS_SCALE_ATTR, None)
-    if isinstance(current, dict):
-        for key, value in loaded.items():
-            if key in current:
-                here = current[key]
-                on_device = isinstance(value, Tensor) and isinstance(here, Tensor)
-                current[key] = value.to(here.device) if on_device else value
-    else:
-        setattr(opt, LOSS_SCALE_ATTR, dict(loaded))
