@@ -9,8 +9,8 @@ stay whole on every rank (every stage may read those the step does not update).
 
 Whole tensors outside the step come from their holder (``fetch``: a broadcast, or a send to one rank), for
 ``zgraph.gather``, ``zgraph.full_state_dict`` and ``zgraph.save_pretrained``; ``zgraph.save`` writes each
-parameter's tensors from its holder's rank; ``zgraph.load`` reads on each rank its own stages' tensors
-(``held_elsewhere``). ``zgraph.load_pretrained`` into a placed model is refused for now (``refuse_placed``).
+parameter's tensors from its holder's rank; ``zgraph.load`` and ``zgraph.load_pretrained`` read on each rank its
+own stages' tensors (``held_elsewhere``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zgraph.errors import CheckpointError
 from zgraph.runtime.meta_init import swap_storage
 from zgraph.runtime.sharded_state import sharding_of
 from zgraph.runtime.state import Binding
@@ -87,14 +86,3 @@ def held_elsewhere(model: nn.Module) -> dict[str, Tensor]:
         return {}
     ids = {id(found[1].params[i].tensor) for i in found[1].holders if found[1].params[i].tensor.is_meta}
     return {name: p for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
-
-
-def refuse_placed(model: nn.Module, what: str) -> None:
-    """``CheckpointError`` (nothing changed) where a pipelined step has placed ``model``'s stages: ``what`` (a
-    load into it) is not supported there yet."""
-    found = sharding_of(model)
-    if found is not None and found[1].holders:
-        raise CheckpointError(
-            f"{what} into a model whose pipelined step has placed its stages (each rank holds its own stages' "
-            "parameters) is not supported yet: load into the model before its first pipelined step"
-        )

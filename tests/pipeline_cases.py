@@ -163,6 +163,8 @@ def stage_state(rank: int, world: int) -> dict:
     out["exported"] = _distance(exported.state_dict(), eager_model.state_dict())
     x, y = batches()[0]
     compiled(model, opt, x, y)  # a 4th step: the state moves on from the checkpoint's
+    zgraph.load_pretrained(model, f"{path}/hf")  # the weights alone, into the placed model
+    out["pretrained"] = _distance(zgraph.full_state_dict(model), eager_model.state_dict())
     zgraph.load(f"{path}/ckpt", model, opt)  # into the placed model: each rank reads its own stages' tensors
     out["after_load"] = state_bytes(model, opt)
     reloaded, reloaded_opt = zgraph.full_state_dict(model, opt)

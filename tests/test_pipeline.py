@@ -46,8 +46,8 @@ def test_each_rank_holds_only_its_stages_state_and_the_whole_model_still_comes_o
     """Model state per rank (parameters, gradients, optimizer state; counted from the live state and by a tracker
     of every allocation since the model was copied) is its stages' share, within the cut's imbalance; the params
     after 3 steps equal eager's; full_state_dict, gather, save and save_pretrained (loaded into a fresh model) give
-    the whole model; ``zgraph.load`` into the pipelined model (each rank reading its own stages' tensors) restores
-    the checkpoint's state, its stages' share still, and the next step equals eager's from there."""
+    the whole model; ``zgraph.load_pretrained`` and ``zgraph.load`` into the pipelined model (each rank reading its
+    own stages' tensors) restore the saved state, its stages' share still, and the next step equals eager's."""
     result = two_ranks["stage_state"]
     assert not (isinstance(result, dict) and "error" in result), result.get("error")
     whole = result[0]["whole"]["total"]
@@ -59,7 +59,8 @@ def test_each_rank_holds_only_its_stages_state_and_the_whole_model_still_comes_o
         assert r["state"]["total"] <= r["tracked"] <= r["state"]["total"] + 64, r  # + the step's own scalars
         assert r["after_gather"] == r["state"], "gather receives other stages' parameters for the block only"
         assert r["distance"] < 1e-6
-        for key in ("full", "full_opt", "gathered", "loaded", "loaded_opt", "exported", "reloaded", "reloaded_opt"):
+        reloads = ("pretrained", "reloaded", "reloaded_opt")
+        for key in ("full", "full_opt", "gathered", "loaded", "loaded_opt", "exported", *reloads):
             assert r[key] < 1e-6, (key, r[key])
         assert r["continued"] < 1e-6 and r["after_load"] == r["state"]
 

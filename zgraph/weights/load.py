@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from zgraph.config import Config
 from zgraph.errors import CheckpointError
 from zgraph.runtime.agreement import world_channel
 from zgraph.runtime.offload import materialize as resident
-from zgraph.runtime.stage_state import refuse_placed
+from zgraph.runtime.stage_state import held_elsewhere
 from zgraph.weights.materialize import materialize
 from zgraph.weights.report import Match, refuse, report
 from zgraph.weights.sources import Entry, Rows, open_source
@@ -120,9 +121,9 @@ class Staged:
 
 def _stage(model: nn.Module, path: str, config: Config | None, strict: bool) -> Staged:
     """Compare, (lay out a meta model,) and read this rank's values; nothing in the model's values changes."""
-    refuse_placed(model, "zgraph.load_pretrained")
     resident(model)  # offloaded parameter shards read back before they are written
-    meta = _on_meta(model, config)
+    elsewhere = held_elsewhere(model)  # a pipelined step's other stages' parameters: their ranks read them
+    meta = _on_meta(model, config, elsewhere)
     source = open_source(path)
     try:
         match = compare(source.entries, targets_of(model))
@@ -130,7 +131,7 @@ def _stage(model: nn.Module, path: str, config: Config | None, strict: bool) -> 
         if meta:  # names and shapes checked on the meta model; then laid out as the step will, unfilled if strict
             materialize(model, config, init=not strict)
         targets = targets_of(model)
-        chosen = [_chosen(t, source.entries) for t in targets]
+        chosen = [None if set(t.names) & set(elsewhere) else _chosen(t, source.entries) for t in targets]
         wanted = {name: t.wanted() for t, name in zip(targets, chosen) if name is not None}
         # a meta model has no values to keep: read straight into its new shards, one tensor at a time
         into = {name: t.dest for t, name in zip(targets, chosen) if name is not None} if meta else None
@@ -204,10 +205,11 @@ def _commit(staged: Staged) -> list[str]:
     return loaded
 
 
-def _on_meta(model: nn.Module, config: Config | None) -> bool:
+def _on_meta(model: nn.Module, config: Config | None, elsewhere: Collection[str] = ()) -> bool:
     """Whether the model has tensors on the meta device (then ``config`` is required, to lay it out as the step
-    will: ``zgraph.materialize``)."""
-    meta = [name for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, Tensor) and t.is_meta]
+    will: ``zgraph.materialize``), other than ``elsewhere`` (another pipeline stage's, held by its rank)."""
+    state = model.state_dict(keep_vars=True)
+    meta = [name for name, t in state.items() if isinstance(t, Tensor) and t.is_meta and name not in elsewhere]
     if meta and config is None:
         raise CheckpointError(
             f"load_pretrained: {len(meta)} tensors of the model are on the meta device ({meta[0]}, ...); pass "
