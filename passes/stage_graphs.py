@@ -21,6 +21,7 @@ one list of tensors). Nodes ``stage_cut`` left free are copied into every graph 
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,9 @@ def _split_backward(
         if node in inside and node not in needed:
             needed.add(node)
             stack.extend(node.all_input_nodes)
+    # W reads a multi-output node's elements (its getitems run in I): a graph returns tensors, not tuples
+    tuples = {n for n in needed if isinstance(n.meta.get(VAL), (tuple, list))}
+    needed |= {u for n in tuples for u in n.users if u in inside and u.target is operator.getitem}
     first = [n for n in body if n in needed]
     rest = [n for n in body if n not in needed]
     partial = [n for n in first if any(u in rest for u in n.users)]

@@ -35,8 +35,8 @@ _TAG_SPAN = 1 << 12  # tensors one boundary may carry: a message's tag numbers i
 @dataclass
 class Part:
     """One compiled stage graph: ``run(inputs) -> outputs``, what each input and output is, the inputs' example
-    values (shapes and dtypes of what is received), the outputs that are their own input updated in place, and the
-    time it took to compile."""
+    values (shapes and dtypes of what is received), the outputs that are their own input updated in place, the
+    time it took to compile, and the backend that compiled it."""
 
     run: Callable[[Sequence[Tensor]], Sequence]
     inputs: list[GraphInput]
@@ -44,6 +44,7 @@ class Part:
     examples: list[Tensor]
     updated_inputs: frozenset[int] = frozenset()
     compile_seconds: float = 0.0
+    backend: str = "eager"
 
     def received(self, kind: str) -> list[Tensor]:
         """The example values of the inputs of ``kind``, by index."""

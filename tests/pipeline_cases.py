@@ -80,7 +80,7 @@ def train(make: Callable[[], nn.Module] = Net, loss: str = "", **config: object)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     run = step_of(LOSSES[loss]) if loss else step
-    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(run)
+    compiled = zgraph.distribute(zgraph.Config(**{"backend": "eager", **config}))(run)
     want, got = [], []
     for x, y in batches():
         want.append(run(eager_model, eager_opt, x, y))
@@ -88,7 +88,10 @@ def train(make: Callable[[], nn.Module] = Net, loss: str = "", **config: object)
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     eager = dict(eager_model.named_parameters())
     distance = max((p - eager[name]).abs().max().item() for name, p in model.named_parameters() if name in owned)
-    return {"want": want, "got": got, "owned": owned, "distance": distance}
+    stage = next(iter(compiled._dispatch.last.pipeline.stages.values()))  # this rank's first stage
+    parts = ("forward", "backward", "input_grad", "weight_grad", "update")
+    backends = {name: getattr(stage, name).backend for name in parts}
+    return {"want": want, "got": got, "owned": owned, "distance": distance, "backends": backends}
 
 
 def _params(gm: torch.fx.GraphModule) -> list:
@@ -111,6 +114,7 @@ interleaved = on_ranks(schedule="interleaved_1f1b", pipeline_virtual_stages=2, m
 split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
 sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
 token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
+inductor = on_ranks(schedule="zb_h1", microbatches=2, backend="inductor")
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

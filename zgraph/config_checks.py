@@ -358,7 +358,6 @@ def check_pipeline(config: Any) -> None:
         )
     unsupported = {
         "stage": config.stage != 0,
-        "backend": config.backend != "eager",
         "sequence_parallel": config.sequence_parallel is not None,
         "shard_group_size": config.shard_group_size is not None,
         "memory_budget": config.memory_budget is not None,
@@ -372,8 +371,8 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            'run with stage=0 and backend="eager", without sequence parallelism, hybrid sharding, memory_budget, '
-            "loss scaling, max_grad_norm or offload"
+            "run with stage=0, without sequence parallelism, hybrid sharding, memory_budget, loss scaling, "
+            "max_grad_norm or offload"
         )
     world = known_world_size()
     if world is not None and world % p:

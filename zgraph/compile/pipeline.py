@@ -36,13 +36,14 @@ from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.pipeline_groups import pipeline_groups
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
-from zgraph.runtime.pipeline_schedule import Schedule, build_schedule
+from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import release_other_stages
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
+_KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
 
 
 def compile_pipeline(
@@ -63,14 +64,16 @@ def compile_pipeline(
     count = config.microbatches or config.pipeline_parallel
     schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
-    mine = {g.stage: _compile_stage(g, ctx, graphs) for g in every if schedule.rank_of(g.stage) == place}
+    used = {a.kind for actions in schedule.actions for a in actions}
+    backends = {name: config.backend if kind is None or kind in used else "eager" for name, kind in _KINDS.items()}
+    mine = {g.stage: _compile_stage(g, ctx, graphs, backends) for g in every if schedule.rank_of(g.stage) == place}
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
-    executable = Executable(_runs_by_schedule, "eager", seconds)
+    executable = Executable(_runs_by_schedule, config.backend, seconds)
     compiled = CompiledStep(captured, records, executable, capture_seconds, description=description)
     compiled.digest, compiled.pipeline = digest(description), program
     if group.distributed:
@@ -95,15 +98,20 @@ def _parts(stage: StageRun) -> list[Part]:
     return [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
 
 
-def _compile_stage(g: StageGraphs, ctx: PassContext, graphs: OrderedDict[str, fx.GraphModule]) -> StageRun:
+def _compile_stage(
+    g: StageGraphs, ctx: PassContext, graphs: OrderedDict[str, fx.GraphModule], backends: dict[str, str]
+) -> StageRun:
+    """The stage's five graphs lowered, each for its backend in ``backends`` (``Config.backend`` for those the
+    schedule runs, ``"eager"`` for the others: no compile for a graph that never runs)."""
     parts = []
-    for name in ("forward", "backward", "input_grad", "weight_grad", "update"):
-        records, executable = lower(getattr(g, name), ctx, "eager")
+    for name, backend in backends.items():
+        records, executable = lower(getattr(g, name), ctx, backend)
         final = records[-1].gm
         graphs[f"stage{g.stage}.{name}"] = final
         examples = [p.meta[VAL] for p in placeholders(final)]
         run, seconds = executable.run, executable.compile_seconds
-        parts.append(Part(run, input_specs(final), output_roles(final), examples, executable.updated_inputs, seconds))
+        updated = executable.updated_inputs
+        parts.append(Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend))
     return StageRun(g.stage, *parts)
 
 
