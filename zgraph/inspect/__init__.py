@@ -5,6 +5,9 @@ Files::
     explain.py   ``step.explain()`` and ``step.dump()``
     pipeline_view.py  explain() of a pipelined step: each block's stage and rank, the schedule's timeline and bubble
     estimate.py  ``step.estimate(...)``: memory and communication per rank, on meta stand-ins
+    model_state.py  the model state a step graph leaves, piece by piece and by kind
+    pipeline_estimate.py  the estimate of a pipelined step: each stage's memory, each rank's peak under the schedule
+    stage_parts.py  a pipeline's stage graphs measured, and a rank's actions walked in order: what it holds when
     shadow.py    the estimate's stand-ins: the call's modules and optimizers copied onto the meta device, traced
     liveness.py  bytes alive after each node and the peak
     budget.py    ``Config.memory_budget``: the fastest estimated combination of remat and offload that fits

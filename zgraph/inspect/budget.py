@@ -183,7 +183,14 @@ def prepare_plan(
     held: HeldCapture | None = None,
 ) -> Prepared:
     """The step captured once for planning (its repeated blocks marked; or ``held`` copied where it is that graph),
-    with the passes every combination shares (those before ``remat``) already run on it."""
+    with the passes every combination shares (those before ``remat``) already run on it. A pipelined step is
+    refused (``ValueError``): the planner does not plan per stage yet."""
+    if config.pipeline_parallel is not None:
+        raise ValueError(
+            "memory_budget does not plan pipelined steps yet (Config.pipeline_parallel): estimate without it and "
+            "read Estimate.stages (each stage's model state, the activations its schedule holds, its rank's peak), "
+            "then set Config.remat or more stages (pipeline_parallel) by hand"
+        )
     capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)
     prepared = prepare(call, capture_config, world_size, device=device, held=held)
     passes = capture_config.passes()
