@@ -14,7 +14,7 @@ from pipeline_cases import Net, batches, step, step_of, train
 
 import zgraph
 
-CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean"]
+CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "memory_budget"]
 PARAMS = [name for name, _ in Net().named_parameters()]
 
 
@@ -76,6 +76,14 @@ def test_the_estimate_gives_each_rank_the_state_a_pipelined_run_holds(two_ranks)
         stages = [s for s in e.stages if s.rank == rank]
         for kind in ("params", "grads", "optimizer", "total"):
             assert sum(s.model_state_bytes[kind] for s in stages) == held["state"][kind], (rank, kind)
+
+
+def test_a_memory_budget_recomputes_only_the_blocks_of_the_rank_that_needs_it(two_ranks):
+    """``Config.memory_budget`` with pipelines (issue 42, item 4): planned per rank on every rank alike; the
+    parameters equal eager's (``test_two_stages_on_two_ranks_equal_eager_on_the_whole_batch``)."""
+    first, second = two_ranks["memory_budget"]
+    want = {f"model.blocks.{i}": "full" if i < 2 else None for i in range(4)}
+    assert first["plan"] == second["plan"] == {"remat": want}
 
 
 def test_interleaving_puts_every_other_block_on_each_rank(two_ranks):

@@ -187,7 +187,8 @@ class Config(DeprecatedNames):
     each left at its default, it picks the combination predicted fastest (``Estimate.step_seconds``) whose
     estimated peak fits; ``explain()`` shows it. An int, a string with a unit (``"12GiB"``, ``"500MB"``), or
     ``"auto"``: the device's free memory (on the CPU, available host memory shared by the node's ranks), the least
-    over the ranks. A budget nothing fits raises ``zgraph.MemoryBudgetError`` before anything changes. None
+    over the ranks. A budget nothing fits raises ``zgraph.MemoryBudgetError`` before anything changes. With
+    ``pipeline_parallel``, ``remat`` is planned per rank of the pipeline (``zgraph.inspect.pipeline_budget``). None
     (default): no planning."""
 
     measure_collectives: bool = True

@@ -141,7 +141,7 @@ class DistributedStep:
         copies the step's own capture where it is the graph it would trace (``zgraph.inspect.reuse``).
 
         A pipelined step (``Config.pipeline_parallel``) is estimated per stage and rank: ``Estimate.stages`` and
-        ``Estimate.bubble`` (``zgraph.inspect.pipeline_estimate``); ``memory_budget`` does not plan it yet."""
+        ``Estimate.bubble`` (``zgraph.inspect.pipeline_estimate``); ``memory_budget`` plans it per rank."""
         call = StepCall.of(self.__wrapped__, args, kwargs)
         config = self.config
         held = self._dispatch.held_capture(call)  # the step's own capture of this call, copied where it serves

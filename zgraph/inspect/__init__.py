@@ -11,6 +11,7 @@ Files::
     shadow.py    the estimate's stand-ins: the call's modules and optimizers copied onto the meta device, traced
     liveness.py  bytes alive after each node and the peak
     budget.py    ``Config.memory_budget``: the fastest estimated combination of remat and offload that fits
+    pipeline_budget.py  ``Config.memory_budget`` of a pipelined step: per rank, the lightest remat that fits
     reuse.py     an estimate of a call the step has captured copies the step's capture instead of tracing
     variants.py  estimates of several configs of one captured step, the passes they share run once
     budget_sizes.py  the argument sizes a budget's plan is for; a larger call is planned again

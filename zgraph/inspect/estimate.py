@@ -205,7 +205,7 @@ def estimate_pipeline(
     prepared = prepare(first, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     world, captured = prepared.group.world_size, prepared.captured
     if world % config.pipeline_parallel:
-        raise ValueError(f"{pipeline_world_error(config.pipeline_parallel, world)}; pass world_size= to estimate")
+        raise ValueError(f"{pipeline_world_error(config.pipeline_parallel, world)} (step.estimate: pass world_size=)")
     if size_symbols(captured.gm):
         raise EstimateError("step.estimate of a pipelined step traces static sizes: leave zgraph.mark_dynamic off")
     ctx = stage_context(prepared.binding)
