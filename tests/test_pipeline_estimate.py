@@ -114,8 +114,9 @@ def test_bad_input_is_refused_before_anything_changes():
         compiled.estimate(model, opt, x, y, world_size=3)
     with pytest.raises(ValueError, match="pass world_size="):
         compiled.estimate(model, opt, x, y)  # one process
+    full = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=2, microbatches=4, remat="full"))(step)
     with pytest.raises(zgraph.MemoryBudgetError, match=r"rank 0 [\d,]+ bytes \(remat='full'\), rank 1"):
-        compiled.estimate(model, opt, x, y, world_size=2, memory_budget=1000)
+        full.estimate(model, opt, x, y, world_size=2, memory_budget=1000)  # one policy given: one estimate
     with pytest.raises(zgraph.EstimateError, match="sizes="):
         compiled.estimate(model, opt, x, y, world_size=2, sizes={"s0": 4})
     with pytest.raises(ValueError, match="does not divide the batch"):
