@@ -91,7 +91,8 @@ def train(make: Callable[[], nn.Module] = Net, loss: str = "", **config: object)
     stage = next(iter(compiled._dispatch.last.pipeline.stages.values()))  # this rank's first stage
     parts = ("forward", "backward", "input_grad", "weight_grad", "update")
     backends = {name: getattr(stage, name).backend for name in parts}
-    return {"want": want, "got": got, "owned": owned, "distance": distance, "backends": backends}
+    plan = compiled.memory_plan.chosen.changes if compiled.memory_plan is not None else None
+    return {"want": want, "got": got, "owned": owned, "distance": distance, "backends": backends, "plan": plan}
 
 
 def _params(gm: torch.fx.GraphModule) -> list:
@@ -115,6 +116,22 @@ split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
 sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
 token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
 inductor = on_ranks(schedule="zb_h1", microbatches=2, backend="inductor")
+
+
+def memory_budget(rank: int, world: int) -> list[dict]:
+    """``Config.memory_budget`` between rank 0's peak with and without full remat, above rank 1's without it (1F1B
+    holds more micro-batches on rank 0): the plan recomputes rank 0's blocks only (issue 42, item 4)."""
+    pipeline = {"pipeline_parallel": world, "schedule": "1f1b", "microbatches": 4}
+    none, full = (budget_estimate(world, remat=remat, **pipeline) for remat in (None, "full"))
+    budget = max(full.stages[0].peak_bytes, none.stages[1].peak_bytes)
+    return all_gather_values({**train(memory_budget=budget, **pipeline), "budget": budget})
+
+
+def budget_estimate(world: int, **config: object) -> zgraph.Estimate:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
+    return compiled.estimate(model, opt, *batches()[0], world_size=world)
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

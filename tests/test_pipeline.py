@@ -14,7 +14,7 @@ from pipeline_cases import Net, batches, step, step_of, train
 
 import zgraph
 
-CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean"]
+CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "memory_budget"]
 PARAMS = [name for name, _ in Net().named_parameters()]
 
 
@@ -76,6 +76,29 @@ def test_each_rank_holds_only_its_stages_state_and_the_whole_model_still_comes_o
         for key in ("full", "full_opt", "gathered", "loaded", "loaded_opt", "exported", *reloads):
             assert r[key] < 1e-6, (key, r[key])
         assert r["continued"] < 1e-6 and r["after_load"] == r["state"]
+
+
+def test_the_estimate_gives_each_rank_the_state_a_pipelined_run_holds(two_ranks):
+    """``step.estimate`` (issue 42, item 4), in this process, against the state bytes each rank held after
+    ``stage_state``'s 3 pipelined steps (1F1B, 4 micro-batches)."""
+    result = two_ranks["stage_state"]
+    assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = zgraph.Config(backend="eager", pipeline_parallel=2, schedule="1f1b", microbatches=4)
+    e = zgraph.distribute(config)(step).estimate(model, opt, *batches()[0], world_size=2)
+    for rank, held in enumerate(result):
+        stages = [s for s in e.stages if s.rank == rank]
+        for kind in ("params", "grads", "optimizer", "total"):
+            assert sum(s.model_state_bytes[kind] for s in stages) == held["state"][kind], (rank, kind)
+
+
+def test_a_memory_budget_recomputes_only_the_blocks_of_the_rank_that_needs_it(two_ranks):
+    """``Config.memory_budget`` with pipelines (issue 42, item 4): planned per rank on every rank alike; the
+    parameters equal eager's (``test_two_stages_on_two_ranks_equal_eager_on_the_whole_batch``)."""
+    first, second = two_ranks["memory_budget"]
+    want = {f"model.blocks.{i}": "full" if i < 2 else None for i in range(4)}
+    assert first["plan"] == second["plan"] == {"remat": want}
 
 
 def test_interleaving_puts_every_other_block_on_each_rank(two_ranks):
@@ -152,8 +175,12 @@ def test_explain_shows_each_blocks_stage_and_the_schedules_timeline():
     assert "stage 1 (rank 0): 2 blocks (model.blocks.2, model.blocks.3)" in text
     assert "rank 0: 0F0 1F0 1B0 1B0 0F1 0B0 0B0 1F1 1B1 1B1 0B1 0B1" in text
     assert {"stage0.forward", "stage1.update"} <= set(compiled.graphs)
-    with pytest.raises(zgraph.EstimateError, match="does not model pipeline parallelism yet"):
-        compiled.estimate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)
+    e = compiled.estimate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), x, y)  # issue 42, item 4
+    assert [(s.stage, s.rank, s.blocks) for s in e.stages] == [
+        (0, 0, ("model.blocks.0", "model.blocks.1")),
+        (1, 0, ("model.blocks.2", "model.blocks.3")),
+    ]
+    assert e.bubble == 0.0 and not e.comm_bytes, "stages on one rank: no idle time, nothing sent"
 
 
 @pytest.mark.parametrize("loss", ["sum", "token_mean", "scaled_mean"])

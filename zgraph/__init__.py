@@ -48,6 +48,7 @@ from zgraph.errors import (
     ZGraphError,
 )
 from zgraph.inspect.estimate import Estimate, EstimateError
+from zgraph.inspect.pipeline_estimate import StageEstimate
 from zgraph.pipeline_data import pipeline_batch
 from zgraph.sequence import shard_sequence
 from zgraph.step import DistributedStep, distribute
@@ -71,6 +72,7 @@ __all__ = [
     "RankFailedError",
     "RankMismatchError",
     "ShardedParameterError",
+    "StageEstimate",
     "ZGraphError",
     "consolidate",
     "distribute",

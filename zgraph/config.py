@@ -192,8 +192,8 @@ class Config(DeprecatedNames):
     each left at its default, it picks the combination predicted fastest (``Estimate.step_seconds``) whose
     estimated peak fits; ``explain()`` shows it. An int, a string with a unit (``"12GiB"``, ``"500MB"``), or
     ``"auto"``: the device's free memory (on the CPU, available host memory shared by the node's ranks), the least
-    over the ranks. A budget nothing fits raises ``zgraph.MemoryBudgetError`` before anything changes. None
-    (default): no planning."""
+    over the ranks. A budget nothing fits raises ``zgraph.MemoryBudgetError`` before anything changes. Pipelines:
+    ``remat`` planned per rank (``zgraph.inspect.pipeline_budget``). None (default): no planning."""
 
     measure_collectives: bool = True
     """Fit the collective cost model (latency + bytes / bandwidth) by a short measurement on the first call, cached

@@ -360,7 +360,6 @@ def check_pipeline(config: Any) -> None:
         "stage": config.stage != 0,
         "sequence_parallel": config.sequence_parallel is not None,
         "shard_group_size": config.shard_group_size is not None,
-        "memory_budget": config.memory_budget is not None,
         "loss_scale": config.loss_scale is not None,
         "max_grad_norm": config.max_grad_norm is not None,
         "offload_optimizer": config.offload_optimizer is not None,
@@ -371,8 +370,8 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            "run with stage=0, without sequence parallelism, hybrid sharding, memory_budget, loss scaling, "
-            "max_grad_norm or offload"
+            "run with stage=0, without sequence parallelism, hybrid sharding, loss scaling, max_grad_norm or "
+            "offload"
         )
     world = known_world_size()
     if world is not None and world % p:

@@ -140,7 +140,10 @@ class DistributedStep:
         with ``memory_budget``, the plan is for ``sizes``.
 
         A call the step has made with the same guard key (sizes, dtypes, state) is not traced again: the estimate
-        copies the step's own capture where it is the graph it would trace (``zgraph.inspect.reuse``)."""
+        copies the step's own capture where it is the graph it would trace (``zgraph.inspect.reuse``).
+
+        A pipelined step (``Config.pipeline_parallel``) is estimated per stage and rank: ``Estimate.stages`` and
+        ``Estimate.bubble`` (``zgraph.inspect.pipeline_estimate``); ``memory_budget`` plans it per rank."""
         call = StepCall.of(self.__wrapped__, args, kwargs)
         config = self.config
         held = self._dispatch.held_capture(call)  # the step's own capture of this call, copied where it serves

@@ -13,6 +13,7 @@ at ``--micro-batch`` (``zgraph.inspect.budget``: remat, offload, reuse), without
 priced at ``--inter-node-gbps`` and ``--inter-node-latency-us`` (defaults: ``zgraph.runtime.cost_model.INTER_NODE``)
 and their bytes are printed apart from those within a node; ``--shard-group-size`` (hybrid sharding) and
 ``--secondary-shard-group-size`` (hpZ) set the ``Config`` fields of those names.
+``--pipeline-parallel P`` estimates a pipelined step, a row per stage (``zgraph.cli.estimate_pipeline``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import functools
 import gc
 import json
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -30,6 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from zgraph.binding.arguments import StepCall
+from zgraph.cli.estimate_pipeline import add_arguments as add_pipeline_arguments
+from zgraph.cli.estimate_pipeline import describe_pipeline, pipeline_fields, pipeline_of, stage_rows
+from zgraph.cli.units import EstimateInputError, gib, parse_bytes
 from zgraph.config import Config
 from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama, LlamaConfig
 from zgraph.demos.models import BENCH_GPT, GPT, GPT_100M, GPTConfig, lm_loss
@@ -56,28 +59,8 @@ MODELS: dict[str, tuple[Callable[[int], nn.Module], int, int]] = {  # name: (bui
     "llama-70b": (_llama(LLAMA_70B), LLAMA_70B.vocab, 512),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
-_UNITS.update({"GIB": 2**30, "TIB": 2**40})
 BF16_RECIPE = {"param_dtype": "bf16", "master_dtype": "bf16", "optimizer_state_dtype": "bf16", "autocast": "bf16"}
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the backend an estimate plans collectives for, per device
-
-
-class EstimateInputError(ValueError):
-    """Bad command-line input: printed as one line, exit status 1."""
-
-
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``1.5TiB``, ``1000000`` → bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS:
-        raise EstimateInputError(f"cannot read the budget {text!r}: write a number of bytes like 80GiB or 40GB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def gib(n: float) -> str:
-    """Bytes, readably: GiB from 1 GiB up, else MiB."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu (gloo) or cuda (NCCL's collectives, CUDA's attention, autocast and allocator; the CPU plan's peak "
         "beside it); default cpu",
     )
-    parser.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3 (default 3)")
+    parser.add_argument(
+        "--stage", type=int, default=None, help="ZeRO stage 0-3 (default 3; 0 with --pipeline-parallel)"
+    )
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     parser.add_argument(
@@ -110,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--secondary-shard-group-size", type=int, default=None, help="Config.secondary_shard_group_size (hpZ, stage 3)"
     )
+    add_pipeline_arguments(parser)
     parser.add_argument("--budget", default=None, help="memory per rank, e.g. 80GiB: the largest micro-batch that fits")
     parser.add_argument(
         "--plan",
@@ -135,6 +121,7 @@ class Setting:
     ranks_per_node: int | None = None
     inter_node: tuple[float | None, float | None] = (None, None)  # Gbit/s, seconds of latency
     sequence_parallel: int | None = None  # each rank traces its slice of every sequence
+    pipeline: tuple[int, int, str, int] | None = None  # P, M, schedule, virtual stages
 
     def config(self) -> Config:
         d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
@@ -149,6 +136,7 @@ class Setting:
             shard_group_size=self.groups[0],
             secondary_shard_group_size=self.groups[1],
             sequence_parallel=self.sequence_parallel,
+            **pipeline_fields(self.pipeline),
         )
 
     def describe(self) -> str:
@@ -157,6 +145,7 @@ class Setting:
         names = ("shard_group_size", "secondary_shard_group_size")
         groups = "".join(f", {name}={size}" for name, size in zip(names, self.groups) if size)
         groups += f", sequence_parallel={self.sequence_parallel}" if self.sequence_parallel else ""
+        groups += describe_pipeline(self.pipeline)
         return f"stage {self.stage}" + (f", {', '.join(chosen)}" if chosen else ", fp32") + reuse + groups
 
 
@@ -171,9 +160,10 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
 def _meta_call(setting: Setting, micro_batch: int) -> StepCall:
     """A call of the plain AdamW step on the setting's model built on the meta device, at ``micro_batch``."""
     build, _, _ = MODELS[setting.model]
+    batch = micro_batch * (setting.pipeline[1] if setting.pipeline else 1)  # a pipeline's call: M micro-batches
     with torch.device("meta"):
         model = build(setting.seq)
-        idx = torch.zeros(micro_batch, setting.seq // (setting.sequence_parallel or 1), dtype=torch.long)
+        idx = torch.zeros(batch, setting.seq // (setting.sequence_parallel or 1), dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return StepCall.of(_train_step, (model, opt, idx, idx), {})
 
@@ -225,6 +215,8 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
         raise EstimateInputError(f"--world must be at least 1, got {args.world}")
     if args.device not in DEVICES:
         raise EstimateInputError(f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}")
+    if args.stage is None:
+        args.stage = 0 if args.pipeline_parallel is not None else 3
     if args.stage not in (0, 1, 2, 3):
         raise EstimateInputError(f"--stage must be 0, 1, 2 or 3, got {args.stage}")
     if args.micro_batch < 1:
@@ -239,7 +231,7 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     latency = args.inter_node_latency_us * 1e-6 if args.inter_node_latency_us is not None else None
     setting = Setting(args.model, args.world, args.stage, seq, dtypes, args.max_reuse_distance, args.device, groups)
     links = {"ranks_per_node": args.ranks_per_node, "inter_node": (args.inter_node_gbps, latency)}
-    setting = replace(setting, sequence_parallel=args.sequence_parallel, **links)
+    setting = replace(setting, sequence_parallel=args.sequence_parallel, pipeline=pipeline_of(args), **links)
     if args.sequence_parallel and seq % args.sequence_parallel:
         raise EstimateInputError(f"--seq {seq} does not divide by --sequence-parallel {args.sequence_parallel}")
     try:
@@ -282,7 +274,7 @@ def table(setting: Setting, micro_batch: int, e: Estimate) -> str:
         rows.append(f"    as {BACKENDS[e.device]} runs them: {ops}")
         links = e.link_bytes
         rows.append(f"    within a node {gib(links['intra_node']):>12}, across nodes {gib(links['inter_node']):>12}")
-    return "\n".join(rows)
+    return "\n".join(rows + stage_rows(e))
 
 
 def plot(e: Estimate, path: str, title: str) -> bool:

@@ -28,7 +28,7 @@ from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.config_checks import pipeline_world_error
 from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
-from zgraph.passes import Pass, PassContext, run_passes
+from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
@@ -54,15 +54,8 @@ def compile_pipeline(
     if group.world_size % config.pipeline_parallel:
         raise ValueError(pipeline_world_error(config.pipeline_parallel, group.world_size))
     place = group.rank % config.pipeline_parallel  # this rank's place in its pipeline
-    ctx = PassContext(params=pass_context(binding).params)  # no process group: the stages' own groups come later
-    stages = config.pipeline_parallel * config.pipeline_virtual_stages
-    cut = functools.partial(stage_cut, stages=stages, split=config.pipeline_split)
-    passes = [p for p in config.passes() if p.name in _PASSES_BEFORE_THE_CUT]
-    loss = Pass("micro_batch_loss", micro_batch_loss, requires={"phases"})
-    records = run_passes(captured.gm, ctx, [loss, *passes, Pass("stage_cut", cut, requires={"phases"})])
-    every = stage_graphs(records[-1].gm)
-    count = config.microbatches or config.pipeline_parallel
-    schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
+    ctx = stage_context(binding)
+    records, every, schedule = cut_stages(captured.gm, ctx, config)
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
     used = {a.kind for actions in schedule.actions for a in actions}
     backends = {name: config.backend if kind is None or kind in used else "eager" for name, kind in _KINDS.items()}
@@ -79,6 +72,27 @@ def compile_pipeline(
     if group.distributed:
         _release_other_stages(binding, records[-1].gm.meta[STAGE_PLAN], schedule, group)
     return compiled
+
+
+def stage_context(binding: Binding) -> PassContext:
+    """The pass context of a pipeline's cut and stage graphs: no process group (the stages' own come later)."""
+    return PassContext(params=pass_context(binding).params)
+
+
+def cut_stages(
+    gm: fx.GraphModule, ctx: PassContext, config: Config, keep: bool = True
+) -> tuple[list[PassRecord], list[StageGraphs], Schedule]:
+    """``gm`` (traced on one micro-batch) through the passes before the cut and ``stage_cut``: the records, every
+    stage's graphs and the schedule (``step.estimate`` reads the same; ``keep``: as for ``run_passes``)."""
+    assert config.pipeline_parallel is not None
+    stages = config.pipeline_parallel * config.pipeline_virtual_stages
+    cut = functools.partial(stage_cut, stages=stages, split=config.pipeline_split)
+    passes = [p for p in config.passes() if p.name in _PASSES_BEFORE_THE_CUT]
+    loss = Pass("micro_batch_loss", micro_batch_loss, requires={"phases"})
+    records = run_passes(gm, ctx, [loss, *passes, Pass("stage_cut", cut, requires={"phases"})], keep=keep)
+    count = config.microbatches or config.pipeline_parallel
+    schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
+    return records, stage_graphs(records[-1].gm), schedule
 
 
 def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, group: ProcessGroupInfo) -> None:

@@ -40,6 +40,7 @@ from zgraph.compile.build import pass_context
 from zgraph.config import Config
 from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.estimate import Estimate, Prepared, estimate_variant, prepare
+from zgraph.inspect.pipeline_budget import plan_pipeline
 from zgraph.inspect.reuse import HeldCapture
 from zgraph.inspect.variants import estimate_variants
 from zgraph.passes import run_passes
@@ -149,7 +150,10 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan for ``call`` under ``budget`` (bytes per rank, or ``"auto"``). Raises ``MemoryBudgetError``, naming
     the smallest budget that fits and what fills it, when nothing fits. ``"auto"`` takes the least free memory
-    over ``process_group`` (None: the default group)."""
+    over ``process_group`` (None: the default group). A pipelined step is planned per rank of the pipeline
+    (``zgraph.inspect.pipeline_budget``)."""
+    if config.pipeline_parallel is not None:
+        return _pipeline_plan(call, config, budget, world_size, device, process_group)
     prepared = prepare_plan(call, config, world_size, device)
     nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
     return plan_prepared(prepared, config, nbytes)
@@ -170,6 +174,8 @@ def plan_for_sizes(
     will see, a ``mark_dynamic`` ``max=`` or the largest seen so far; the others at the call's sizes), so the plan
     fits every smaller size too. A larger size later needs a plan of its own (the caller plans again). ``held``: the
     step's own capture of the call, copied where it is the graph the plan would trace (``zgraph.inspect.reuse``)."""
+    if config.pipeline_parallel is not None and not sizes:
+        return _pipeline_plan(call, config, budget, world_size, device, process_group)
     prepared = dataclasses.replace(prepare_plan(call, config, world_size, device, held), sizes=dict(sizes))
     nbytes = free_bytes(prepared.device, process_group) if budget == "auto" else int(budget)
     return plan_prepared(prepared, config, nbytes)
@@ -183,7 +189,13 @@ def prepare_plan(
     held: HeldCapture | None = None,
 ) -> Prepared:
     """The step captured once for planning (its repeated blocks marked; or ``held`` copied where it is that graph),
-    with the passes every combination shares (those before ``remat``) already run on it."""
+    with the passes every combination shares (those before ``remat``) already run on it. A pipelined step with
+    symbolic sizes is refused (``ValueError``)."""
+    if config.pipeline_parallel is not None:
+        raise ValueError(
+            "memory_budget plans a pipelined step (Config.pipeline_parallel) at static sizes only: leave "
+            "zgraph.mark_dynamic off, or set Config.remat by hand from Estimate.stages"
+        )
     capture_config = dataclasses.replace(config, remat="selective", memory_budget=None)
     prepared = prepare(call, capture_config, world_size, device=device, held=held)
     passes = capture_config.passes()
@@ -194,6 +206,25 @@ def prepare_plan(
     records = run_passes(prepared.captured.gm, ctx, passes[:shared], keep=False)
     captured = dataclasses.replace(prepared.captured, gm=records[-1].gm)
     return dataclasses.replace(prepared, captured=captured, ran=shared)
+
+
+def _pipeline_plan(
+    call: StepCall,
+    config: Config,
+    budget: int | str,
+    world_size: int | None,
+    device: str | torch.device | None,
+    process_group: dist.ProcessGroup | None,
+) -> MemoryPlan:
+    """``plan_memory`` of a pipelined step: a remat policy per rank (``zgraph.inspect.pipeline_budget``)."""
+
+    def free(planned: torch.device) -> int:
+        return free_bytes(planned, process_group)
+
+    nbytes, changes, estimate, considered = plan_pipeline(call, config, budget, world_size, device, free)
+    return MemoryPlan(
+        budget=nbytes, chosen=Choice(changes=changes, estimate=estimate), nearest=(), considered=considered
+    )
 
 
 def plan_prepared(prepared: Prepared, config: Config, nbytes: int) -> MemoryPlan:

@@ -33,29 +33,23 @@ from typing import Any
 
 import sympy
 import torch
-import torch.fx as fx
 
 from zgraph.binding.arguments import StepCall
 from zgraph.binding.guards import discover
 from zgraph.binding.host_layout import host_layout
+from zgraph.binding.micro_batches import microbatches, split_call
 from zgraph.binding.setup import plan_state
 from zgraph.capture.captured import CapturedGraph
 from zgraph.compile.build import pass_context
 from zgraph.compile.lower import lower
+from zgraph.compile.pipeline import cut_stages, stage_context
 from zgraph.config import Config
-from zgraph.graph import (
-    INPUT,
-    OUTPUTS,
-    STATE_KINDS,
-    VAL,
-    CostModel,
-    output_node,
-    placeholders,
-    state_key,
-    tensor_bytes,
-)
+from zgraph.config_checks import pipeline_world_error
+from zgraph.graph import CostModel
 from zgraph.graph_copy import copy_graph_module
-from zgraph.inspect.liveness import cuda_block_bytes, liveness, offloaded
+from zgraph.inspect.liveness import liveness
+from zgraph.inspect.model_state import state_pieces, state_totals
+from zgraph.inspect.pipeline_estimate import Planned, StageEstimate, pipeline_figures
 from zgraph.inspect.reuse import HeldCapture, reused
 from zgraph.inspect.shadow import EstimateError, capture_standins, marked_dims, shadow_call
 from zgraph.passes import run_passes
@@ -70,7 +64,6 @@ from zgraph.runtime.timeline import estimate as timeline
 from zgraph.sizes import size_symbols
 
 ESTIMATE_GROUP = "zgraph-estimate"  # the group an estimate's graph names; never created
-MODEL_STATE_KINDS = ("params", "master", "grads", "optimizer", "buffers", "offloaded")
 DEVICES = ("cpu", "cuda")  # the device types an estimate plans for
 
 
@@ -118,6 +111,17 @@ class Estimate:
         peak_formula: ``peak_bytes`` as an expression of the symbols (``sympy``): the bytes alive at the peak node,
             exact around ``sizes`` (the peak may move to another node far from them: estimate there again).
         activation_formula: ``activation_bytes`` likewise.
+        stages: a pipelined step (``Config.pipeline_parallel``): each stage's ``StageEstimate`` (its model state,
+            the activations the schedule holds, what it sends, its rank's peak and idle share); empty otherwise.
+            Ranks then differ: the per-rank fields above are those of the pipeline's rank with the largest peak
+            (``model_state_bytes``: its stages' state and every buffer, which each rank holds whole; ``peak_bytes``,
+            ``peak_node``: the action at its peak; ``activation_bytes``: the most saved values it holds at once,
+            over its stages and micro-batches); ``comm_*`` and ``link_bytes`` those of the rank sending the most,
+            with ``send`` (point-to-point, activations and their gradients) and, with ``world / P`` pipelines,
+            ``all_reduce`` (each stage's gradients over the pipelines); ``live_bytes`` is empty
+            (``zgraph.inspect.pipeline_estimate``).
+        bubble: a pipelined step: the schedule's predicted bubble, the share of rank-time no rank computes (unit
+            costs, as ``explain()``; ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B); None otherwise.
     """
 
     world_size: int
@@ -142,6 +146,8 @@ class Estimate:
     sizes: Mapping[str, int] = field(default_factory=dict)
     peak_formula: sympy.Expr | None = None
     activation_formula: sympy.Expr | None = None
+    stages: tuple[StageEstimate, ...] = ()
+    bubble: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``live_bytes`` left out; ``alive_at_peak``: the ten largest; formulas as text)."""
@@ -149,6 +155,7 @@ class Estimate:
         out["alive_at_peak"] = [list(item) for item in self.alive_at_peak[:10]]
         for name in ("peak_formula", "activation_formula"):
             out[name] = None if out[name] is None else str(out[name])
+        out["stages"] = [{**dataclasses.asdict(s), "model_state_bytes": dict(s.model_state_bytes)} for s in self.stages]
         return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
 
@@ -174,13 +181,64 @@ def estimate_step(
     ``held``: the step's own capture of this call, copied where it is the graph the estimate would trace
     (``zgraph.inspect.reuse``)."""
     if config.pipeline_parallel is not None:
-        raise EstimateError(
-            "step.estimate does not model pipeline parallelism yet (Config.pipeline_parallel): estimate the step "
-            "without it, or run it and read explain() for the stages and the schedule's predicted bubble"
-        )
+        return estimate_pipeline(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps, sizes)
     prepared = prepare(call, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps, held)
     config = prepared.config or config
     return estimate_variant(dataclasses.replace(prepared, sizes=dict(sizes or {})), config, copy=False)
+
+
+def estimate_pipeline(
+    call: StepCall,
+    config: Config,
+    world_size: int | None,
+    cost_model: CostModel | None,
+    device: str | torch.device | None,
+    ranks_per_node: int | None,
+    inter_node_gbps: float | None,
+    sizes: Mapping[str | tuple[str, int], int] | None,
+) -> Estimate:
+    """The ``Estimate`` of a pipelined step (``Config.pipeline_parallel``; ``estimate_step``'s arguments): traced on
+    its first micro-batch as the step captures it, cut by the pipeline's own passes, each stage and rank figured by
+    ``zgraph.inspect.pipeline_estimate``."""
+    assert config.pipeline_parallel is not None
+    if sizes:
+        raise EstimateError("step.estimate(sizes=...) does not combine with Config.pipeline_parallel yet")
+    first = split_call(call, microbatches(config))[0]
+    prepared = prepare(first, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
+    world, captured = prepared.group.world_size, prepared.captured
+    if world % config.pipeline_parallel:
+        raise ValueError(f"{pipeline_world_error(config.pipeline_parallel, world)} (step.estimate: pass world_size=)")
+    if size_symbols(captured.gm):
+        raise EstimateError("step.estimate of a pipelined step traces static sizes: leave zgraph.mark_dynamic off")
+    ctx = stage_context(prepared.binding)
+    records, every, schedule = cut_stages(captured.gm, ctx, config, keep=False)
+    cut = records[-1].gm
+    pieces = state_pieces(cut, captured, prepared.device.type)
+    planned = Planned(prepared.device.type, prepared.binding.cost_model, world, ranks_per_node)
+    figures = pipeline_figures(cut, every, schedule, pieces, config, ctx, planned)
+    top = max(figures.ranks, key=lambda r: r.peak_bytes)
+    sender = max(figures.ranks, key=lambda r: sum(r.comm_bytes.values()))
+    return Estimate(
+        world_size=world,
+        stage=config.stage,
+        params=sum(r.tensor.numel() for r in prepared.binding.params),
+        model_state_bytes=top.model_state_bytes,
+        peak_bytes=top.peak_bytes,
+        peak_node=f"rank {top.rank} of the pipeline: {top.peak_node}",
+        alive_at_peak=top.alive_at_peak,
+        comm_bytes=sender.comm_bytes,
+        comm_count=sender.comm_count,
+        comm_seconds=sender.comm_seconds,
+        cost_model_source=prepared.binding.cost_model.source,
+        comm_ops={{"send": "isend"}.get(k, k): n for k, n in sender.comm_count.items()},
+        nodes=figures.nodes,
+        device=prepared.device.type,
+        step_seconds=figures.step_seconds,
+        link_bytes=sender.link_bytes,
+        activation_bytes=top.activation_bytes,
+        stages=figures.stages,
+        bubble=figures.bubble,
+    )
 
 
 @dataclass(frozen=True)
@@ -253,7 +311,7 @@ def estimate_sizes(
     symbols = size_symbols(final)
     seconds = timeline(final, binding.cost_model, prepared.crossing).total + transfer_seconds(final, device.type)
     comm = collective_totals(final, binding.cost_model, prepared.crossing)
-    state = _model_state(final, captured, binding, config, device.type)
+    state = state_totals(state_pieces(final, captured, device.type), config)
     out = []
     for at in sizes:
         live = liveness(final, device.type, symbol_sizes(symbols, at))
@@ -336,34 +394,3 @@ def _cost_model(config: Config, group: ProcessGroupInfo, device: torch.device) -
     if config.measure_collectives:
         return known_cost_model(backend, device.type, group.world_size)
     return analytical_cost_model(backend)
-
-
-def _model_state(
-    final: fx.GraphModule, captured: CapturedGraph, binding: Binding, config: Config, device: str
-) -> dict[str, int]:
-    """Bytes of the state the graph leaves: each piece's output value, else its input (``.grad`` the step sets
-    to None excepted); on ``"cuda"``, each tensor's allocator block."""
-    after: dict[tuple, tuple] = {}
-    for node in placeholders(final):
-        spec = node.meta[INPUT]
-        if spec.kind in STATE_KINDS and not (spec.kind == "grad" and spec.index in captured.none_grads):
-            after[state_key(spec)] = (spec, node.meta[VAL])
-    out = output_node(final)
-    for value, role in zip(out.args[0], out.meta[OUTPUTS]):
-        if role.kind in STATE_KINDS:
-            after[state_key(role)] = (role, value.meta[VAL] if hasattr(value, "meta") else value)
-    compute = config.param_dtype
-    totals = dict.fromkeys(MODEL_STATE_KINDS, 0)
-    stored = {state_key(n.meta[INPUT]) for n in placeholders(final) if offloaded(n)}
-    for key, (spec, val) in after.items():
-        nbytes = cuda_block_bytes(tensor_bytes(val)) if device == "cuda" else tensor_bytes(val)
-        if key in stored:
-            totals["offloaded"] += nbytes
-            continue
-        if spec.kind == "param":
-            wider = compute is not None and val.is_floating_point() and val.element_size() > compute.itemsize
-            totals["master" if wider else "params"] += nbytes
-        else:
-            totals[{"grad": "grads", "opt_state": "optimizer", "buffer": "buffers"}[spec.kind]] += nbytes
-    totals["total"] = sum(v for k, v in totals.items() if k != "offloaded")
-    return totals

@@ -1,0 +1,193 @@
+"""``step.estimate`` and ``zgraph estimate`` of a pipelined step (issue 42, item 4), in process (an estimate needs no
+ranks): each stage's model state against the exact bytes of its parameters and their AdamW state, the micro-batches
+the schedule holds (1F1B: ``P - rank``; GPipe: ``M``), the bubble against ``(P - 1) / (M + P - 1)``, the bytes sent
+between stages and reduced over pipelines, the peak on one process against the measured one, the command's table
+and JSON, and what is refused. ``tests/test_pipeline.py`` compares each stage's state with what each of two gloo
+ranks holds after pipelined steps."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+
+import cli_runner
+import pytest
+import torch
+from pipeline_cases import BATCH, LR, Net, batches, step
+
+import zgraph
+from zgraph.runtime.memory import LiveTensorBytes, state_bytes
+
+WIDTH = 8  # Net's hidden size: what crosses each stage boundary is (rows, WIDTH) fp32
+
+
+def estimate(world: int | None = None, **config: object) -> tuple[zgraph.Estimate, Net]:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
+    return compiled.estimate(model, opt, *batches()[0], world_size=world), model
+
+
+def stage_parameters(model: Net, stage: zgraph.StageEstimate, stages: int) -> list[torch.nn.Parameter]:
+    """The parameters of a stage's blocks, the input layer's at the first stage and the head's at the last."""
+    modules = [model.get_submodule(name.partition(".")[2]) for name in stage.blocks]
+    modules += [model.inp] if stage.stage == 0 else []
+    modules += [model.head] if stage.stage == stages - 1 else []
+    return [p for m in modules for p in m.parameters()]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_holds_its_parameters_state_and_the_schedules_micro_batches(p, schedule):
+    m = 4
+    e, model = estimate(world=p, pipeline_parallel=p, microbatches=m, schedule=schedule)
+    assert e.bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert [s.rank for s in e.stages] == list(range(p))
+    assert sorted(b for s in e.stages for b in s.blocks) == [f"model.blocks.{i}" for i in range(4)]
+    for s in e.stages:
+        params = stage_parameters(model, s, p)
+        nbytes = sum(q.numel() * 4 for q in params)
+        assert s.model_state_bytes["params"] == nbytes
+        assert s.model_state_bytes["optimizer"] == 2 * nbytes + 4 * len(params)  # exp_avg, exp_avg_sq; 0-d step
+        assert s.model_state_bytes["grads"] == 0  # the step's zero_grad leaves none
+        assert s.in_flight == (m if schedule == "gpipe" else p - s.rank)
+        assert s.activation_bytes == s.saved_bytes * s.in_flight > 0
+        assert s.bubble == pytest.approx(e.bubble)
+        boundary = BATCH * WIDTH * 4  # every micro-batch's rows, one way
+        assert s.send_bytes == boundary * ((s.stage < p - 1) + (s.stage > 0))
+    top = max(e.stages, key=lambda s: s.peak_bytes)  # one stage per rank: the per-rank fields are its rank's
+    assert (e.peak_bytes, e.activation_bytes) == (top.peak_bytes, top.activation_bytes)
+    assert e.model_state_bytes == top.model_state_bytes
+    assert e.peak_node.startswith(f"rank {top.rank} of the pipeline: ")
+    assert e.comm_bytes["send"] == max(s.send_bytes for s in e.stages)
+    assert e.comm_count["send"] == m * (2 if p > 2 else 1)  # one tensor each way per micro-batch
+
+
+def test_pipelines_over_more_ranks_all_reduce_each_stages_gradients_once():
+    e, _ = estimate(world=4, pipeline_parallel=2, microbatches=4)
+    first = e.stages[0]  # the larger stage: the rank sending the most
+    assert e.comm_count["all_reduce"] == 1, "one flat bucket per stage and dtype, whatever M is"
+    assert e.comm_bytes["all_reduce"] == first.model_state_bytes["params"]
+    assert e.comm_ops == {"isend": 4, "all_reduce": 1}
+    assert e.to_json()["stages"][0]["model_state_bytes"] == dict(first.model_state_bytes)
+
+
+def test_zero_bubble_and_interleaving_predict_a_smaller_bubble():
+    zb, _ = estimate(world=2, pipeline_parallel=2, microbatches=4, schedule="zb_h1")
+    interleaved, _ = estimate(
+        world=2, pipeline_parallel=2, microbatches=4, schedule="interleaved_1f1b", pipeline_virtual_stages=2
+    )
+    assert zb.bubble < 0.2 and interleaved.bubble < 0.2
+    assert [s.rank for s in interleaved.stages] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_the_peak_on_one_process_is_the_measured_one(schedule, virtual):
+    """Stages on one rank: the estimate's peak against the model state, the batch and the most bytes allocated
+    at once while a call runs (every allocation tracked)."""
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = batches()[0]
+    config = zgraph.Config(
+        backend="eager", pipeline_parallel=1, microbatches=4, schedule=schedule, pipeline_virtual_stages=virtual
+    )
+    compiled = zgraph.distribute(config)(step)
+    e = compiled.estimate(model, opt, x, y)
+    compiled(model, opt, x, y)  # AdamW's state made
+    gc.collect()
+    tracker = LiveTensorBytes()
+    with tracker:
+        compiled(model, opt, x, y)
+    held = state_bytes(model, opt)["total"] + x.nbytes + y.nbytes
+    assert e.model_state_bytes["total"] == state_bytes(model, opt)["total"]
+    assert e.peak_bytes == pytest.approx(held + tracker.peak, rel=0.03)
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=2, microbatches=4))(step)
+    x, y = batches()[0]
+    with pytest.raises(ValueError, match=r"must divide the world size \(3\).*pass world_size="):
+        compiled.estimate(model, opt, x, y, world_size=3)
+    with pytest.raises(ValueError, match="pass world_size="):
+        compiled.estimate(model, opt, x, y)  # one process
+    full = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=2, microbatches=4, remat="full"))(step)
+    with pytest.raises(zgraph.MemoryBudgetError, match=r"rank 0 [\d,]+ bytes \(remat='full'\), rank 1"):
+        full.estimate(model, opt, x, y, world_size=2, memory_budget=1000)  # one policy given: one estimate
+    with pytest.raises(zgraph.EstimateError, match="sizes="):
+        compiled.estimate(model, opt, x, y, world_size=2, sizes={"s0": 4})
+    with pytest.raises(ValueError, match="does not divide the batch"):
+        compiled.estimate(model, opt, x[:6], y[:6], world_size=2)
+    assert not opt.state and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_memory_budget_gives_each_rank_the_lightest_remat_that_fits():
+    """1F1B holds two micro-batches on rank 0, one on rank 1: a budget only rank 0 exceeds without remat
+    recomputes rank 0's blocks and no others; every rank's planned peak fits."""
+    pipeline = {"pipeline_parallel": 2, "microbatches": 4}
+    none, full = (estimate(world=2, remat=remat, **pipeline)[0] for remat in (None, "full"))
+    budget = max(full.stages[0].peak_bytes, none.stages[1].peak_bytes)
+    assert none.stages[0].peak_bytes > budget
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **pipeline))(step)
+    plan = compiled.estimate(model, opt, *batches()[0], world_size=2, memory_budget=budget)
+    assert plan.chosen.changes == {"remat": {f"model.blocks.{i}": "full" if i < 2 else None for i in range(4)}}
+    assert all(s.peak_bytes <= budget for s in plan.chosen.estimate.stages)
+    assert plan.chosen.estimate.stages[0].saved_bytes == full.stages[0].saved_bytes
+    assert plan.chosen.estimate.stages[1].saved_bytes == none.stages[1].saved_bytes
+
+
+def test_a_memory_budget_runs_as_planned_and_equals_eager():
+    """Stages on one process under ``Config.memory_budget``: the plan recomputes, the run equals eager, and the
+    measured peak is within the budget (and the estimate's 3 %)."""
+    pipeline = {"pipeline_parallel": 1, "pipeline_virtual_stages": 2, "schedule": "interleaved_1f1b", "microbatches": 4}
+    none, full = (estimate(remat=remat, **pipeline)[0] for remat in (None, "full"))
+    budget = (none.peak_bytes + full.peak_bytes) // 2
+    eager, model = Net(), Net()
+    eager_opt, opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (eager, model))
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", memory_budget=budget, **pipeline))(step)
+    tracker = LiveTensorBytes()
+    for i, (x, y) in enumerate(batches()):
+        with tracker if i == 2 else contextlib.nullcontext():  # the last step: AdamW's state exists
+            loss = compiled(model, opt, x, y)
+        torch.testing.assert_close(loss, step(eager, eager_opt, x, y), rtol=1e-6, atol=1e-6)
+    assert compiled.memory_plan is not None and compiled.memory_plan.chosen.changes["remat"] is not None
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    held = state_bytes(model, opt)["total"] + x.nbytes + y.nbytes
+    assert held + tracker.peak <= budget * 1.03
+
+
+def test_cli_prints_each_stage_and_the_bubble(capsys):
+    argv = ["estimate", "--model", "gpt-bench", "--world", "4", "--pipeline-parallel", "2", "--microbatches", "4"]
+    done = cli_runner.here(capsys, *argv, "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["bubble"] == pytest.approx(0.2) and out["stage"] == 0
+    assert [s["rank"] for s in out["stages"]] == [0, 1]
+    assert [s["in_flight"] for s in out["stages"]] == [2, 1]
+    assert set(out["comm_bytes"]) == {"send", "all_reduce"}
+    total = out["stages"][0]["model_state_bytes"]["total"] + out["stages"][1]["model_state_bytes"]["total"]
+    assert out["params"] * 4 * 3 < total < out["params"] * 4 * 3 * 1.01  # fp32 params, exp_avg, exp_avg_sq
+    table = cli_runner.here(capsys, *argv, "--schedule", "gpipe").stdout
+    assert "pipeline_parallel=2, 4 micro-batches, gpipe" in table
+    assert "predicted bubble 20.0%" in table
+    assert "blocks.0 .. blocks.1" in table and "blocks.2 .. blocks.3" in table
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--microbatches", "4"], "--microbatches is a pipeline option: add --pipeline-parallel P"),
+        (["--pipeline-parallel", "3"], "--pipeline-parallel 3 must be positive and divide --world 4"),
+        (["--pipeline-parallel", "2", "--budget", "1GiB"], "does not combine with --budget yet"),
+        (["--pipeline-parallel", "2", "--stage", "3"], "does not combine with stage=3 yet"),
+    ],
+)
+def test_cli_bad_pipeline_input_is_one_line_and_status_1(capsys, argv, says):
+    done = cli_runner.here(capsys, "estimate", "--model", "gpt-bench", "--world", "4", *argv)
+    assert done.returncode == 1 and says in done.stderr and done.stderr.count("\n") == 1, done.stderr

@@ -1,0 +1,176 @@
+"""A pipeline's stage graphs measured, and a rank's actions walked in order (``zgraph.inspect.pipeline_estimate``).
+
+``measure``: one stage graph lowered as the eager backend runs it, with its liveness (``zgraph.inspect.liveness``),
+its working memory (the liveness peak less the model state and batch it reads, held anyway), the bytes of its
+outputs by kind (storages counted once, none of the model state's or the batch's), and its seconds by the cost
+model's timeline. ``walk``: a rank's compute actions as ``zgraph.runtime.pipeline_run`` runs them, holding a
+micro-batch's saved values from its F to its B (or W; from I to W also the split backward's partial values and
+received gradients), a stage's gradient sums from its first backward to its update, and everything the rank sends
+until the step's end (its sends are waited for there); its peak is the most, over the actions and the updates, of
+what is held plus the action's working memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from zgraph.compile.lower import lower
+from zgraph.graph import INPUT, OUTPUTS, STATE_KINDS, VAL, CostModel, output_node, placeholders, tensor_bytes
+from zgraph.inspect.liveness import Liveness, cuda_block_bytes, liveness
+from zgraph.passes import PassContext
+from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
+from zgraph.runtime.timeline import estimate as timeline
+
+PART_OF = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad", Kind.W: "weight_grad"}
+PARTS = (*PART_OF.values(), "update")
+RESIDENT = (*STATE_KINDS, "input")  # graph inputs a rank holds all step anyway: model state and the batch
+_SENT = "sent, held until the step's end"
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One stage graph, lowered: its liveness, working memory, output bytes by kind, and seconds."""
+
+    name: str
+    live: Liveness
+    working: int
+    outputs: Mapping[str, int]
+    counts: Mapping[str, int]  # tensors per output kind
+    sent: Mapping[str, int]  # bytes per output kind as sent: each tensor's own (``outputs``: memory)
+    received: int  # its received gradients (kind ``activation_grad``): a split backward keeps them until W
+    by_dtype: Mapping[torch.dtype, int]  # bytes of its gradient contributions by dtype (a flat bucket's each)
+    sums: int  # memory of its gradient contributions (each tensor's; on CUDA its allocator block)
+    seconds: float
+    nodes: int
+
+
+def measure(
+    gm: fx.GraphModule, name: str, ctx: PassContext, device: str, cost_model: CostModel, held: set[StorageWeakRef]
+) -> StagePart:
+    """One stage graph lowered and measured; ``held``: the storages of the model state and the batch (a value
+    living in one, a weight's transpose a forward saves, is no memory of its own)."""
+    final = lower(gm, ctx, "eager", keep=False)[0][-1].gm
+    live = liveness(final, device)
+    inputs = [(n.meta[INPUT].kind, n.meta[VAL]) for n in placeholders(final)]
+    resident = sum(value_bytes(v, device) for kind, v in inputs if kind in RESIDENT or storage_of(v) in held)
+    out = output_node(final)
+    by_kind: dict[str, list] = defaultdict(list)
+    for value, role in zip(out.args[0], out.meta[OUTPUTS]):
+        by_kind[role.kind].append(value.meta.get(VAL) if isinstance(value, fx.Node) else value)
+    by_dtype: dict[torch.dtype, int] = Counter()
+    for value in by_kind.get("grad_contribution", []):
+        by_dtype[value.dtype] += tensor_bytes(value)
+    return StagePart(
+        name=name,
+        live=live,
+        working=max(0, live.peak_bytes - resident),
+        outputs={kind: _storage_bytes(values, device, held) for kind, values in by_kind.items()},
+        counts={kind: len(values) for kind, values in by_kind.items()},
+        sent={kind: tensor_bytes(values) for kind, values in by_kind.items()},
+        received=_storage_bytes([v for kind, v in inputs if kind == "activation_grad"], device, held),
+        by_dtype=dict(by_dtype),
+        sums=sum(value_bytes(v, device) for v in by_kind.get("grad_contribution", [])),
+        seconds=timeline(final, cost_model).total,
+        nodes=len(final.graph.nodes),
+    )
+
+
+def storage_of(value: object) -> StorageWeakRef | None:
+    """The storage a tensor lives in (the same for its views), None for another value."""
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def value_bytes(value: object, device: str) -> int:
+    """A tensor's bytes; on ``"cuda"``, its allocator block."""
+    nbytes = tensor_bytes(value)
+    return cuda_block_bytes(nbytes) if device == "cuda" else nbytes
+
+
+def _storage_bytes(values: Sequence[object], device: str, held: set[StorageWeakRef]) -> int:
+    """Bytes of the storages ``values`` live in, each once (a view saved beside its base counts once), but for
+    those of ``held`` (model state and the batch: a forward may save its micro-batch, a view of the batch)."""
+    seen = set(held)
+    total = 0
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            continue
+        ref = StorageWeakRef(value.untyped_storage())
+        if ref not in seen:
+            seen.add(ref)
+            nbytes = int(value.untyped_storage().nbytes())
+            total += cuda_block_bytes(nbytes) if device == "cuda" else nbytes
+    return total
+
+
+@dataclass
+class Walk:
+    """A rank's peak from ``walk``: bytes, where, what is alive there; the most bytes it holds for backwards at
+    once, and the most micro-batches in flight per stage."""
+
+    peak: int = -1
+    where: str = ""
+    alive: tuple[tuple[str, int], ...] = ()
+    activations: int = 0
+    in_flight: Counter = field(default_factory=Counter)
+
+    def at(self, nbytes: int, where: str, part: StagePart, held: Mapping[str, int]) -> None:
+        if nbytes > self.peak:
+            self.peak, self.where = nbytes, f"{where} ({part.name}, at node {part.live.peak_node})"
+            alive = [*part.live.alive_at_peak, *((name, n) for name, n in held.items() if n)]
+            self.alive = tuple(sorted(alive, key=lambda item: -item[1]))
+
+
+def walk(place: int, schedule: Schedule, parts: list[dict[str, StagePart]], resident: int) -> Walk:
+    """Rank ``place``'s actions in order, then its updates (module docstring); ``resident``: its model state and
+    the batch."""
+    out = Walk()
+    saved: dict[tuple[int, int], int] = {}  # by (stage, micro-batch): its saved values (and a split backward's)
+    summed: set[int] = set()
+    sent = 0
+    for a in schedule.compute(place):
+        part = parts[a.stage][PART_OF[a.kind]]
+        others = sum(saved.values()) - saved.get((a.stage, a.mb), 0)
+        sums = sum(stage_sums(parts[s]) for s in summed)
+        held = {"saved values of other micro-batches": others, "gradient sums": sums, _SENT: sent}
+        out.at(resident + others + sums + sent + part.working, str(a), part, held)
+        sent += _sent_by(a, schedule, parts)
+        if a.kind is Kind.F:
+            saved[a.stage, a.mb] = parts[a.stage]["forward"].outputs.get("saved", 0)
+        elif a.kind is Kind.I:
+            saved[a.stage, a.mb] += parts[a.stage]["input_grad"].outputs.get("partial", 0) + part.received
+        else:
+            saved.pop((a.stage, a.mb))
+            summed.add(a.stage)
+        out.activations = max(out.activations, sum(saved.values()))
+        out.in_flight[a.stage] = max(out.in_flight[a.stage], sum(1 for s, _ in saved if s == a.stage))
+    for s in range(place, schedule.stages, schedule.ranks):  # the updates, in stage order (``RankRunner.run``)
+        summed.discard(s)
+        part = parts[s]["update"]
+        sums = sum(stage_sums(parts[x]) for x in summed)
+        held = {"gradient sums of the rank's other stages": sums, _SENT: sent}
+        out.at(resident + sums + sent + part.working, f"stage {s}'s update", part, held)
+    return out
+
+
+def stage_sums(stage: Mapping[str, StagePart]) -> int:
+    """Bytes of a stage's gradient sums (its contributions summed over the micro-batches)."""
+    return stage["backward"].sums
+
+
+def _sent_by(a: Action, schedule: Schedule, parts: list[dict[str, StagePart]]) -> int:
+    """Bytes action ``a`` hands to another rank: a forward's activations, a backward's (or I's) gradients."""
+    if a.kind is Kind.F:
+        to, kind = a.stage + 1, "activation"
+    elif a.kind in (Kind.B, Kind.I):
+        to, kind = a.stage - 1, "activation_grad"
+    else:
+        return 0
+    if not 0 <= to < schedule.stages or schedule.rank_of(to) == schedule.rank_of(a.stage):
+        return 0
+    return parts[a.stage][PART_OF[a.kind]].outputs.get(kind, 0)
