@@ -92,6 +92,8 @@ def _follow(node: fx.Node, batch: list[fx.Node], flow: dict, mixing: dict) -> Ba
         return None
     first = flow[batch[0]]
     if target is operator.getitem:
+        if not shape and _attention(node.args[0]):  # its seed and offset (CUDA's kernels): not per sample
+            return None
         return _aligned(shape, [first], node, mixing)
     named = named_arguments(node)
     if "batch_norm" in str(target) and named.get("training"):
@@ -116,6 +118,12 @@ def _follow(node: fx.Node, batch: list[fx.Node], flow: dict, mixing: dict) -> Ba
     if own is not None and dims is not None and "keepdim" in named and not named["keepdim"]:
         return Batch(own.dim - sum(d < own.dim for d in dims), len(shape), own.size)
     return _aligned(shape, [flow[a] for a in batch], node, mixing)
+
+
+def _attention(node: fx.Node) -> bool:
+    """A fused attention op (``aten._scaled_dot_product_*_attention``, ``_flash_attention_forward``...): its 0-d
+    results are the random generator's seed and offset, the same for every sample."""
+    return isinstance(node.target, torch._ops.OpOverload) and "attention" in node.target.name()
 
 
 def _whole(named: dict, source: fx.Node, batch: Batch) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 
 import pytest
 import torch
@@ -187,3 +188,31 @@ def test_what_micro_batches_or_stages_cannot_reproduce_is_refused_before_anythin
 def test_the_cut_is_a_pass_with_its_options_bound(graph):
     gm = functools.partial(stage_cut, stages=2, split=())(copy_graph_module(graph), PassContext())
     assert gm.meta[STAGE_PLAN].stages == 2
+
+
+def test_a_fused_attentions_seed_and_offset_hold_no_samples():
+    """CUDA's fused attention returns the random generator's seed and offset (0-d) beside its output: reading them
+    mixes no samples (``sample_flow``), where a 0-d element of another op's results still counts as mixing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zgraph.graph import VAL, GraphInput
+    from zgraph.passes.sample_flow import sample_flow
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        q, scalar = torch.empty(4, 2, 8, 16), torch.empty(())
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta = {VAL: q, INPUT: GraphInput("input", "x", 0)}
+    attention = graph.call_function(aten._scaled_dot_product_flash_attention.default, (x, x, x))
+    out = (q, q[..., 0], None, None, 8, 8, scalar, scalar, q)
+    attention.meta = {VAL: out, PHASE: FORWARD}
+    other = graph.call_function(aten.native_layer_norm.default, (x, [16], None, None, 1e-5))
+    other.meta = {VAL: (q, scalar, scalar), PHASE: FORWARD}
+    for parent, index in ((attention, 0), (attention, 6), (attention, 7), (other, 1)):
+        node = graph.call_function(operator.getitem, (parent, index))
+        node.meta = {VAL: parent.meta[VAL][index], PHASE: FORWARD}
+    graph.output(None)
+    flow, mixing = sample_flow(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert [n.name for n in mixing] == ["getitem_3"]  # another op's 0-d result still counts as mixing
+    assert flow[next(n for n in graph.nodes if n.name == "getitem")].dim == 0
