@@ -1,12 +1,12 @@
 """One rank's part of a pipeline-parallel step: its actions (``zgraph.runtime.pipeline_schedule``) run in order.
 
 Each stage the rank holds is a ``StageRun``: its five graphs, compiled (``Part``: forward, backward, input_grad,
-weight_grad, update; see ``zgraph.passes.stage_graphs`` for what each reads and returns). A forward's activations
-go to the next stage, a backward's input gradients to the previous one: kept in the rank when that stage is its
-own, else sent (``isend``: the rank goes on computing while it travels; every send is waited for at the end of the
-step) and received (``irecv`` of a buffer shaped as the graph's input, waited for before the action that reads
-it). Each message is tagged with its stage, micro-batch and position, so sends and receives between two ranks
-pair up whatever order the ranks' schedules run them in.
+weight_grad, update; see ``zgraph.passes.stage_graphs`` for what each reads and returns). A forward's activations go
+to the next stage, a backward's input gradients to the previous one: kept in the rank when that stage is its own,
+else sent (``isend``: the rank goes on computing while it travels; every send is waited for at the end of the step;
+one that has completed is let go after each action) and received (``irecv`` of a buffer shaped as the graph's input,
+waited for before the action that reads it). Each message is tagged with its stage, micro-batch and position, so
+sends and receives between two ranks pair up whatever order the ranks' schedules run them in.
 
 Gradient contributions are summed per gradient marker over the micro-batches; the update runs once, after the last
 action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
@@ -119,6 +119,7 @@ class RankRunner:
         }
         for action in self.schedule.actions[self.rank]:
             handlers[action.kind](action)
+            self._drop_delivered()
         for work, _ in self.sends:
             work.wait()
         self.results.divisor = self.divisor(self.results.counts)
@@ -180,6 +181,17 @@ class RankRunner:
             self.inbox[direction, to, a.mb] = values
         else:
             self.outbox[direction, a.stage, a.mb] = values
+
+    def _drop_delivered(self) -> None:
+        """Let go of the sends that have completed (their errors raised), so a rank holds only what its peers have
+        not received yet rather than every micro-batch's until the step ends."""
+        pending = []
+        for work, value in self.sends:
+            if work.is_completed():
+                work.wait()
+            else:
+                pending.append((work, value))
+        self.sends = pending
 
     def _send(self, a: Action) -> None:
         direction = "F" if a.kind is Kind.SEND_F else "B"

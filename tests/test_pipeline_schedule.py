@@ -153,3 +153,29 @@ def test_broken_schedules_are_refused_naming_the_action():
 def test_bad_input_is_named(args, message):
     with pytest.raises(ValueError, match=message):
         build_schedule(*args)
+
+
+def test_a_rank_lets_go_of_the_sends_its_peers_have_received():
+    """After each action the runner drops the sends that completed (their errors raised), keeping only those still
+    in flight: a rank holds what its peers have not received, not every micro-batch's until the step ends."""
+    from zgraph.runtime.pipeline_run import RankRunner
+
+    class Work:
+        def __init__(self, done: bool, error: Exception | None = None):
+            self.done, self.error, self.waited = done, error, False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self) -> None:
+            self.waited = True
+            if self.error is not None:
+                raise self.error
+
+    delivered, flying = Work(True), Work(False)
+    runner = types.SimpleNamespace(sends=[(delivered, "a"), (flying, "b")])
+    RankRunner._drop_delivered(runner)
+    assert runner.sends == [(flying, "b")] and delivered.waited and not flying.waited
+    runner.sends.append((Work(True, RuntimeError("peer 1 is gone")), "c"))
+    with pytest.raises(RuntimeError, match="peer 1 is gone"):
+        RankRunner._drop_delivered(runner)

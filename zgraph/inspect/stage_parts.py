@@ -6,9 +6,8 @@ outputs by kind (storages counted once, none of the model state's or the batch's
 model's timeline. ``walk``: a rank's compute actions as ``zgraph.runtime.pipeline_run`` runs them, holding a
 micro-batch's saved values from its F to its B (or W; from I to W also the split backward's partial values and
 received gradients), a stage's gradient sums from its first backward to its update, and everything the rank sends
-until the step's end (its sends are waited for there); its peak is the most, over the actions and the updates, of
-what is held plus the action's working memory.
-"""
+until the step's end (an upper bound: the runtime lets a send go once its peer has received it); its peak is the
+most, over the actions and the updates, of what is held plus the action's working memory."""
 
 from __future__ import annotations
 
