@@ -245,3 +245,19 @@ def test_a_result_without_the_samples_along_dim_0_is_refused():
     compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))
     with pytest.raises(zgraph.PassError, match="does not hold the samples along dim 0"):
         compiled(step_returning_logits_transposed)(model, torch.optim.AdamW(model.parameters(), lr=1e-2), *batches()[0])
+
+
+def test_split_mode_is_refused_naming_what_to_move():
+    """A step returning the loss for ``loss.backward()`` outside it (split mode) cannot run as a pipeline's
+    schedule: refused at the call, nothing run, naming what to move into the step."""
+
+    def forward(model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))(forward)
+    with pytest.raises(zgraph.CaptureError, match=r"split mode\), which pipelines do not run. Move loss.backward"):
+        compiled(model, *batches()[0])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

@@ -27,6 +27,7 @@ from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.config_checks import pipeline_world_error
+from zgraph.errors import CaptureError
 from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
@@ -51,6 +52,13 @@ def compile_pipeline(
 ) -> CompiledStep:
     """Cut ``captured`` (traced on one micro-batch) into stages and compile this rank's."""
     assert captured.gm is not None and config.pipeline_parallel is not None
+    if captured.split is not None:
+        raise CaptureError(
+            "zgraph: Config.pipeline_parallel runs the whole training step as one schedule of micro-batches, so the "
+            "step must call loss.backward() (and the optimizer's step()) itself; this one returns a loss that "
+            "requires grad for a backward outside it (split mode), which pipelines do not run. Move "
+            "loss.backward() and opt.step() into the decorated function, or drop pipeline_parallel"
+        )
     if group.world_size % config.pipeline_parallel:
         raise ValueError(pipeline_world_error(config.pipeline_parallel, group.world_size))
     place = group.rank % config.pipeline_parallel  # this rank's place in its pipeline
