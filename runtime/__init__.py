@@ -25,6 +25,7 @@ Files::
     host_memory.py     freed host memory kept for the next step
     reinplace.py       in-place updates for the eager backend, as ``torch.optim`` makes them
     executor.py        backends that turn the final graph into something to call
+    compile_turns.py   ranks of one host compile a graph in turn: all but the first load it from inductor's cache
     float64_scalars.py inductor: Python arithmetic on host scalars in float64, as eager computes it
     unbacked_scalars.py  inductor: host-known ``.item()`` values as numbers only the run knows
     random_order.py    inductor runs the ops that share a random generator in the graph's order

@@ -22,6 +22,9 @@ optimizer traced as written, a step counter), the Python arithmetic on them is c
 (``zgraph.runtime.float64_scalars``) and the fake values are made again with each ``.item()`` a number only the
 run knows; the decompositions that would branch on such a number are left out (``zgraph.runtime.unbacked_scalars``).
 
+Ranks of one host compile a graph in turn (``zgraph.runtime.compile_turns``): the first compiles it, the others
+load it from inductor's on-disk cache.
+
 Random ops are compiled with ``fallback_random``: they call the aten kernels on the global generator, so they draw
 the numbers eager draws and leave the generator in eager's state, run in the graph's order
 (``zgraph.runtime.random_order``).
@@ -41,6 +44,8 @@ from torch import Tensor
 from zgraph.graph import PHASE, UPDATED_INPUTS, fake_mode, insert, placeholders
 from zgraph.graph_copy import copy_graph_module
 from zgraph.host_ops import HOST_PARTS
+from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
+from zgraph.runtime.compile_turns import compile_turn
 from zgraph.runtime.float64_scalars import float64_scalars
 from zgraph.runtime.host_partitions import has_host_ops, host_partitions
 from zgraph.runtime.reinplace import reinplace
@@ -94,7 +99,8 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
         return Executable(run_eager, backend, time.perf_counter() - start, frozenset(updated), gm.meta.get(HOST_PARTS))
     if backend == "inductor":
         try:
-            compiled = _compile_inductor(gm)
+            with compile_turn(gm, DEFAULT_COLLECTIVE_TIMEOUT):
+                compiled = _compile_inductor(gm)
         except Exception as error:  # the same graph runs op by op: slower, same numbers
             warnings.warn(
                 f"zgraph: inductor could not compile the step graph ({type(error).__name__}: "

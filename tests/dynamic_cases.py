@@ -89,13 +89,17 @@ def stages(rank: int, world: int) -> dict:
 
 
 def inductor_stage_3(rank: int, world: int) -> dict:
-    """Stage 3 with inductor (AdamW's ``eps`` 1e-3: see test_dynamic_shapes), and the warnings of a fallback to the
-    eager backend."""
+    """Stage 3 with inductor (AdamW's ``eps`` 1e-3: see test_dynamic_shapes), the warnings of a fallback to the
+    eager backend, and every rank's inductor FX graph cache misses and hits."""
     config = zgraph.Config(stage=3, backend="inductor", param_persistence_threshold=0)
+    torch._dynamo.utils.counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = zgraph_run(config, rank, world, eps=1e-3)
-    return {**result, "fallbacks": [str(w.message) for w in caught if "inductor" in str(w.message)]}
+    fallbacks = [str(w.message) for w in caught if "inductor" in str(w.message)]
+    counters = torch._dynamo.utils.counters["inductor"]
+    cache = all_gather_values({k: counters[k] for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")})
+    return {**result, "fallbacks": fallbacks, "cache": cache}
 
 
 # Each rank's (rows, length) per call, as DDP ranks whose collators pad each batch to its own longest row: the

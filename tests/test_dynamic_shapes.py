@@ -11,6 +11,7 @@ every rank (issue 41, item 5).
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -202,6 +203,10 @@ def test_inductor_at_stage_3_on_two_ranks_equals_ddp_at_every_size(two_ranks):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # the ranks compile each graph in turn (zgraph.runtime.compile_turns): one of them compiles it, the other loads
+    # it from inductor's cache (with the cache warm, both load it)
+    compiles = [c["fxgraph_cache_miss"] + c["fxgraph_cache_hit"] for c in got["cache"]]
+    assert compiles == [2, 2] and sum(c["fxgraph_cache_miss"] for c in got["cache"]) <= 2, got["cache"]
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -236,3 +241,54 @@ def test_a_size_the_step_fixes_warns_and_is_captured_again():
             got = step(m, opt, idx, targets)
         assert torch.equal(got, fixed_step(ref, ref_opt, idx, targets))
     assert step._dispatch.variants() == 2
+
+
+def test_ranks_of_one_host_compile_a_graph_in_turn(monkeypatch):
+    """``compile_turn`` on a shared store: the first rank to reach a graph compiles it while the others wait; once it
+    is done they compile (from inductor's cache); a rank that hears nothing within the timeout compiles anyway."""
+    import threading
+
+    import torch.distributed as dist
+
+    from zgraph.runtime import compile_turns
+
+    store = dist.HashStore()
+    monkeypatch.setattr(compile_turns, "_store", lambda: store)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    order: list[str] = []
+    first_in, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with compile_turns.compile_turn(gm, timeout=30):
+            first_in.set()
+            release.wait(10)
+            order.append("first compiled")
+
+    def second() -> None:
+        first_in.wait(10)
+        with compile_turns.compile_turn(gm, timeout=30):
+            order.append("second compiled")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    threading.Timer(0.3, release.set).start()
+    for t in threads:
+        t.join(20)
+    assert order == ["first compiled", "second compiled"]
+    other = torch.fx.symbolic_trace(torch.nn.ReLU())  # another graph: claimed by a rank that never finishes
+    key = compile_turns.graph_key(other)
+    assert key != compile_turns.graph_key(gm)
+    store.add(_claim(key), 1)
+    start = time.perf_counter()
+    with compile_turns.compile_turn(other, timeout=0.2):  # waits out the timeout, then compiles: no hang
+        assert time.perf_counter() - start >= 0.2
+
+
+def _claim(key: str) -> str:
+    """The store key ``compile_turn`` claims a graph of digest ``key`` with on this host."""
+    import socket
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return f"{socket.gethostname()}:{cache_dir()}:{key}/claim"
