@@ -48,6 +48,7 @@ PIPELINED = [f"{impl}-p{p}-{s}" for p in (2, 4) for s in SCHEDULES for impl in (
 SYSTEMS = (
     REFERENCE, *PIPELINED, "deepspeed-p2-1f1b", "deepspeed-p4-1f1b", "zgraph-z3",
     "zgraph-p4-1f1b-m4", "torch-p4-1f1b-m4", "zgraph-p4-zb_h1-m4", "torch-p4-zb_h1-m4",
+    *(f"{impl}-p2-{s}{m}-w2" for m in ("", "-m4") for s in ("1f1b", "zb_h1") for impl in ("zgraph", "torch")),
 )  # fmt: skip
 
 
@@ -77,7 +78,8 @@ class Row:
 # ------------------------------------------------------------------------------------------------ running
 def run_system(system: str, args: argparse.Namespace, tmp: Path) -> tuple[Row, list[dict[str, Any]]]:
     """One system in a fresh group of processes: its row (not yet compared to eager's) and raw rank results."""
-    world = 1 if system == REFERENCE else WORLD
+    spec = parse(system, args.microbatches)
+    world = 1 if system == REFERENCE else spec.world if spec else WORLD
     run_dir = tmp / system
     run_dir.mkdir()
     model = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in MODEL_KEYS]
@@ -191,8 +193,8 @@ def markdown_report(args: argparse.Namespace, machine: dict[str, Any], params: i
             f"vocabulary {args.vocab}{size}",
             "",
             f"- global batch {args.batch}, M = {args.microbatches} micro-batches per pipeline unless the name ends "
-            f"-m<M>; {WORLD} gloo ranks (`-p2-`: P = 2 x D = 2, `-p4-`: P = 4), one thread each; {args.warmup} "
-            f"warm-up steps, {args.steps} timed, one more with its bytes counted",
+            f"-m<M>; {WORLD} gloo ranks (`-p2-`: P = 2 x D = 2, `-p4-`: P = 4; `-w2`: P = 2 on 2 ranks), one thread "
+            f"each; {args.warmup} warm-up steps, {args.steps} timed, one more with its bytes counted",
             "- bubble measured: per pipeline, the mean over its ranks of the share of its compute window (first "
             "action's start to last's end) a rank does not compute, median over the timed steps; idle share per "
             "rank: the same per rank. The machine has 2 CPUs for 4 ranks: a rank also waits for a CPU, which "

@@ -2,7 +2,8 @@
 
 A system's name says what it runs: ``zgraph-p4-1f1b`` (zgraph, ``P = 4``), ``torch-p2-gpipe``
 (``torch.distributed.pipelining``, ``P = 2`` x ``D = 2``), ``deepspeed-p4-1f1b`` (DeepSpeed's ``PipelineModule``,
-its 1F1B), ``zgraph-p4-1f1b-m4`` (4 micro-batches instead of ``--microbatches``), ``zgraph-z3`` (zgraph ZeRO-3 on
+its 1F1B), ``zgraph-p4-1f1b-m4`` (4 micro-batches instead of ``--microbatches``), ``zgraph-p2-1f1b-w2`` (on 2
+ranks instead of 4: one pipeline, a CPU per rank on this machine), ``zgraph-z3`` (zgraph ZeRO-3 on
 every rank, no pipelines) and ``eager-1proc`` (the reference: eager PyTorch on the whole batch in one process).
 Schedules: ``gpipe``, ``1f1b``, ``interleaved`` (interleaved 1F1B, 2 stages per rank), ``zb_h1`` (zero bubble).
 
@@ -30,7 +31,7 @@ from zgraph.demos.models import GPT, Block, lm_loss
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1)}
 """A system name's schedule: zgraph's name for it and the stages per rank."""
-NAME = re.compile(r"(zgraph|torch|deepspeed)-p([24])-(gpipe|1f1b|interleaved|zb_h1)(?:-m(\d+))?")
+NAME = re.compile(r"(zgraph|torch|deepspeed)-p([24])-(gpipe|1f1b|interleaved|zb_h1)(?:-m(\d+))?(?:-w(\d+))?")
 
 StepFn = Callable[[Tensor, Tensor], float | None]
 
@@ -52,6 +53,7 @@ class Spec:
     schedule: str  # zgraph's name
     virtual: int
     microbatches: int
+    world: int = 4
 
 
 def parse(name: str, microbatches: int) -> Spec | None:
@@ -59,9 +61,9 @@ def parse(name: str, microbatches: int) -> Spec | None:
     match = NAME.fullmatch(name)
     if match is None:
         return None
-    impl, p, schedule, m = match.groups()
+    impl, p, schedule, m, w = match.groups()
     zgraph_name, virtual = SCHEDULES[schedule]
-    return Spec(impl, int(p), zgraph_name, virtual, int(m) if m else microbatches)
+    return Spec(impl, int(p), zgraph_name, virtual, int(m) if m else microbatches, int(w) if w else 4)
 
 
 def split_points(layers: int, stages: int) -> list[int]:

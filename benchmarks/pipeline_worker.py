@@ -118,7 +118,7 @@ def save_so_far(result: RankResult, out: str) -> None:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The model, batch and step options the driver passes on to every rank."""
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=512)

@@ -48,6 +48,7 @@ def test_arguments_and_system_names():
     assert args.systems == ["eager-1proc", "zgraph-p4-1f1b"] and args.steps == 2 and args.batch % 8 == 0
     assert parse("zgraph-p2-interleaved", 8) == Spec("zgraph", 2, "interleaved_1f1b", 2, 8)
     assert parse("torch-p4-zb_h1-m4", 8) == Spec("torch", 4, "zb_h1", 1, 4)
+    assert parse("torch-p2-zb_h1-m4-w2", 8) == Spec("torch", 2, "zb_h1", 1, 4, world=2)
     assert parse("zgraph-z3", 8) is None
     assert set(pipeline.SYSTEMS) >= {"deepspeed-p4-1f1b", "zgraph-z3", "torch-p2-gpipe"}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown systems"):
