@@ -44,6 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
 REFERENCE = "eager-1proc"
 LOSS_RTOL = 1e-4
+MODEL_KEYS = ("layers", "d_model", "heads", "seq", "vocab", "batch", "microbatches", "warmup", "steps", "lr", "seed")
 PIPELINED = [f"{impl}-p{p}-{s}" for p in (2, 4) for s in SCHEDULES for impl in ("zgraph", "torch")]
 SYSTEMS = (
     REFERENCE, *PIPELINED, "deepspeed-p2-1f1b", "deepspeed-p4-1f1b", "zgraph-z3",
@@ -97,9 +98,6 @@ def run_system(system: str, args: argparse.Namespace, tmp: Path) -> tuple[Row, l
     else:
         fill(row, ranks, args)
     return row, ranks
-
-
-MODEL_KEYS = ("layers", "d_model", "heads", "seq", "vocab", "batch", "microbatches", "warmup", "steps", "lr", "seed")
 
 
 def fill(row: Row, ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
