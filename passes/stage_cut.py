@@ -21,7 +21,9 @@ not update; rotary tables, masks, the optimizer's scalars).
 - Backward: a gradient marker (``zgraph::grad_contribution``) runs in its parameter's stage; what reads a marker
   belongs to the update. Another node runs in the latest stage, no later than the stage of any gradient it reads,
   where the forward values it reads are (made there, or received there from an earlier stage), so each stage
-  sends the fewest gradients down: the gradient of a stage's input is summed where it is made.
+  sends the fewest gradients down: the gradient of a stage's input is summed where it is made. A node that reads
+  gradients only (a view, transpose or sum of an incoming gradient) runs in its readers' stage instead, so a
+  gradient crosses once, not once per view of it.
 - Update: a node runs in the one stage whose state it reads.
 
 Refused (``PassError``, before anything runs): fewer blocks than stages; a ``split`` name that is not one of the
@@ -57,6 +59,8 @@ PARTS = ("forward", "backward", "update")
 FREE_KINDS = ("input", "hparam", "loss_scale")
 PER_MICRO_BATCH_RESULTS = ("user", "loss_count")  # output kinds made per micro-batch (``micro_batch_loss``)
 _MATMULS = {aten.mm: 1, aten.addmm: 2, aten.bmm: 1, aten.baddbmm: 2}  # packet -> position of the left operand
+_VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute, aten.expand,
+          aten.unsqueeze, aten.squeeze, aten.alias}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,8 @@ def _owner(node: fx.Node, owners: dict[tuple[str, int], int]) -> int | None:
 def _place_backward(
     gm: fx.GraphModule, free: set[fx.Node], owners: dict[tuple[str, int], int], where: dict[fx.Node, Placement]
 ) -> None:
-    for node in _phase_nodes(gm, BACKWARD, free):
+    nodes = _phase_nodes(gm, BACKWARD, free)
+    for node in nodes:
         if node.target is GRAD_CONTRIBUTION:
             where[node] = Placement(owners.get(("param", node.args[1]), 0), "backward")
         elif any(
@@ -279,6 +284,57 @@ def _place_backward(
             where[node] = Placement(_one_stage(node, free, owners, where), "update")
         else:
             where[node] = Placement(_backward_stage(node, owners, where), "backward")
+    _follow_readers(nodes, owners, where)
+
+
+def _follow_readers(nodes: list[fx.Node], owners: dict[tuple[str, int], int], where: dict[fx.Node, Placement]) -> None:
+    """A backward node that reads gradients only (no forward value, no state) moves to the latest stage of its
+    readers where that sends no more: a view or transpose of a gradient (what crosses is its input instead, and the
+    input crosses once for all its views), or a node whose inputs cross to that stage anyway (a bias gradient's sum
+    of a gradient that crosses). A sum of two gradients stays where they are made. Repeated until nothing moves;
+    tuples and their elements stay where they are."""
+    moved = True
+    while moved:
+        moved = False
+        for node in reversed(nodes):
+            stage = _readers_stage(node, owners, where)
+            if stage is not None and (_is_view(node) or _inputs_cross(node, stage, where)):
+                where[node] = Placement(stage, "backward")
+                moved = True
+
+
+def _readers_stage(node: fx.Node, owners: dict[tuple[str, int], int], where: dict[fx.Node, Placement]) -> int | None:
+    """The latest stage of a gradient-only backward node's readers, where that is before its own; else None."""
+    place = where.get(node)
+    if place is None or place.part != "backward" or node.target in (GRAD_CONTRIBUTION, operator.getitem):
+        return None
+    if isinstance(node.meta.get(VAL), (tuple, list)) or _reads_forward(node, owners, where):
+        return None
+    readers = [where.get(u) for u in node.users]
+    if not readers or any(r is None or r.part != "backward" for r in readers):
+        return None
+    stage = max(r.stage for r in readers)
+    return stage if stage < place.stage else None
+
+
+def _is_view(node: fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) in _VIEWS and len(node.all_input_nodes) == 1
+
+
+def _inputs_cross(node: fx.Node, stage: int, where: dict[fx.Node, Placement]) -> bool:
+    """Whether every input of ``node`` reaches ``stage`` for another reader anyway."""
+    return all(
+        any(u is not node and u in where and where[u].stage <= stage for u in value.users)
+        for value in node.all_input_nodes
+    )
+
+
+def _reads_forward(node: fx.Node, owners: dict[tuple[str, int], int], where: dict[fx.Node, Placement]) -> bool:
+    """Whether ``node`` reads a forward value or a stage's state (what ties it to a stage)."""
+    return any(
+        (a in where and where[a].part == "forward") or (a.op == "placeholder" and _owner(a, owners) is not None)
+        for a in node.all_input_nodes
+    )
 
 
 def _backward_stage(node: fx.Node, owners: dict[tuple[str, int], int], where: dict[fx.Node, Placement]) -> int:

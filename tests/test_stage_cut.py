@@ -114,6 +114,27 @@ def test_the_backward_splits_into_what_the_previous_stage_waits_for_and_the_weig
     assert all(isinstance(v, torch.Tensor) for v in values)
 
 
+def test_a_gpt_block_boundary_carries_one_gradient():
+    """The demo GPT cut into 2 stages: the gradient of the residual stream crosses once. The next block's Linear
+    reads it as a view, its transpose and a sum (the bias gradient): those run in the stage that reads them, not
+    where the gradient is made, or each would cross too (3x the bytes)."""
+    from zgraph.demos.models import GPT, GPTConfig, lm_loss
+
+    def lm_step(model, opt, ids, targets):
+        loss = lm_loss(model(ids), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    model = GPT(GPTConfig(vocab=32, d_model=8, layers=2, heads=2, seq=8))
+    compiled = zgraph.distribute(zgraph.Config(**{**PIPELINE, "microbatches": 1}))(lm_step)
+    ids = torch.randint(0, 32, (2, 8))
+    compiled(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ids, ids)
+    _, last = stage_graphs(cut(compiled.graphs["captured"], 2))
+    assert [r.kind for r in output_roles(last.backward)].count("activation_grad") == 1
+
+
 def test_split_points_name_the_first_block_of_each_stage(graph):
     assert cut(graph, 2, ["blocks.1"]).meta[STAGE_PLAN].blocks["model.blocks.0"] == 0
     plan = cut(graph, 3, ["model.blocks.1", "blocks.3"]).meta[STAGE_PLAN]
