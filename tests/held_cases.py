@@ -42,7 +42,7 @@ STEPS = 3  # before the measured call: capture, the first step's state, a steady
 # thread outside Python (most likely gloo's, done with a collective) can drop a buffer a moment after the step
 # returned — seen as tensors no Python object refers to; the scans' collections of the whole process used to give
 # it that moment (``_frozen``). What is still held after the last count is held between steps.
-SETTLE = (0.0, 0.25, 0.25)
+SETTLE = (0.0, 0.25, 0.25, 0.5, 1.0, 2.0)  # 4 s at most, under load (the counts only wait while over)
 BF16 = {"param_dtype": torch.bfloat16, "master_dtype": torch.bfloat16, "optimizer_state_dtype": torch.bfloat16}
 RECIPES: dict[str, dict[str, Any]] = {
     "fp32": {},
