@@ -11,6 +11,7 @@ rank returns what eager returns on the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 
@@ -31,6 +32,7 @@ from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholder
 from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
+from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
@@ -43,6 +45,7 @@ from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
+_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "bucket", "lower_collectives")  # ZeRO >= 1
 
 
 def compile_pipeline(
@@ -63,10 +66,12 @@ def compile_pipeline(
     count = config.microbatches or config.pipeline_parallel
     schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
-    mine = {g.stage: _compile_stage(g, ctx, graphs) for g in every if schedule.rank_of(g.stage) == place}
+    zero = _zero_passes(config, binding)
+    mine = {g.stage: _compile_stage(g, ctx, graphs, zero) for g in every if schedule.rank_of(g.stage) == place}
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
+    program.update_reduces = zero is not None
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -95,10 +100,32 @@ def _parts(stage: StageRun) -> list[Part]:
     return [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
 
 
-def _compile_stage(g: StageGraphs, ctx: PassContext, graphs: OrderedDict[str, fx.GraphModule]) -> StageRun:
+def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pass]] | None:
+    """At ZeRO stage >= 1 with several pipelines, what the update graphs run before lowering (``stage_grads``):
+    the context of this rank's stage's data-parallel group and the config's ZeRO passes; else None."""
+    plan = binding.plan
+    if plan.stage == 0 or plan.group.shard is None:
+        return None
+    axis = plan.group.shard
+    whole = pass_context(binding)
+    ctx = dataclasses.replace(whole, world_size=axis.size, rank=axis.rank, group_name=axis.name, shard_group=None)
+    passes = [p for p in config.passes() if p.name in _PASSES_ON_THE_UPDATE]
+    return ctx, [Pass("stage_grads", stage_grads, requires={"phases"}), *passes]
+
+
+def _compile_stage(
+    g: StageGraphs,
+    ctx: PassContext,
+    graphs: OrderedDict[str, fx.GraphModule],
+    zero: tuple[PassContext, list[Pass]] | None,
+) -> StageRun:
     parts = []
     for name in ("forward", "backward", "input_grad", "weight_grad", "update"):
-        records, executable = lower(getattr(g, name), ctx, "eager")
+        gm, part_ctx = getattr(g, name), ctx
+        if name == "update" and zero is not None:
+            part_ctx, passes = zero
+            gm = run_passes(gm, part_ctx, passes)[-1].gm
+        records, executable = lower(gm, part_ctx, "eager")
         final = records[-1].gm
         graphs[f"stage{g.stage}.{name}"] = final
         examples = [p.meta[VAL] for p in placeholders(final)]
@@ -140,7 +167,8 @@ def run_pipeline(
 
     peers = program.peers
     divisor = functools.partial(_divisor, program, peers)
-    results = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor).run()
+    runner = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces)
+    results = runner.run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
         part = program.stages[s].update
