@@ -40,19 +40,21 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     eager = dict(eager_model.named_parameters())
     distance = max((p - eager[n]).abs().max().item() for n, p in model.named_parameters() if n in owned)
-    full, full_optim = zgraph.full_state_dict(model, opt)
+    full = zgraph.full_state_dict(model)
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
-    whole_optim = _distance(_by_name(full_optim, model), _by_name(eager_opt.state_dict(), eager_model))
     numel = sum(eager[n].numel() for n in owned)
     explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
     updates = [gm for name, gm in compiled.graphs.items() if name.endswith(".update")]
     out = {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
            "stage_numel": numel, "explained": explained, "state": state_bytes(model, opt)["total"],
-           "whole_optim": whole_optim, "optimizer": state_bytes(model, opt)["optimizer"],
+           "optimizer": state_bytes(model, opt)["optimizer"],
            "eager_optimizer": state_bytes(eager_model, eager_opt)["optimizer"],
            "reduce_scatters": [_reduce_scatters(gm) for gm in updates]}  # fmt: skip
-    if steps > 1:
+    if steps > 1 and stage < 2:  # stage 2 runs stage 1's graphs (a pipelined step leaves no gradient sharded)
         out["loaded"] = _saved_and_loaded(rank, model, opt, eager_model, eager_opt)
+    if steps > 1 and stage == 1:  # the optimizer state sharded within each stage, gathered whole
+        full_optim = zgraph.full_state_dict(model, opt)[1]
+        out["whole_optim"] = _distance(_by_name(full_optim, model), _by_name(eager_opt.state_dict(), eager_model))
     return out
 
 
