@@ -41,13 +41,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from zgraph.errors import PassError
 from zgraph.graph import BACKWARD, FORWARD, INPUT, OPTIMIZER, PHASE, VAL, output_roles, placeholders, state_key
 from zgraph.ops import GRAD_CONTRIBUTION
 from zgraph.passes.pass_list import PassContext
 from zgraph.passes.remat import block_of, blocks_in
+from zgraph.passes.stage_balance import balance, block_flops, node_flops
 
 aten = torch.ops.aten
 
@@ -58,7 +58,6 @@ STAGE_PLAN = "zgraph_stage_plan"
 PARTS = ("forward", "backward", "update")
 FREE_KINDS = ("input", "hparam", "loss_scale")
 PER_MICRO_BATCH_RESULTS = ("user", "loss_count")  # output kinds made per micro-batch (``micro_batch_loss``)
-_MATMULS = {aten.mm: 1, aten.addmm: 2, aten.bmm: 1, aten.baddbmm: 2}  # packet -> position of the left operand
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute, aten.expand,
           aten.unsqueeze, aten.squeeze, aten.alias}  # fmt: skip
 
@@ -138,56 +137,6 @@ def _block_index(name: str, blocks: list[str]) -> int:
         why = "is not one of" if not matches else "names several of"
         raise PassError(f"Config.pipeline_split name {name!r} {why} the step's blocks: {', '.join(blocks)}")
     return matches[0]
-
-
-def balance(costs: list[float], parts: int) -> list[int]:
-    """The first index of each of ``parts`` consecutive non-empty groups of ``costs`` whose largest sum is the
-    smallest possible (the linear partition problem; dynamic programming, earliest cut on ties)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best = {(0, 0): (0.0, [])}  # (groups, items) -> (largest sum, starts)
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            options = [
-                (max(best[k - 1, j][0], prefix[i] - prefix[j]), best[k - 1, j][1] + [j])
-                for j in range(k - 1, i)
-                if (k - 1, j) in best
-            ]
-            best[k, i] = min(options, key=lambda o: o[0])
-    return best[parts, n][1]
-
-
-def block_flops(gm: fx.GraphModule, blocks: list[str]) -> list[float]:
-    """Each block's forward flops; nodes outside every block count for the block before them (the first block's
-    for what precedes it)."""
-    cost = dict.fromkeys(blocks, 0.0)
-    current = blocks[0]
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.meta.get(PHASE) == FORWARD:
-            current = block_of(node) or current
-            cost[current] += node_flops(node)
-    return list(cost.values())
-
-
-def node_flops(node: fx.Node) -> float:
-    """Two per multiply-add of a matmul or attention; the output's elements for another op."""
-    target, val = node.target, node.meta.get(VAL)
-    if not isinstance(val, torch.Tensor):
-        return 0.0
-    packet = getattr(target, "overloadpacket", None)
-    if packet in _MATMULS:
-        left = node.args[_MATMULS[packet] - 1].meta[VAL]
-        return 2.0 * _hint(val.numel()) * _hint(left.shape[-1])
-    if packet is aten.convolution:
-        weight = node.args[1].meta[VAL]
-        return 2.0 * _hint(val.numel()) * _hint(weight.numel()) / max(1, _hint(weight.shape[0]))
-    return float(_hint(val.numel()))
-
-
-def _hint(size: int | torch.SymInt) -> int:
-    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
 def free_nodes(gm: fx.GraphModule) -> set[fx.Node]:

@@ -4,14 +4,21 @@ Of a step's ranks ``R`` (its group's global ranks, in order), pipeline ``d`` is 
 whole model, stage by stage, on its own share of the batch (``zgraph.pipeline_batch``: rows ``d`` of ``D``); the
 ranks at the same place ``p`` of every pipeline run the same stages and form that place's data-parallel group,
 over which their stages' gradients are reduced once per step. With ``D = 1`` the pipeline is the step's group.
+
+ZeRO (stage 1 or 2) shards state within each place's data-parallel group: ``zero_within_stages`` makes that group
+the step group's shard axis, so the sharding plan (``zgraph.runtime.sharded_state``) cuts a stage's optimizer
+state (stage 2: its gradients) over the ``D`` ranks running it. With one pipeline there is nothing to shard over
+(``plan_stage``: the state is laid out as at stage 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from zgraph.graph import Axis
 from zgraph.runtime.process_group import ProcessGroupInfo, new_timed_group
 
 
@@ -53,3 +60,25 @@ def pipeline_groups(group: ProcessGroupInfo, pipeline_parallel: int, timeout: fl
             index,
         )
     return _GROUPS[key]
+
+
+def zero_within_stages(
+    group: ProcessGroupInfo, pipeline_parallel: int | None, stage: int, timeout: float
+) -> ProcessGroupInfo:
+    """``group`` with this rank's data-parallel group as its shard axis, where ZeRO shards state within each
+    stage's data-parallel group (``pipeline_parallel`` set, stage >= 1, several pipelines); else ``group``.
+    Collective as ``pipeline_groups`` (which makes the groups, once)."""
+    if pipeline_parallel is None or plan_stage(group, pipeline_parallel, stage) == 0:
+        return group
+    groups = pipeline_groups(group, pipeline_parallel, timeout)
+    assert groups.data is not None
+    axis = Axis(size=len(groups.data_ranks), rank=groups.index, name=groups.data.group_name)
+    return dataclasses.replace(group, shard=axis)
+
+
+def plan_stage(group: ProcessGroupInfo, pipeline_parallel: int | None, stage: int) -> int:
+    """The ZeRO stage a step's state is laid out for: ``stage``, but 0 for a pipelined step on one pipeline (its
+    stages' data-parallel groups have one rank each: nothing to shard over)."""
+    if pipeline_parallel is not None and (not group.distributed or group.world_size == pipeline_parallel):
+        return 0
+    return stage

@@ -11,8 +11,11 @@ sends and receives between two ranks pair up whatever order the ranks' schedules
 Gradient contributions are summed per gradient marker over the micro-batches; the update runs once, after the last
 action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
 a mean over samples, 1 for a sum, the whole batch's counted tokens for a token mean, each micro-batch's count
-being a result of the stage that makes the loss). What a graph reads of the step's state and arguments comes
-from ``feed(spec, micro_batch)`` (micro_batch None for the update).
+being a result of the stage that makes the loss). With ``D`` pipelines the sums are all-reduced over each
+stage's data-parallel group first (one flat bucket per stage); or, where the update graphs reduce them themselves
+(``update_reduces``: ZeRO stage >= 1, ``zgraph.passes.stage_grads``), each rank's sums are divided by
+``divisor(counts) / D`` and the update averages them over the ``D`` pipelines. What a graph reads of the step's
+state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update).
 """
 
 from __future__ import annotations
@@ -92,10 +95,18 @@ class RankRunner:
     """Runs one rank's actions of one step (a new runner per step)."""
 
     def __init__(
-        self, schedule: Schedule, rank: int, stages: dict[int, StageRun], feed: Feed, peers: Peers, divisor: Divisor
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[int, StageRun],
+        feed: Feed,
+        peers: Peers,
+        divisor: Divisor,
+        update_reduces: bool = False,
     ):
         self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
-        self.divisor = divisor
+        self.divisor, self.update_reduces = divisor, update_reduces
+        self.scale: Tensor | float = 1.0  # what the summed gradients the update reads are divided by
         self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.outbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.saved: dict[tuple[int, int], list[Tensor]] = {}
@@ -122,8 +133,10 @@ class RankRunner:
             self._drop_delivered()
         for work, _ in self.sends:
             work.wait()
-        self.results.divisor = self.divisor(self.results.counts)
-        if self.peers.data is not None:
+        self.results.divisor = self.scale = self.divisor(self.results.counts)
+        if self.peers.data is not None and self.update_reduces:
+            self.scale = self.scale / self.peers.pipelines  # the update averages each gradient over the pipelines
+        elif self.peers.data is not None:
             self._reduce_over_pipelines()
         for s, stage in sorted(self.stages.items()):
             self.results.updates[s] = self._update(s, stage.update)
@@ -241,7 +254,7 @@ class RankRunner:
         inputs = []
         for spec in part.inputs:
             if spec.kind == "grad_mean":
-                inputs.append(self.sums.pop((s, spec.name)) / self.results.divisor)
+                inputs.append(self.sums.pop((s, spec.name)) / self.scale)
             else:
                 inputs.append(self.feed(spec, None))
         return inputs, list(part.run(inputs))

@@ -10,7 +10,8 @@ of the padded shard — the same cut ``torch.chunk`` and DTensor make, so ``mode
 
 What is sharded, by ZeRO stage: stage ≥ 1 optimizer state of a parameter's shape; stage ≥ 2 gradients left
 in ``.grad``; stage 3 the parameters themselves (replaced, on the modules and in the optimizer, by ``DTensor``
-parameters). 0-d parameters, and tensors an optimizer holds that no module owns, stay whole.
+parameters). 0-d parameters, and tensors an optimizer holds that no module owns, stay whole. A pipelined step
+cuts them within each stage's data-parallel group (its group's shard axis: ``zgraph.runtime.pipeline_groups``).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def make_plan(
     if group.distributed and mesh:
         if group.replicate is not None:
             plan.mesh = hybrid_mesh(binding.device.type, group)
+        elif group.shard is not None:  # a pipelined step's: a stage's data-parallel group
+            plan.mesh = device_mesh(binding.device.type, group.shard.size, group.shard.name)
         else:
             plan.mesh = device_mesh(binding.device.type, group.world_size, group.group_name if group.ranks else None)
         refuse_storage_access()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from zgraph.runtime.meta_init import swap_storage
 from zgraph.runtime.sharded_state import sharding_of
@@ -55,10 +56,13 @@ def holders_by_id(binding: Binding) -> dict[int, int]:
 
 
 def fetch(value: Tensor, owner: int, binding: Binding, to: int | None = None) -> Tensor | None:
-    """The whole ``value`` (a tensor of a parameter ``owner`` holds: real there, meta elsewhere), received from
+    """The whole ``value`` (a tensor of a parameter ``owner`` holds: real there, meta elsewhere; at ZeRO stage >= 1
+    a ``DTensor`` shard on every rank of its stage's data-parallel group, which gathers it first), received from
     ``owner`` on the binding's device: broadcast to every rank of the step's group (each calls it at the same
     point), or with ``to`` (a global rank), sent to that rank alone (None on the others)."""
     me = dist.get_rank()
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
     if to is not None and me not in (to, owner):
         return None
     group = dist.distributed_c10d._resolve_process_group(binding.plan.group.group_name)

@@ -1,6 +1,6 @@
-"""Pipeline parallelism over ``P x D`` ranks (two pipelines of two stages, ZeRO stage 0) against eager PyTorch on
-the global batch, and the gradient reductions each step issues (one per stage, whatever the micro-batch count):
-the worker of ``test_pipeline_data.py``."""
+"""Pipeline parallelism over ``P x D`` ranks (two pipelines of two stages; ZeRO stage 0, and 1 and 2 within each
+stage's data-parallel group) against eager PyTorch on the global batch, and the gradient reductions each step issues
+(one per stage, whatever the micro-batch count): the worker of ``test_pipeline_data.py``."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ from zgraph.runtime.memory import state_bytes
 P = 2
 
 
-def train(rank: int, world: int, microbatches: int, steps: int) -> dict:
-    """``steps`` steps of eager on the whole batch and of the pipelined step on this rank's pipeline's rows; the
-    sizes of the all-reduces the last step issued."""
+def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) -> dict:
+    """``steps`` steps of eager on the whole batch and of the pipelined step (ZeRO ``stage``) on this rank's
+    pipeline's rows; the sizes of the all-reduces the last step issued, the reduce-scatters its update graphs run."""
     eager_model = Net()
     model = copy.deepcopy(eager_model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    config = zgraph.Config(backend="eager", pipeline_parallel=P, schedule="1f1b", microbatches=microbatches)
+    config = zgraph.Config(
+        backend="eager", pipeline_parallel=P, schedule="1f1b", microbatches=microbatches, stage=stage
+    )
     compiled = zgraph.distribute(config)(step)
     want, got, sizes = [], [], []
     for i, batch in enumerate(batches()[:steps]):
@@ -42,10 +44,17 @@ def train(rank: int, world: int, microbatches: int, steps: int) -> dict:
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
     numel = sum(eager[n].numel() for n in owned)
     explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
+    updates = [gm for name, gm in compiled.graphs.items() if name.endswith(".update")]
     out = {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
-           "stage_numel": numel, "explained": explained, "state": state_bytes(model, opt)["total"]}  # fmt: skip
-    if steps > 1:
+           "stage_numel": numel, "explained": explained, "state": state_bytes(model, opt)["total"],
+           "optimizer": state_bytes(model, opt)["optimizer"],
+           "eager_optimizer": state_bytes(eager_model, eager_opt)["optimizer"],
+           "reduce_scatters": [_reduce_scatters(gm) for gm in updates]}  # fmt: skip
+    if steps > 1 and stage < 2:  # stage 2 runs stage 1's graphs (a pipelined step leaves no gradient sharded)
         out["loaded"] = _saved_and_loaded(rank, model, opt, eager_model, eager_opt)
+    if steps > 1 and stage == 1:  # the optimizer state sharded within each stage, gathered whole
+        full_optim = zgraph.full_state_dict(model, opt)[1]
+        out["whole_optim"] = _distance(_by_name(full_optim, model), _by_name(eager_opt.state_dict(), eager_model))
     return out
 
 
@@ -77,8 +86,22 @@ def counted(sizes: list[int]) -> Iterator[None]:
         dist.all_reduce = real
 
 
+def _reduce_scatters(gm: torch.fx.GraphModule) -> int:
+    """The reduce-scatters a lowered graph runs (on gloo each an ``all_to_all_single``: see
+    ``zgraph.graph.reduce_scatter_by_all_to_all``)."""
+    c10d = torch.ops._c10d_functional
+    targets = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)
+    return sum(node.target in targets for node in gm.graph.nodes)
+
+
 def two_by_two(rank: int, world: int) -> list[dict]:
     return all_gather_values([train(rank, world, 2, steps=3), train(rank, world, 4, steps=1)])
+
+
+def zero_within_stages(rank: int, world: int) -> list[dict]:
+    """ZeRO 1 (2 and 4 micro-batches) and 2 within each stage's data-parallel group."""
+    runs = [train(rank, world, 2, steps=3, stage=1), train(rank, world, 4, steps=1, stage=1)]
+    return all_gather_values([*runs, train(rank, world, 2, steps=2, stage=2)])
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Pipeline parallelism over ``P x D`` ranks (issue 42): two pipelines of two stages on four gloo ranks, each
 pipeline on its rows of the batch (``zgraph.pipeline_batch``), against eager PyTorch on the whole batch, and the
-gradient reductions a step issues: one per stage, the same for 2 and 4 micro-batches (3 steps with 2, 1 with 4)."""
+gradient reductions a step issues: one per stage, the same for 2 and 4 micro-batches (3 steps with 2, 1 with 4);
+at ZeRO stages 1 and 2 within each stage's data-parallel group, one reduce-scatter per stage's bucket."""
 
 from __future__ import annotations
 
@@ -16,15 +17,22 @@ def four_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
-    run_ranks(4, "pipeline_data_cases.run", str(path), ["two_by_two"], timeout=300)
-    result = torch.load(path, weights_only=False)["two_by_two"]
-    assert not (isinstance(result, dict) and "error" in result), result.get("error")
-    return result
+    cases = ["two_by_two", "zero_within_stages"]
+    run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
+    results = torch.load(path, weights_only=False)
+    for result in results.values():
+        assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_by_two(four_ranks):
+    return four_ranks["two_by_two"]
 
 
 @pytest.mark.parametrize("microbatches", [2, 4])
-def test_two_pipelines_of_two_stages_equal_eager_on_the_whole_batch(four_ranks, microbatches):
-    runs = [rank[[2, 4].index(microbatches)] for rank in four_ranks]
+def test_two_pipelines_of_two_stages_equal_eager_on_the_whole_batch(two_by_two, microbatches):
+    runs = [rank[[2, 4].index(microbatches)] for rank in two_by_two]
     assert sorted(n for r in runs[:2] for n in r["owned"]) == sorted(PARAMS), "pipeline 0 holds every parameter"
     assert [r["owned"] for r in runs[2:]] == [r["owned"] for r in runs[:2]], "pipeline 1 runs the same stages"
     for r in runs:
@@ -42,9 +50,36 @@ def test_two_pipelines_of_two_stages_equal_eager_on_the_whole_batch(four_ranks, 
         ), r["explained"]
 
 
-def test_gradients_are_reduced_once_per_stage_per_step_whatever_the_micro_batch_count(four_ranks):
+def test_gradients_are_reduced_once_per_stage_per_step_whatever_the_micro_batch_count(two_by_two):
     """Each rank's step all-reduces over the pipelines its stage's gradient sums once (one flat bucket of all its
     parameters), the cross_entropy mean's count of tokens once and the 0-d loss once, for 2 and 4 micro-batches."""
-    for rank in four_ranks:
+    for rank in two_by_two:
         two, four = rank
         assert sorted(two["sizes"]) == sorted(four["sizes"]) == sorted([two["stage_numel"], 1, 1]), (two, four)
+
+
+ZERO_RUNS = {"stage 1, 2 micro-batches": 0, "stage 1, 4 micro-batches": 1, "stage 2, 2 micro-batches": 2}
+
+
+@pytest.mark.parametrize("run", list(ZERO_RUNS))
+def test_zero_within_each_stage_equals_eager_and_shards_the_optimizer_state(four_ranks, run):
+    """ZeRO 1 and 2 within each stage's data-parallel group: parameters, and the whole model's and (stage 1) the
+    optimizer's state (``zgraph.full_state_dict``), as eager's after the steps; each rank holds a quarter
+    (1 / (P x D)) of the optimizer state; ``zgraph.save`` (the optimizer state's shards gathered) loads as eager's
+    model and optimizer state."""
+    runs = [rank[ZERO_RUNS[run]] for rank in four_ranks["zero_within_stages"]]
+    for r in runs:
+        torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["distance"] < 1e-6 and r["whole"] < 1e-6 and r.get("whole_optim", 0.0) < 1e-6, r
+        assert r["optimizer"] < r["eager_optimizer"] / 4 * 1.1, (r["optimizer"], r["eager_optimizer"])
+        assert r.get("loaded", 0.0) < 1e-6, "zgraph.save of the pipelined model loads as eager's"
+    assert sorted(n for r in runs[:2] for n in r["owned"]) == sorted(PARAMS)
+
+
+def test_zero_reduces_each_stage_bucket_once_per_step_whatever_the_micro_batch_count(four_ranks):
+    """At ZeRO >= 1 a stage's gradient sums are reduce-scattered by its update graph, which runs once per step: one
+    reduce-scatter per bucket (one here) per stage, for 2 and 4 micro-batches; nothing else reduces gradients (the
+    step's only all-reduces are the token count's and the loss's)."""
+    for rank in four_ranks["zero_within_stages"]:
+        for r in rank:
+            assert r["reduce_scatters"] == [1] and sorted(r["sizes"]) == [1, 1], r

@@ -20,7 +20,8 @@ from zgraph.graph import BACKWARD, FORWARD, INPUT, PHASE, input_specs, output_ro
 from zgraph.graph_copy import copy_graph_module
 from zgraph.ops import GRAD_CONTRIBUTION
 from zgraph.passes import PassContext
-from zgraph.passes.stage_cut import STAGE, STAGE_PLAN, balance, stage_cut
+from zgraph.passes.stage_balance import balance
+from zgraph.passes.stage_cut import STAGE, STAGE_PLAN, stage_cut
 from zgraph.passes.stage_graphs import stage_graphs
 
 PIPELINE = {"backend": "eager", "pipeline_parallel": 1, "schedule": "interleaved_1f1b", "microbatches": 2}

@@ -357,7 +357,7 @@ def check_pipeline(config: Any) -> None:
             f"stages; got {len(config.pipeline_split)}"
         )
     unsupported = {
-        "stage": config.stage != 0,
+        "stage": config.stage == 3,
         "sequence_parallel": config.sequence_parallel is not None,
         "shard_group_size": config.shard_group_size is not None,
         "loss_scale": config.loss_scale is not None,
@@ -370,8 +370,8 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            "run with stage=0, without sequence parallelism, hybrid sharding, loss scaling, max_grad_norm or "
-            "offload"
+            "run with stage 0, 1 or 2 (ZeRO within each stage's data-parallel group), without sequence "
+            "parallelism, hybrid sharding, loss scaling, max_grad_norm or offload"
         )
     world = known_world_size()
     if world is not None and world % p:

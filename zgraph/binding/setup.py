@@ -46,6 +46,7 @@ from zgraph.runtime.meta_init import (
 from zgraph.runtime.offload import check_offload_device, open_store
 from zgraph.runtime.offload_activations import open_activation_tier
 from zgraph.runtime.offload_store import DEFAULT_WINDOW, watch
+from zgraph.runtime.pipeline_groups import plan_stage, zero_within_stages
 from zgraph.runtime.process_group import ProcessGroupInfo, check_one_device_per_rank
 from zgraph.runtime.sharded_state import (
     apply_plan,
@@ -97,7 +98,8 @@ def lay_out(
     if moving and device.type != "cpu":
         check_host_memory(_host_bytes(binding, moving, config, group), f"{len(moving)} parameters' masters and states")
     check_overlap(config, binding, host)
-    check_owners(config.stage, group, binding)
+    stage = plan_stage(group, config.pipeline_parallel, config.stage)
+    check_owners(stage, group, binding)
     standin = served_backend(group.backend, "meta") is not None  # a test's stand-in accelerator
     source = None if standin else meta_source(binding, group, channel)
     routes = fill_routes(binding, values) if source == "init" else []
@@ -106,7 +108,7 @@ def lay_out(
     optimizers = [(o.name, o.optimizer) for o in binding.optimizers]
     _lay_out(binding, config, device, _loss_scale_state(config, optimizers, device))
     binding.backend = served_backend(group.backend, device.type)
-    binding.plan = make_plan(config.stage, group, binding, config.param_persistence_threshold)
+    binding.plan = make_plan(stage, group, binding, config.param_persistence_threshold)
     make_real(binding, channel, source, routes, values)
     apply_plan(binding.plan, binding)  # may replace parameters (stage 3)
     move_to_host(binding, host, device)
@@ -157,15 +159,17 @@ def _first_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, config: 
 
 
 def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:
-    """``group`` with the groups ``config`` asks for made (hybrid sharding's, hpZ's, sequence parallelism's):
-    collective, on every rank of ``group`` at the same point (right after ``timed_group``)."""
-    return hybrid_group(
+    """``group`` with the groups ``config`` asks for made (hybrid sharding's, hpZ's, sequence parallelism's, a
+    pipelined step's at ZeRO stage >= 1): collective, on every rank of ``group`` at the same point (right after
+    ``timed_group``)."""
+    group = hybrid_group(
         group,
         shard_group_size=config.shard_group_size,
         secondary_group_size=config.secondary_shard_group_size,
         timeout=config.collective_timeout,
         sequence_parallel=config.sequence_parallel,
     )
+    return zero_within_stages(group, config.pipeline_parallel, config.stage, config.collective_timeout)
 
 
 def meta_source(binding: Binding, group: ProcessGroupInfo, channel: Channel | None) -> str | None:

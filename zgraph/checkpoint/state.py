@@ -80,7 +80,8 @@ def saved_state(
 ) -> tuple[dict[str, Tensor], dict[str, Any], Any]:
     """``(tensors, manifest, rng)``: the DCP state dict this rank writes, the manifest (rank 0's is written) and
     this rank's RNG states as a tree. Whole tensors are written by rank 0 only (a pipelined step's parameters and
-    their state by the rank holding them), ``DTensor`` shards by every rank.
+    their state by the rank holding them, whole: gathered first where ZeRO shards them within the stage's
+    data-parallel group), ``DTensor`` shards by every rank.
     Raises ``CheckpointError`` for a value that cannot be stored as data, before anything is written."""
     names = parameter_names(model)
     tensors: dict[str, Tensor] = {}
@@ -99,6 +100,8 @@ def saved_state(
     extra_tree = data.encode(dict(extra), "extra") if extra is not None else None
     rng = Encoder(f"{RNG}{rank}", tensors).encode(rng_state(), f"rank {rank}'s RNG state")
     held = _held_keys(model, optimizers, names, tensors)
+    # a pipelined step's state sharded within its stage's data-parallel group (ZeRO >= 1): gathered whole there
+    tensors = {k: v.full_tensor() if k in held and isinstance(v, DTensor) else v for k, v in tensors.items()}
     tensors = {k: v for k, v in tensors.items() if _writes(k, v, rank, held)}
     found = sharding_of(model)
     manifest = {

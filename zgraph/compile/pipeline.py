@@ -11,6 +11,7 @@ rank returns what eager returns on the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 
@@ -32,6 +33,7 @@ from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholder
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
+from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
@@ -45,6 +47,7 @@ from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
+_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "bucket", "lower_collectives")  # ZeRO >= 1
 
 
 def compile_pipeline(
@@ -67,10 +70,14 @@ def compile_pipeline(
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
     used = {a.kind for actions in schedule.actions for a in actions}
     backends = {name: config.backend if kind is None or kind in used else "eager" for name, kind in _KINDS.items()}
-    mine = {g.stage: _compile_stage(g, ctx, graphs, backends) for g in every if schedule.rank_of(g.stage) == place}
+    zero = _zero_passes(config, binding)
+    mine = {
+        g.stage: _compile_stage(g, ctx, graphs, backends, zero) for g in every if schedule.rank_of(g.stage) == place
+    }
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
+    program.update_reduces = zero is not None
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -120,14 +127,36 @@ def _parts(stage: StageRun) -> list[Part]:
     return [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
 
 
+def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pass]] | None:
+    """At ZeRO stage >= 1 with several pipelines, what the update graphs run before lowering (``stage_grads``):
+    the context of this rank's stage's data-parallel group and the config's ZeRO passes; else None."""
+    plan = binding.plan
+    if plan.stage == 0 or plan.group.shard is None:
+        return None
+    axis = plan.group.shard
+    whole = pass_context(binding)
+    ctx = dataclasses.replace(whole, world_size=axis.size, rank=axis.rank, group_name=axis.name, shard_group=None)
+    passes = [p for p in config.passes() if p.name in _PASSES_ON_THE_UPDATE]
+    return ctx, [Pass("stage_grads", stage_grads, requires={"phases"}), *passes]
+
+
 def _compile_stage(
-    g: StageGraphs, ctx: PassContext, graphs: OrderedDict[str, fx.GraphModule], backends: dict[str, str]
+    g: StageGraphs,
+    ctx: PassContext,
+    graphs: OrderedDict[str, fx.GraphModule],
+    backends: dict[str, str],
+    zero: tuple[PassContext, list[Pass]] | None,
 ) -> StageRun:
     """The stage's five graphs lowered, each for its backend in ``backends`` (``Config.backend`` for those the
-    schedule runs, ``"eager"`` for the others: no compile for a graph that never runs)."""
+    schedule runs, ``"eager"`` for the others: no compile for a graph that never runs); the update graph first
+    through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``)."""
     parts = []
     for name, backend in backends.items():
-        records, executable = lower(getattr(g, name), ctx, backend)
+        gm, part_ctx = getattr(g, name), ctx
+        if name == "update" and zero is not None:
+            part_ctx, passes = zero
+            gm = run_passes(gm, part_ctx, passes)[-1].gm
+        records, executable = lower(gm, part_ctx, backend)
         final = records[-1].gm
         graphs[f"stage{g.stage}.{name}"] = final
         examples = [p.meta[VAL] for p in placeholders(final)]
@@ -170,7 +199,8 @@ def run_pipeline(
 
     peers = program.peers
     divisor = functools.partial(_divisor, program, peers)
-    results = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor).run()
+    runner = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces)
+    results = runner.run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
         part = program.stages[s].update

@@ -54,6 +54,7 @@ class PipelineCompiled:
     combine: LossCombine = field(default_factory=LossCombine)
     count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
+    update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
 
 
 @dataclass
