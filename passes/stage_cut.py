@@ -353,6 +353,13 @@ def _check_outputs(gm: fx.GraphModule, where: dict[fx.Node, Placement]) -> None:
                 f"the step returns {getattr(value, 'name', value)!r}, which no pipeline stage computes (an argument, "
                 "or a value made from arguments only): return values the model computes"
             )
+        if role.kind == "grad" and placed is not None and placed.part != "update":
+            raise PassError(
+                f"the step leaves the gradient of {role.name} in .grad after it returns (no opt.zero_grad() after "
+                "opt.step(), or gradients kept for a later call): with pipeline parallelism the gradients summed "
+                "over the micro-batches are consumed by the update within the step; call opt.zero_grad() after "
+                "opt.step() in the step"
+            )
         if role.kind not in PER_MICRO_BATCH_RESULTS and placed is not None and placed.part != "update":
             raise PassError(
                 f"the {placed.part} writes {role.kind} {role.name} ({value.name}): with micro-batches it would be "

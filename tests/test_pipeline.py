@@ -261,3 +261,23 @@ def test_split_mode_is_refused_naming_what_to_move():
         compiled(model, *batches()[0])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_step_that_leaves_grad_is_refused_naming_zero_grad():
+    """A pipelined step must consume its gradients (summed over the micro-batches) in its update: one that leaves
+    ``.grad`` for after it returns is refused naming ``opt.zero_grad()``, not as a buffer the forward updates."""
+
+    def no_zero_grad(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=1, microbatches=2))(no_zero_grad)
+    message = r"leaves the gradient of .* in .grad after it returns .*opt.zero_grad\(\) after opt.step"
+    with pytest.raises(zgraph.PassError, match=message):
+        compiled(model, opt, *batches()[0])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
