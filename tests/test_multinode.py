@@ -192,15 +192,21 @@ def _outcome(out, rank: int) -> dict | None:
 
 def test_a_node_dying_mid_training_ends_the_other_nodes_ranks_with_zgraphs_error(tmp_path, launch):
     # node 1 dies: it serves neither the rendezvous's store nor the workers', so node 0's agent waits on its
-    # workers, and each of them meets the dead ranks in a collective of the step
+    # workers, and each of them meets the dead ranks in a collective of the step. The first to fail exits with
+    # zgraph's error; torchrun's agent then ends the others (SIGTERM) unless they have failed too by then
     survivor, ranks, killed_at = _kill_a_node_mid_training(launch, tmp_path, node=1)
     assert survivor.returncode != 0, _logs(tmp_path)
-    for rank in (0, 1):
-        outcome = _outcome(tmp_path, rank)
-        assert outcome is not None, f"rank {rank} wrote no outcome:\n{_logs(tmp_path)}"
-        assert outcome["error"] in ("RankFailedError", "RankMismatchError"), outcome
-        assert outcome["message"].startswith("zgraph:"), outcome
-        assert outcome["at"] - killed_at < COLLECTIVE_TIMEOUT + MARGIN, outcome
+    log = (tmp_path / "agent0.log").read_text()
+    outcomes = {rank: _outcome(tmp_path, rank) for rank in (0, 1)}
+    assert any(outcomes.values()), f"no rank wrote zgraph's error:\n{_logs(tmp_path)}"
+    for rank, outcome in outcomes.items():
+        terminated = f"Sending process {ranks[rank]['pid']} closing signal SIGTERM" in log
+        assert terminated or outcome is not None, f"rank {rank}: no outcome, not ended by its agent:\n{log}"
+        if outcome is not None:
+            assert outcome["error"] in ("RankFailedError", "RankMismatchError"), outcome
+            assert outcome["message"].startswith("zgraph:"), outcome
+            assert outcome["at"] - killed_at < COLLECTIVE_TIMEOUT + MARGIN, outcome
+        assert not _alive(ranks[rank]["pid"]), f"rank {rank} still running after its agent exited"
 
 
 def test_the_node_serving_the_stores_dying_ends_the_other_nodes_ranks(tmp_path, launch):
