@@ -3,13 +3,13 @@ its fp32 master partitioned on the host.
 
 With the update on the host (``Config.offload_update``) the device holds no parameter between steps at any stage:
 the forward copies each one there. What stages 1 and 2 would add is the whole master on every rank's host, and an
-updated shard all-gathered in fp32 through the device and copied back whole (about 9 bytes per parameter at 2 ranks
-where stage 3 copies 4). So a step of stage 1 or 2 whose update runs on the host on several ranks runs as stage 3
-with ``max_reuse_distance`` covering the model — each parameter gathered once per step, in its compute dtype, and
-kept for the backward, as stages 1 and 2 keep it whole through the step — and each rank's host holds its shard of
-the master, gradient and states. Results are the step's as before (a reduce-scatter instead of an all-reduce and a
-slice); parameters are sharded tensors between steps, as at stage 3 (``zgraph.full_state_dict`` gathers them).
-``explain()`` says so (``layout_lines``).
+updated shard all-gathered in fp32 through the device and copied back whole (9.2 bytes per parameter crossed at 2
+ranks, fp16 parameters, where stage 3's layout copies 2.1: ``tests/test_device_path.py``). So a step of stage 1 or 2
+whose update runs on the host on several ranks runs as stage 3 with ``max_reuse_distance`` covering the model — each
+parameter gathered once per step, in its compute dtype, and kept for the backward, as stages 1 and 2 keep it whole
+through the step — and each rank's host holds its shard of the master, gradient and states. Results are the step's
+as before (a reduce-scatter instead of an all-reduce and a slice); parameters are sharded tensors between steps, as
+at stage 3 (``zgraph.full_state_dict`` gathers them). ``explain()`` says so (``layout_lines``).
 """
 
 from __future__ import annotations
