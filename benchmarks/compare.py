@@ -41,6 +41,7 @@ from benchmarks.compare_machine import (
     machine_facts,
     rank_env,
     revision_span,
+    systems_parser,
     terminate,
     undisturbed_probe,
     wait_for_idle,
@@ -421,15 +422,7 @@ def benchmark_model(model: str, systems: list[str], args: argparse.Namespace, ma
     return report
 
 
-def parse_systems(text: str) -> list[str]:
-    """``all`` or a comma-separated subset of SYSTEMS, kept in SYSTEMS order."""
-    if text == "all":
-        return list(SYSTEMS)
-    wanted = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = sorted(set(wanted) - set(SYSTEMS))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    return [s for s in SYSTEMS if s in wanted]
+parse_systems = systems_parser(SYSTEMS)  # the --systems argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

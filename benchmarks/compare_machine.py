@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,22 @@ def wait_for_idle(max_wait: float, sample: float = 1.0) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ data
+
+
+def systems_parser(systems: Sequence[str]) -> Callable[[str], list[str]]:
+    """The ``--systems`` argument's type: ``all`` or a comma-separated subset of ``systems``, kept in their order;
+    an unknown name is an ``argparse.ArgumentTypeError`` naming the choices."""
+
+    def parse(text: str) -> list[str]:
+        if text == "all":
+            return list(systems)
+        wanted = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - set(systems))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {', '.join(systems)}")
+        return [name for name in systems if name in wanted]
+
+    return parse
 
 
 def last_lines(text: str, n: int = 6) -> str:

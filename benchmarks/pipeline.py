@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare import _cell, launch_and_wait, read_ranks
-from benchmarks.compare_machine import FOREIGN_LOAD_WARN, ForeignLoad, last_lines, machine_facts
+from benchmarks.compare_machine import FOREIGN_LOAD_WARN, ForeignLoad, last_lines, machine_facts, systems_parser
 from benchmarks.pipeline_systems import SCHEDULES, parse
 from benchmarks.pipeline_timeline import Span, bubble, ideal_bubble
 from benchmarks.pipeline_worker import add_model_args
@@ -240,14 +240,7 @@ def checks(rows: list[Row]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def parse_systems(text: str) -> list[str]:
-    """``all`` or a comma-separated subset of SYSTEMS, kept in SYSTEMS order."""
-    if text == "all":
-        return list(SYSTEMS)
-    wanted = {s.strip() for s in text.split(",") if s.strip()}
-    if wanted - set(SYSTEMS):
-        raise argparse.ArgumentTypeError(f"unknown systems {sorted(wanted - set(SYSTEMS))}; choose from {SYSTEMS}")
-    return [s for s in SYSTEMS if s in wanted]
+parse_systems = systems_parser(SYSTEMS)  # the --systems argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

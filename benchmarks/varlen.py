@@ -38,6 +38,7 @@ from benchmarks.compare_machine import (
     ForeignLoad,
     last_lines,
     machine_facts,
+    systems_parser,
     wait_for_idle,
 )
 from benchmarks.varlen_worker import ONE_PROCESS, SYSTEMS
@@ -211,14 +212,7 @@ def markdown_report(args: argparse.Namespace, machine: dict[str, Any], params: i
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def parse_systems(text: str) -> list[str]:
-    """``all`` or a comma-separated subset of SYSTEMS, kept in SYSTEMS order."""
-    if text == "all":
-        return list(SYSTEMS)
-    wanted = {s.strip() for s in text.split(",") if s.strip()}
-    if wanted - set(SYSTEMS):
-        raise argparse.ArgumentTypeError(f"unknown systems {sorted(wanted - set(SYSTEMS))}; choose from {SYSTEMS}")
-    return [s for s in SYSTEMS if s in wanted]
+parse_systems = systems_parser(SYSTEMS)  # the --systems argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
