@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from dist_harness import all_gather_values, run_named
+from pipeline_cases import step_of
 from torch import nn
 
 import zgraph
@@ -50,12 +51,7 @@ def llama_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, 
     return loss.detach()
 
 
-def gpt_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    loss = lm_loss(model(ids), labels)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
+gpt_step = step_of(lm_loss)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
