@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 from dynamic_cases import CONFIG, SIZES, adamw, batch, batches, eager, eager_ranks, model, train_step, zgraph_run
+from parity import train_step as classification_step
 
 import zgraph
 from zgraph.demos.models import lm_loss
@@ -102,7 +103,7 @@ def test_config_dynamic_true_captures_once_and_false_captures_every_size():
     _equal(got, eager(sizes=sizes[:3]))
     assert got["variants"] == [1, 2, 3]
     net = torch.nn.Linear(8, 3)
-    step = zgraph.distribute(zgraph.Config(backend="eager", dynamic=True))(classify)
+    step = zgraph.distribute(zgraph.Config(backend="eager", dynamic=True))(classification_step)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -111,14 +112,6 @@ def test_config_dynamic_true_captures_once_and_false_captures_every_size():
     assert step._dispatch.variants() == 1
     with pytest.raises(ValueError, match=r"Config.dynamic must be True, False or None; got 'yes'"):
         zgraph.Config(dynamic="yes")
-
-
-def classify(net, opt, x, y):
-    loss = torch.nn.functional.cross_entropy(net(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def test_mark_dynamic_captures_once_and_refuses_a_size_outside_its_range():
