@@ -77,6 +77,7 @@ def test_recomputation_restores_the_forward_generator_state_in_the_graph(reentra
     assert ordered[6].args[0] is saved and ordered[10].args[0] is moment
 
 
+@pytest.mark.inductor
 def test_inductor_recomputation_draws_the_forward_masks():
     """On inductor (random ops run as aten fallbacks on the global generator, in program order) the masks are
     eager's: parameters within fp32 round-off (wrong masks move them by ~1e-2) and the generator state equal."""
@@ -103,6 +104,7 @@ def assert_gpt_matches(got: dict, want: dict) -> None:
         torch.testing.assert_close(got["params"][name], value, rtol=0, atol=2e-3, msg=name)
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_inductor_gpt_blocks_draw_eager_masks(reentrant):
     """Issue 40: checkpointed transformer blocks with dropout and causal SDPA dropout, AdamW, inductor: inductor's
@@ -112,23 +114,33 @@ def test_inductor_gpt_blocks_draw_eager_masks(reentrant):
     assert_gpt_matches(got, gpt_eager(reentrant))
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
-def test_inductor_gpt_blocks_draw_eager_masks_on_two_ranks(two_ranks, reentrant):
+def test_inductor_gpt_blocks_draw_eager_masks_on_two_ranks(two_ranks_inductor, reentrant):
     """The same at stage 3 on 2 ranks, each rank's rows drawing from the step's starting state."""
-    assert_gpt_matches(two_ranks["inductor_gpt"][reentrant], gpt_eager(reentrant, world=2))
+    assert_gpt_matches(two_ranks_inductor["inductor_gpt"][reentrant], gpt_eager(reentrant, world=2))
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def on_two_ranks(directory, names: list[str]) -> dict:
+    """``checkpointing_cases.run``'s results of ``names`` on 2 ranks (each checked to have no error)."""
     from dist_harness import run_ranks
 
-    path = tmp_path_factory.mktemp("checkpointing") / "results.pt"
-    names = ["stages", "split_stages", "inductor_gpt"]
+    path = directory / "results.pt"
     run_ranks(2, "checkpointing_cases.run", str(path), names, timeout=600)
     results = torch.load(path, weights_only=False)
     for name in names:
         assert "error" not in results[name], results[name].get("error")
     return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return on_two_ranks(tmp_path_factory.mktemp("checkpointing"), ["stages", "split_stages"])
+
+
+@pytest.fixture(scope="module")
+def two_ranks_inductor(tmp_path_factory):
+    return on_two_ranks(tmp_path_factory.mktemp("checkpointing_inductor"), ["inductor_gpt"])
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])

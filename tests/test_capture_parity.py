@@ -347,6 +347,7 @@ def test_small_gpt_adamw():
     run_parity(step, make, data)
 
 
+@pytest.mark.inductor
 def test_inductor_backend_matches_eager():
     """Inductor fuses and reorders float math: equal to eager within 1e-5 relative after 5 AdamW steps."""
     run_parity(
@@ -406,6 +407,7 @@ def _every_optimizer_variant() -> tuple:
     return model, sgd, adam, adamw
 
 
+@pytest.mark.inductor
 def test_inductor_optimizer_updates_and_random_numbers_match_eager():
     """Regressions: inductor fused add(x, mm(..), alpha=a) into addmm and dropped alpha (the optimizers'
     param.add_(grad, alpha=-lr): plain SGD moved by +grad, coupled weight decay was lost; and a user's own

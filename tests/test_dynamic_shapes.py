@@ -69,6 +69,7 @@ def test_stage_3_on_one_process():
     assert got["variants"] == [1, 2, 2]
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("stage", [0, 3])
 def test_inductor_compiles_the_symbolic_capture_once_and_equals_eager(stage):
     """Inductor compiles each capture once, the second with symbolic sizes (no fallback to the eager backend), and
@@ -166,17 +167,21 @@ def test_split_mode_with_symbolic_sizes():
     assert forward._dispatch.variants() == 2
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def on_two_ranks(directory, names: list[str]) -> dict:
+    """``dynamic_cases.run``'s results of ``names`` on 2 ranks (each checked to have no error)."""
     from dist_harness import run_ranks
 
-    path = tmp_path_factory.mktemp("dynamic") / "results.pt"
-    names = ["stages", "inductor_stage_3", "ranks_differ"]
+    path = directory / "results.pt"
     run_ranks(2, "dynamic_cases.run", str(path), names, timeout=600)
     results = torch.load(path, weights_only=False)
     for name in names:
         assert "error" not in results[name], results[name].get("error")
     return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return on_two_ranks(tmp_path_factory.mktemp("dynamic"), ["stages", "ranks_differ"])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -189,8 +194,9 @@ def test_stages_on_two_ranks_equal_ddp_at_every_size(two_ranks, stage):
     assert got["variants"][-1] == 2
 
 
-def test_inductor_at_stage_3_on_two_ranks_equals_ddp_at_every_size(two_ranks):
-    got, want = two_ranks["inductor_stage_3"], eager(world=2, eps=1e-3)
+@pytest.mark.inductor
+def test_inductor_at_stage_3_on_two_ranks_equals_ddp_at_every_size(tmp_path):
+    got, want = on_two_ranks(tmp_path, ["inductor_stage_3"])["inductor_stage_3"], eager(world=2, eps=1e-3)
     assert not got["fallbacks"] and got["variants"] == [1, 2, 2, 2, 2]
     for a, b in zip(got["losses"], want["losses"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

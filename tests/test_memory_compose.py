@@ -90,6 +90,7 @@ def test_save_and_load_are_unaffected(tmp_path):
     assert not [p for p in (tmp_path / "tier").rglob("*") if p.is_file()], "activation files left behind"
 
 
+@pytest.mark.inductor
 def test_inductor_backend(tmp_path):
     """The per-block remat and the offload nodes through inductor: bitwise the inductor step without them."""
     config = zgraph.Config(backend="inductor", offload_dir=str(tmp_path), **MEMORY["per-block+offload"])

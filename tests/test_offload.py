@@ -256,6 +256,7 @@ def test_offloaded_params_eager_optimizer_step_after_another_offload_tier(tmp_pa
     run_ranks(2, "offload_cases.params_eager_optimizer_after_another_store", str(tmp_path), timeout=300, fresh=True)
 
 
+@pytest.mark.inductor
 def test_offloaded_params_with_inductor(tmp_path):
     run_ranks(1, "offload_cases.params_inductor_ranks", str(tmp_path), timeout=600)
 

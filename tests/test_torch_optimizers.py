@@ -92,6 +92,7 @@ def _state(state: tuple) -> dict:
     return {"model": state[0].state_dict(), "optim": [opt.state_dict() for opt in state[1:]]}
 
 
+@pytest.mark.inductor
 def test_inductor_compiles_every_class_and_equals_eager(monkeypatch):
     """Their hyper-parameters and step counters are host-known symbols of the graph (a branch on one is a guard
     checked before each call); inductor compiles against them as numbers only the run knows, with no fallback to
