@@ -32,6 +32,7 @@ Files::
     stage_balance.py         the cut's balance: blocks' forward flops grouped into stages
     stage_graphs.py          a graph ``stage_cut`` stamped taken apart: each stage's forward, backward, update
     stage_grads.py           ``stage_grads`` (pipelines, ZeRO >= 1): a stage's update reduces its gradients itself
+    stage_gather.py          ``stage_gather`` (pipelines, ZeRO 3): the graph gathering a stage's parameters per step
 """
 
 from __future__ import annotations

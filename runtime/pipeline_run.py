@@ -15,7 +15,9 @@ being a result of the stage that makes the loss). With ``D`` pipelines the sums 
 stage's data-parallel group first (one flat bucket per stage); or, where the update graphs reduce them themselves
 (``update_reduces``: ZeRO stage >= 1, ``zgraph.passes.stage_grads``), each rank's sums are divided by
 ``divisor(counts) / D`` and the update averages them over the ``D`` pipelines. What a graph reads of the step's
-state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update).
+state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update). At ZeRO stage 3 a
+stage's parameters are gathered whole once per step, right before its first action (``StageRun.gather``), and
+kept across the micro-batches until the updates, which read and write the shards.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class StageRun:
     input_grad: Part
     weight_grad: Part
     update: Part
+    gather: Part | None = None  # ZeRO stage 3: the stage's parameter shards all-gathered (``stage_gather``)
 
 
 @dataclass
@@ -114,6 +117,8 @@ class RankRunner:
         self.partial: dict[tuple[int, int], list[Tensor]] = {}
         self.sums: dict[tuple[int, str], Tensor] = {}  # by stage and gradient marker
         self.sends: list[tuple[dist.Work, Tensor]] = []
+        self.wholes: dict[int, Tensor] = {}  # ZeRO stage 3: gathered parameters, by index, until the updates
+        self.gathered: set[int] = set()
         self.results = Results()
 
     def run(self) -> Results:
@@ -129,10 +134,13 @@ class RankRunner:
             Kind.RECV_B: self._receive,
         }
         for action in self.schedule.actions[self.rank]:
+            if action.kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+                self._gather(action.stage)
             handlers[action.kind](action)
             self._drop_delivered()
         for work, _ in self.sends:
             work.wait()
+        self.wholes.clear()  # the updates read and write the shards
         self.results.divisor = self.scale = self.divisor(self.results.counts)
         if self.peers.data is not None and self.update_reduces:
             self.scale = self.scale / self.peers.pipelines  # the update averages each gradient over the pipelines
@@ -142,9 +150,23 @@ class RankRunner:
             self.results.updates[s] = self._update(s, stage.update)
         return self.results
 
+    def _gather(self, s: int) -> None:
+        """Before stage ``s``'s first action of the step, its gather (ZeRO stage 3): the whole parameters, kept
+        for every micro-batch's graphs until the updates."""
+        part = self.stages[s].gather
+        if s in self.gathered or part is None:
+            return
+        self.gathered.add(s)
+        outputs = part.run([self.feed(spec, None) for spec in part.inputs])
+        self.wholes.update((role.index, value) for role, value in zip(part.outputs, outputs))
+
     def _call(self, part: Part, mb: int, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
-        inputs = [given[s.kind][s.index] if s.kind in given else self.feed(s, mb) for s in part.inputs]
+        inputs = [given[s.kind][s.index] if s.kind in given else self._read(s, mb) for s in part.inputs]
         return list(zip(part.outputs, part.run(inputs)))
+
+    def _read(self, spec: GraphInput, mb: int) -> Tensor:
+        whole = spec.kind == "param" and spec.layout == "full"
+        return self.wholes[spec.index] if whole and spec.index in self.wholes else self.feed(spec, mb)
 
     def _forward(self, a: Action) -> None:
         part = self.stages[a.stage].forward

@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from zgraph.errors import ShardedParameterError, ZGraphError
 from zgraph.graph import ShardSpec
 from zgraph.ops import host_read
-from zgraph.runtime.meta_init import release
+from zgraph.runtime.meta_init import release, swap_storage
 from zgraph.runtime.process_group import ProcessGroupInfo, device_mesh, hybrid_mesh
 from zgraph.runtime.state import Binding
 from zgraph.runtime.storage_guard import refuse_storage_access
@@ -384,6 +384,17 @@ def shard_parameter(
         if old in opt.state:
             opt.state[new] = opt.state.pop(old)
     binding.replace_param(index, new)
+
+
+def release_shard(plan: ShardingPlan, param: DTensor, index: int) -> None:
+    """Sharded parameter ``index`` (``param``, a zgraph ``DTensor``) made a meta ``DTensor`` of the same layout in
+    place: the same object stays on its modules and in the optimizers; its shard's memory is given back."""
+    spec = plan.specs[index]
+    assert spec is not None
+    meta = plan.wrap(torch.empty(spec.shard_shape, dtype=param.dtype, device="meta"), spec, requires_grad=True)
+    padded = getattr(meta, _PADDED)
+    swap_storage(param, meta.requires_grad_(param.requires_grad))
+    setattr(param, _PADDED, padded)  # swap_storage kept the object's own attributes: the real shard's, until now
 
 
 def normalize_state(plan: ShardingPlan, binding: Binding) -> None:

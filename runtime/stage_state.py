@@ -3,7 +3,8 @@
 Once a pipelined step is compiled (``zgraph.compile.pipeline``), ``Binding.holders`` maps every parameter to the
 global rank running its stage in the first pipeline, and every parameter of a stage this rank does not run is
 released on this rank: the parameter object stays in its module and optimizer (the same object, shape, dtype and
-``requires_grad``) but its storage becomes meta, as do its ``.grad`` and its optimizer state tensors. What the step
+``requires_grad``) but its storage becomes meta (at ZeRO stage 3, a ``DTensor`` shard: a meta ``DTensor`` of the
+same layout), as do its ``.grad`` and its optimizer state tensors. What the step
 reads and writes on a rank is its own stages' state, so a rank keeps its stages' share of the model state. Buffers
 stay whole on every rank (every stage may read those the step does not update).
 
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zgraph.runtime.meta_init import swap_storage
-from zgraph.runtime.sharded_state import sharding_of
+from zgraph.runtime.sharded_state import release_shard, sharding_of
 from zgraph.runtime.state import Binding
 
 
@@ -36,7 +37,9 @@ def release_other_stages(binding: Binding, holders: dict[int, int], mine: set[in
         p = binding.params[index].tensor
         if p.grad is not None and not p.grad.is_meta:
             p.grad = _meta_like(p.grad)
-        if not p.is_meta:
+        if isinstance(p, DTensor) and not p.is_meta:  # ZeRO stage 3: the shard, as a meta DTensor
+            release_shard(binding.plan, p, index)
+        elif not p.is_meta:
             swap_storage(p, _meta_like(p))
         for o in binding.optimizers:
             state = o.optimizer.state.get(p)
@@ -61,7 +64,7 @@ def fetch(value: Tensor, owner: int, binding: Binding, to: int | None = None) ->
     ``owner`` on the binding's device: broadcast to every rank of the step's group (each calls it at the same
     point), or with ``to`` (a global rank), sent to that rank alone (None on the others)."""
     me = dist.get_rank()
-    if isinstance(value, DTensor):
+    if isinstance(value, DTensor) and not value.is_meta:  # a meta one (released here) has nothing to gather
         value = value.full_tensor()
     if to is not None and me not in (to, owner):
         return None

@@ -116,6 +116,8 @@ split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
 sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
 token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
 inductor = on_ranks(schedule="zb_h1", microbatches=2, backend="inductor")
+# one pipeline: ZeRO 3 has nothing to shard over within a stage (plan_stage: laid out as stage 0, parameters whole)
+stage_three = on_ranks(schedule="1f1b", microbatches=2, stage=3, param_persistence_threshold=0)
 
 
 def memory_budget(rank: int, world: int) -> list[dict]:

@@ -1,11 +1,13 @@
-"""Pipeline parallelism over ``P x D`` ranks (two pipelines of two stages; ZeRO stage 0, and 1 and 2 within each
-stage's data-parallel group) against eager PyTorch on the global batch, and the gradient reductions each step issues
-(one per stage, whatever the micro-batch count): the worker of ``test_pipeline_data.py``."""
+"""Pipeline parallelism over ``P x D`` ranks (two pipelines of two stages; ZeRO stage 0, and 1 to 3 within each
+stage's data-parallel group) against eager PyTorch on the global batch, and the gradient reductions (stage 3: and
+parameter gathers) each step issues (one per stage, whatever the micro-batch count): the worker of
+``test_pipeline_data.py``."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import tempfile
 from collections.abc import Iterator
 
@@ -14,6 +16,8 @@ import torch.distributed as dist
 from dist_harness import all_gather_values, run_named
 from pipeline_cases import LR, Net, _by_name, _distance, _params, batches, step
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zgraph
 from zgraph.runtime.memory import state_bytes
@@ -29,17 +33,24 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     config = zgraph.Config(
-        backend="eager", pipeline_parallel=P, schedule="1f1b", microbatches=microbatches, stage=stage
+        backend="eager",
+        pipeline_parallel=P,
+        schedule="1f1b",
+        microbatches=microbatches,
+        stage=stage,
+        param_persistence_threshold=0,  # stage 3: every parameter of the tiny model sharded
     )
     compiled = zgraph.distribute(config)(step)
-    want, got, sizes = [], [], []
+    want, got, sizes, comm = [], [], [], FunctionalCollectives()
     for i, batch in enumerate(batches()[:steps]):
         want.append(step(eager_model, eager_opt, *batch))
-        with counted(sizes if i == steps - 1 else []):
+        last = i == steps - 1
+        with counted(sizes if last else []), comm if last and stage == 3 else contextlib.nullcontext():
             got.append(compiled(model, opt, *zgraph.pipeline_batch(batch, P)))
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     eager = dict(eager_model.named_parameters())
-    distance = max((p - eager[n]).abs().max().item() for n, p in model.named_parameters() if n in owned)
+    whole_params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    distance = max((p - eager[n]).abs().max().item() for n, p in whole_params.items() if n in owned)
     full = zgraph.full_state_dict(model)
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
     numel = sum(eager[n].numel() for n in owned)
@@ -49,10 +60,16 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
            "stage_numel": numel, "explained": explained, "state": state_bytes(model, opt)["total"],
            "optimizer": state_bytes(model, opt)["optimizer"],
            "eager_optimizer": state_bytes(eager_model, eager_opt)["optimizer"],
-           "reduce_scatters": [_reduce_scatters(gm) for gm in updates]}  # fmt: skip
-    if steps > 1 and stage < 2:  # stage 2 runs stage 1's graphs (a pipelined step leaves no gradient sharded)
+           "reduce_scatters": [_reduce_scatters(gm) for gm in updates],
+           "params": state_bytes(model)["params"], "eager_params": state_bytes(eager_model)["params"],
+           "gathers": {n: _all_gathers(gm) for n, gm in compiled.graphs.items() if re.match(r"stage\d+\.", n)},
+           "comm": comm.counts}  # fmt: skip
+    if steps > 1 and stage != 2:  # stage 2 runs stage 1's graphs (a pipelined step leaves no gradient sharded)
         out["loaded"] = _saved_and_loaded(rank, model, opt, eager_model, eager_opt)
-    if steps > 1 and stage == 1:  # the optimizer state sharded within each stage, gathered whole
+    if stage == 3:  # every parameter whole on every rank inside zgraph.gather
+        with zgraph.gather(model):
+            out["gathered"] = max((p - eager[n]).abs().max().item() for n, p in model.named_parameters())
+    if steps > 1 and stage in (1, 3):  # the optimizer state sharded within each stage, gathered whole
         full_optim = zgraph.full_state_dict(model, opt)[1]
         out["whole_optim"] = _distance(_by_name(full_optim, model), _by_name(eager_opt.state_dict(), eager_model))
     return out
@@ -94,6 +111,30 @@ def _reduce_scatters(gm: torch.fx.GraphModule) -> int:
     return sum(node.target in targets for node in gm.graph.nodes)
 
 
+class FunctionalCollectives(TorchDispatchMode):
+    """Counts the functional collectives (``torch.ops._c10d_functional``) of floating-point tensors run inside, by
+    name (not the step's int64 check that every rank runs the same graph: ``zgraph.runtime.consistency``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name != "wait_tensor":
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            if first.is_floating_point():
+                self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _all_gathers(gm: torch.fx.GraphModule) -> int:
+    """The all-gathers a lowered graph runs (a bucket's is one coalesced all-gather)."""
+    c10d = torch.ops._c10d_functional
+    targets = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default)
+    return sum(node.target in targets for node in gm.graph.nodes)
+
+
 def two_by_two(rank: int, world: int) -> list[dict]:
     return all_gather_values([train(rank, world, 2, steps=3), train(rank, world, 4, steps=1)])
 
@@ -102,6 +143,11 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
     """ZeRO 1 (2 and 4 micro-batches) and 2 within each stage's data-parallel group."""
     runs = [train(rank, world, 2, steps=3, stage=1), train(rank, world, 4, steps=1, stage=1)]
     return all_gather_values([*runs, train(rank, world, 2, steps=2, stage=2)])
+
+
+def stage_three(rank: int, world: int) -> list[dict]:
+    """ZeRO 3 within each stage's data-parallel group: 3 steps with 2 micro-batches, 2 with 4."""
+    return all_gather_values([train(rank, world, 2, steps=3, stage=3), train(rank, world, 4, steps=2, stage=3)])
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -15,6 +15,7 @@ from pipeline_cases import Net, batches, step, step_of, train
 import zgraph
 
 CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "memory_budget"]
+CASES += ["stage_three"]
 PARAMS = [name for name, _ in Net().named_parameters()]
 
 
@@ -156,7 +157,7 @@ def test_bad_input_is_refused_before_anything_changes(config, error, message):
     [
         ({"microbatches": 2}, "Config.microbatches is a pipeline parallelism option: set Config.pipeline_parallel"),
         ({"pipeline_parallel": 2, "sequence_parallel": 2}, "does not combine with sequence_parallel=2 yet"),
-        ({"pipeline_parallel": 2, "stage": 3}, "does not combine with stage=3 yet"),
+        ({"pipeline_parallel": 2, "stage": 3, "secondary_shard_group_size": 2}, "with secondary_shard_group_size=2"),
         ({"pipeline_parallel": 2, "schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
         ({"pipeline_parallel": 2, "pipeline_virtual_stages": 2}, "'1f1b' runs one stage per rank"),
         ({"pipeline_parallel": 2, "pipeline_split": ("a", "b")}, "after the first, 1 for 2 x 1 stages; got 2"),

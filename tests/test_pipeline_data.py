@@ -1,7 +1,8 @@
 """Pipeline parallelism over ``P x D`` ranks (issue 42): two pipelines of two stages on four gloo ranks, each
 pipeline on its rows of the batch (``zgraph.pipeline_batch``), against eager PyTorch on the whole batch, and the
 gradient reductions a step issues: one per stage, the same for 2 and 4 micro-batches (3 steps with 2, 1 with 4);
-at ZeRO stages 1 and 2 within each stage's data-parallel group, one reduce-scatter per stage's bucket."""
+at ZeRO stages 1 to 3 within each stage's data-parallel group, one reduce-scatter per stage's bucket (stage 3: and one
+all-gather of its parameters)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def four_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
-    cases = ["two_by_two", "zero_within_stages"]
+    cases = ["two_by_two", "zero_within_stages", "stage_three"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
     for result in results.values():
@@ -83,3 +84,37 @@ def test_zero_reduces_each_stage_bucket_once_per_step_whatever_the_micro_batch_c
     for rank in four_ranks["zero_within_stages"]:
         for r in rank:
             assert r["reduce_scatters"] == [1] and sorted(r["sizes"]) == [1, 1], r
+
+
+STAGE_THREE_RUNS = {"2 micro-batches, 3 steps": 0, "4 micro-batches, 2 steps": 1}
+
+
+@pytest.mark.parametrize("run", list(STAGE_THREE_RUNS))
+def test_zero_3_within_each_stage_equals_eager_and_holds_a_quarter_of_the_parameters(four_ranks, run):
+    """ZeRO 3 within each stage's data-parallel group: losses, parameters, and the whole model's and optimizer's
+    state (``zgraph.full_state_dict``) as eager's after the steps, and the whole model on every rank inside
+    ``zgraph.gather``; ``zgraph.save`` loads as eager's model and optimizer state; between steps each rank holds a
+    quarter (1 / (P x D)) of the parameters and of the optimizer state (its stage's shards: the whole parameters
+    gathered for a step are let go after its update)."""
+    runs = [rank[STAGE_THREE_RUNS[run]] for rank in four_ranks["stage_three"]]
+    for r in runs:
+        torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["distance"] < 1e-6 and r["whole"] < 1e-6 and r["whole_optim"] < 1e-6 and r["loaded"] < 1e-6, r
+        assert r["gathered"] < 1e-6, "zgraph.gather gives every rank the whole model"
+        assert r["params"] < r["eager_params"] / 4 * 1.1, (r["params"], r["eager_params"])
+        assert r["optimizer"] < r["eager_optimizer"] / 4 * 1.1, (r["optimizer"], r["eager_optimizer"])
+    assert sorted(n for r in runs[:2] for n in r["owned"]) == sorted(PARAMS)
+
+
+def test_zero_3_gathers_and_reduces_each_stage_bucket_once_per_step_whatever_the_micro_batch_count(four_ranks):
+    """At ZeRO 3 a stage's parameters are all-gathered once per step (its gather graph: one bucket here, run before
+    the stage's first action and kept across the micro-batches) and its gradients reduce-scattered once (its update
+    graph, which reads and writes the shards and gathers nothing): the collectives a step runs are the same for 2
+    and 4 micro-batches."""
+    for rank in four_ranks["stage_three"]:
+        for r in rank:
+            stage = r["gathers"]
+            assert [n for n, count in stage.items() if count] == [n for n in stage if n.endswith(".gather")], stage
+            assert sum(stage.values()) == 1 and r["reduce_scatters"] == [1], r
+            # on gloo a reduce-scatter runs as an all_to_all_single (zgraph.graph.reduce_scatter_by_all_to_all)
+            assert r["comm"] == {"all_gather_into_tensor_coalesced": 1, "all_to_all_single": 1}, r["comm"]

@@ -107,7 +107,7 @@ class Config(DeprecatedNames):
     holds and updates only its stages' parameters and optimizer state, and activations and their gradients move
     between stages by point-to-point sends. P must divide the world size: ``world / P`` pipelines of P consecutive
     ranks, each on its rows of the batch (``zgraph.pipeline_batch``), a stage's gradients all-reduced over the
-    pipelines once per step; ZeRO stages 1-2 shard within that group (stage 3 not yet). None (default): off."""
+    pipelines once per step; ZeRO 1-3 shard within that group (3: parameters gathered once a step). None: off."""
 
     microbatches: int | None = None
     """Pipeline parallelism: micro-batches per step, ``M``: every tensor argument of the step is cut into M along

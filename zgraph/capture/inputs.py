@@ -93,8 +93,9 @@ def fake_inputs(
             continue
         home = inputs.homes.get(k)
         if isinstance(value, DTensor):  # sharded state: the graph is captured on the whole (logical) tensor
+            device = meta_as if value.is_meta and meta_as is not None else value._local_tensor.device
             with mode:
-                fake = torch.empty(value.shape, dtype=value.dtype, device=home or value._local_tensor.device)
+                fake = torch.empty(value.shape, dtype=value.dtype, device=home or device)
         elif home is not None:
             with mode:
                 fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=home)

@@ -66,9 +66,12 @@ def gather(model: nn.Module) -> Iterator[nn.Module]:
     swaps = []  # (record, sharded param, whole param, versions at entry)
     grads = []  # (param, sharded grad, whole grad) for whole parameters with sharded grads (stage 2)
     for record in binding.params:
-        if not any(id(module) in owned for module, _ in record.slots) or record.index in binding.holders:
-            continue
         param = record.tensor
+        # a pipelined step's parameters come whole from their holders (_other_stages), except a stage-3 shard held
+        # here: gathered as any sharded parameter (and cut back into the shard on exit)
+        pipelined = record.index in binding.holders and not (isinstance(param, DTensor) and not param.is_meta)
+        if not any(id(module) in owned for module, _ in record.slots) or pipelined:
+            continue
         if isinstance(param, DTensor):
             whole = nn.Parameter(_whole(param), requires_grad=param.requires_grad)
             if param.grad is not None:

@@ -33,6 +33,7 @@ from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholder
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
+from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
 from zgraph.runtime.consistency import describe_graph, digest
@@ -47,7 +48,8 @@ from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
-_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "bucket", "lower_collectives")  # ZeRO >= 1
+_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "shard_params", "bucket", "lower_collectives")
+_PASSES_ON_THE_GATHER = ("bucket", "lower_collectives")  # ZeRO 3: a stage's parameters gathered once per step
 
 
 def compile_pipeline(
@@ -71,8 +73,11 @@ def compile_pipeline(
     used = {a.kind for actions in schedule.actions for a in actions}
     backends = {name: config.backend if kind is None or kind in used else "eager" for name, kind in _KINDS.items()}
     zero = _zero_passes(config, binding)
+    stage = binding.plan.stage
     mine = {
-        g.stage: _compile_stage(g, ctx, graphs, backends, zero) for g in every if schedule.rank_of(g.stage) == place
+        g.stage: _compile_stage(g, ctx, graphs, backends, zero, stage)
+        for g in every
+        if schedule.rank_of(g.stage) == place
     }
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
@@ -124,12 +129,14 @@ def _runs_by_schedule(inputs: object) -> object:
 
 
 def _parts(stage: StageRun) -> list[Part]:
-    return [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
+    parts = [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
+    return parts if stage.gather is None else [*parts, stage.gather]
 
 
 def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pass]] | None:
     """At ZeRO stage >= 1 with several pipelines, what the update graphs run before lowering (``stage_grads``):
-    the context of this rank's stage's data-parallel group and the config's ZeRO passes; else None."""
+    the context of this rank's stage's data-parallel group and the config's ZeRO passes (at stage 3
+    ``shard_params``: the update reads and writes the parameters' shards); else None."""
     plan = binding.plan
     if plan.stage == 0 or plan.group.shard is None:
         return None
@@ -146,24 +153,38 @@ def _compile_stage(
     graphs: OrderedDict[str, fx.GraphModule],
     backends: dict[str, str],
     zero: tuple[PassContext, list[Pass]] | None,
+    stage: int,
 ) -> StageRun:
     """The stage's five graphs lowered, each for its backend in ``backends`` (``Config.backend`` for those the
     schedule runs, ``"eager"`` for the others: no compile for a graph that never runs); the update graph first
-    through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``)."""
+    through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``). At ZeRO stage 3,
+    also the graph gathering the stage's parameter shards (``stage_gather``, bucketed: ``_PASSES_ON_THE_GATHER``)."""
     parts = []
     for name, backend in backends.items():
         gm, part_ctx = getattr(g, name), ctx
         if name == "update" and zero is not None:
             part_ctx, passes = zero
             gm = run_passes(gm, part_ctx, passes)[-1].gm
-        records, executable = lower(gm, part_ctx, backend)
-        final = records[-1].gm
-        graphs[f"stage{g.stage}.{name}"] = final
-        examples = [p.meta[VAL] for p in placeholders(final)]
-        run, seconds = executable.run, executable.compile_seconds
-        updated = executable.updated_inputs
-        parts.append(Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend))
+        parts.append(_lowered(gm, part_ctx, backend, graphs, f"stage{g.stage}.{name}"))
+    compute = [g.forward, g.backward, g.input_grad, g.weight_grad]
+    gather = None if zero is None else stage_gather(compute, zero[0], stage=stage)
+    if gather is not None and zero is not None:
+        passes = [p for p in zero[1] if p.name in _PASSES_ON_THE_GATHER]
+        gm = run_passes(gather, zero[0], passes, check_input=False)[-1].gm
+        parts.append(_lowered(gm, zero[0], backends["forward"], graphs, f"stage{g.stage}.gather"))
     return StageRun(g.stage, *parts)
+
+
+def _lowered(
+    gm: fx.GraphModule, ctx: PassContext, backend: str, graphs: OrderedDict[str, fx.GraphModule], name: str
+) -> Part:
+    """``gm`` lowered for ``backend`` as a ``Part``; the lowered graph kept in ``graphs`` as ``name``."""
+    records, executable = lower(gm, ctx, backend)
+    final = records[-1].gm
+    graphs[name] = final
+    examples = [p.meta[VAL] for p in placeholders(final)]
+    run, seconds, updated = executable.run, executable.compile_seconds, executable.updated_inputs
+    return Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend)
 
 
 def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:

@@ -203,6 +203,8 @@ def estimate_pipeline(
     assert config.pipeline_parallel is not None
     if sizes:
         raise EstimateError("step.estimate(sizes=...) does not combine with Config.pipeline_parallel yet")
+    if config.stage == 3:
+        raise EstimateError("step.estimate of a pipelined step does not combine with stage=3 yet (the step runs)")
     first = split_call(call, microbatches(config))[0]
     prepared = prepare(first, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     world, captured = prepared.group.world_size, prepared.captured
