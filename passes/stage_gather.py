@@ -25,17 +25,7 @@ def stage_gather(graphs: list[fx.GraphModule], ctx: PassContext, *, stage: int =
     """The gather graph of the sharded parameters ``graphs`` (a stage's per-micro-batch graphs) read whole, over the
     context's shard group (``ctx``: the stage's data-parallel group, as the update's); None below ZeRO ``stage`` 3
     or where they read none."""
-    if stage < 3 or not ctx.distributed:
-        return None
-    read = {}
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            spec = node.meta.get(INPUT) if node.op == "placeholder" else None
-            if spec is None or spec.kind != "param" or spec.layout != "full" or spec.index in read:
-                continue
-            info = ctx.params[spec.index]
-            if info.shard is not None and not info.persistent:
-                read[spec.index] = node
+    read = _sharded_params(graphs, ctx) if stage >= 3 and ctx.distributed else {}
     if not read:
         return None
     graph = fx.Graph()
@@ -55,3 +45,17 @@ def stage_gather(graphs: list[fx.GraphModule], ctx: PassContext, *, stage: int =
         wholes.append(insert(gm, UNSHARD, (node, rows, world, group), before=out, phase=FORWARD, mode=mode))
     out.args = (tuple(wholes),)
     return gm
+
+
+def _sharded_params(graphs: list[fx.GraphModule], ctx: PassContext) -> dict[int, fx.Node]:
+    """The placeholders of ``graphs`` that read a parameter stage 3 shards (not persistent), one per parameter."""
+    read: dict[int, fx.Node] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            spec = node.meta.get(INPUT) if node.op == "placeholder" else None
+            if spec is None or spec.kind != "param" or spec.layout != "full" or spec.index in read:
+                continue
+            info = ctx.params[spec.index]
+            if info.shard is not None and not info.persistent:
+                read[spec.index] = node
+    return read
