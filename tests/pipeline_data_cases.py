@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import re
 import tempfile
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zgraph
-from zgraph.runtime.memory import state_bytes
+from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 P = 2
 
@@ -28,10 +29,11 @@ P = 2
 def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) -> dict:
     """``steps`` steps of eager on the whole batch and of the pipelined step (ZeRO ``stage``) on this rank's
     pipeline's rows; the sizes of the all-reduces the last step issued, the reduce-scatters its update graphs run."""
-    eager_model = Net()
-    model = copy.deepcopy(eager_model)
+    eager_model, tracker = Net(), LiveTensorBytes() if stage == 3 else contextlib.nullcontext()
+    with tracker:  # stage 3: what the pipelined model's state and steps leave alive
+        model = copy.deepcopy(eager_model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     config = zgraph.Config(
         backend="eager",
         pipeline_parallel=P,
@@ -45,8 +47,11 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
     for i, batch in enumerate(batches()[:steps]):
         want.append(step(eager_model, eager_opt, *batch))
         last = i == steps - 1
-        with counted(sizes if last else []), comm if last and stage == 3 else contextlib.nullcontext():
-            got.append(compiled(model, opt, *zgraph.pipeline_batch(batch, P)))
+        with tracker, counted(sizes if last else []), comm if last and stage == 3 else contextlib.nullcontext():
+            loss = compiled(model, opt, *zgraph.pipeline_batch(batch, P))
+        got.append(loss.clone())  # not counted as the pipelined model's
+        del loss
+    gc.collect()
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     eager = dict(eager_model.named_parameters())
     whole_params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
@@ -63,7 +68,7 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
            "reduce_scatters": [_reduce_scatters(gm) for gm in updates],
            "params": state_bytes(model)["params"], "eager_params": state_bytes(eager_model)["params"],
            "gathers": {n: _all_gathers(gm) for n, gm in compiled.graphs.items() if re.match(r"stage\d+\.", n)},
-           "comm": comm.counts}  # fmt: skip
+           "comm": comm.counts, "live": getattr(tracker, "current", 0)}  # fmt: skip
     if steps > 1 and stage != 2:  # stage 2 runs stage 1's graphs (a pipelined step leaves no gradient sharded)
         out["loaded"] = _saved_and_loaded(rank, model, opt, eager_model, eager_opt)
     if stage == 3:  # every parameter whole on every rank inside zgraph.gather

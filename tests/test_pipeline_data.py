@@ -94,14 +94,15 @@ def test_zero_3_within_each_stage_equals_eager_and_holds_a_quarter_of_the_parame
     """ZeRO 3 within each stage's data-parallel group: losses, parameters, and the whole model's and optimizer's
     state (``zgraph.full_state_dict``) as eager's after the steps, and the whole model on every rank inside
     ``zgraph.gather``; ``zgraph.save`` loads as eager's model and optimizer state; between steps each rank holds a
-    quarter (1 / (P x D)) of the parameters and of the optimizer state (its stage's shards: the whole parameters
-    gathered for a step are let go after its update)."""
+    quarter (1 / (P x D)) of the parameters and of the optimizer state (its stage's shards), and the tensors its
+    model, optimizer and steps left alive are that state (the whole parameters a step gathers are let go)."""
     runs = [rank[STAGE_THREE_RUNS[run]] for rank in four_ranks["stage_three"]]
     for r in runs:
         torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
         assert r["distance"] < 1e-6 and r["whole"] < 1e-6 and r["whole_optim"] < 1e-6 and r["loaded"] < 1e-6, r
         assert r["gathered"] < 1e-6, "zgraph.gather gives every rank the whole model"
         assert r["params"] < r["eager_params"] / 4 * 1.1, (r["params"], r["eager_params"])
+        assert r["state"] <= r["live"] <= r["state"] + 64, r  # nothing else left alive: + the step's own scalars
         assert r["optimizer"] < r["eager_optimizer"] / 4 * 1.1, (r["optimizer"], r["eager_optimizer"])
     assert sorted(n for r in runs[:2] for n in r["owned"]) == sorted(PARAMS)
 
