@@ -15,7 +15,10 @@ being a result of the stage that makes the loss). With ``D`` pipelines the sums 
 stage's data-parallel group first (one flat bucket per stage); or, where the update graphs reduce them themselves
 (``update_reduces``: ZeRO stage >= 1, ``zgraph.passes.stage_grads``), each rank's sums are divided by
 ``divisor(counts) / D`` and the update averages them over the ``D`` pipelines. What a graph reads of the step's
-state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update).
+state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update). A value across
+stages (a global gradient norm, an overflow check: ``zgraph.passes.stage_totals``) is combined before the updates:
+each stage's ``totals`` part makes its partial, the rank's are combined and all-reduced over the pipeline (every
+rank, every total, in one order), and each update reads the total.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class StageRun:
     input_grad: Part
     weight_grad: Part
     update: Part
+    totals: Part | None = None  # what the stage's partials of values across stages need, run before ``update``
 
 
 @dataclass
@@ -103,9 +107,12 @@ class RankRunner:
         peers: Peers,
         divisor: Divisor,
         update_reduces: bool = False,
+        totals: Sequence[tuple[GraphInput, Tensor]] = (),
     ):
         self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
-        self.divisor, self.update_reduces = divisor, update_reduces
+        self.divisor, self.update_reduces, self.totals = divisor, update_reduces, list(totals)
+        self.grad_means: dict[tuple[int, str], Tensor] = {}
+        self.handed: dict[int, list[Tensor]] = {}
         self.scale: Tensor | float = 1.0  # what the summed gradients the update reads are divided by
         self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.outbox: dict[tuple[str, int, int], list[Tensor]] = {}
@@ -138,8 +145,9 @@ class RankRunner:
             self.scale = self.scale / self.peers.pipelines  # the update averages each gradient over the pipelines
         elif self.peers.data is not None:
             self._reduce_over_pipelines()
+        totals = self._stage_totals()
         for s, stage in sorted(self.stages.items()):
-            self.results.updates[s] = self._update(s, stage.update)
+            self.results.updates[s] = self._update(s, stage.update, totals)
         return self.results
 
     def _call(self, part: Part, mb: int, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
@@ -249,12 +257,43 @@ class RankRunner:
                 for k, value in zip(bucket, flat.split([self.sums[k].numel() for k in bucket])):
                     self.sums[k] = value.view_as(self.sums[k])
 
-    def _update(self, s: int, part: Part) -> tuple[list[Tensor], list]:
+    def _update(self, s: int, part: Part, totals: dict[str, Tensor]) -> tuple[list[Tensor], list]:
         """The stage's update on the mean over micro-batches of each parameter's gradient contributions."""
         inputs = []
         for spec in part.inputs:
             if spec.kind == "grad_mean":
-                inputs.append(self.sums.pop((s, spec.name)) / self.scale)
+                key = (s, spec.name)
+                if key not in self.grad_means:
+                    self.grad_means[key] = self.sums.pop(key) / self.scale
+                inputs.append(self.grad_means[key])
+            elif spec.kind == "stage_total":
+                inputs.append(totals[spec.name])
+            elif spec.kind == "handed":
+                inputs.append(self.handed[s][spec.index])
             else:
                 inputs.append(self.feed(spec, None))
         return inputs, list(part.run(inputs))
+
+    def _stage_totals(self) -> dict[str, Tensor]:
+        """Each value across stages (``zgraph.passes.stage_totals``: a global gradient norm's sum of powers, an
+        overflow flag): the partials of this rank's stages combined, then over the pipeline (one all-reduce each,
+        on every rank, in the order of ``self.totals``). What a stage's first part hands its update is kept."""
+        partials: dict[str, list[Tensor]] = {}
+        for s, stage in sorted(self.stages.items()):
+            if stage.totals is None:
+                continue
+            _, outputs = self._update(s, stage.totals, {})
+            for role, value in zip(stage.totals.outputs, outputs):
+                if role.kind == "stage_partial":
+                    partials.setdefault(role.name, []).append(value)
+            handed = sorted((r.index, v) for r, v in zip(stage.totals.outputs, outputs) if r.kind == "handed")
+            self.handed[s] = [v for _, v in handed]
+        totals = {}
+        for spec, example in self.totals:
+            values = partials.get(spec.name) or [torch.zeros(example.shape, dtype=example.dtype, device=example.device)]
+            total = torch.stack(values).amax(0) if spec.field == "max" else torch.stack(values).sum(0)
+            if len(self.peers.ranks) > 1:
+                op = dist.ReduceOp.MAX if spec.field == "max" else dist.ReduceOp.SUM
+                dist.all_reduce(total, op=op, group=self.peers.group)
+            totals[spec.name] = total
+        return totals

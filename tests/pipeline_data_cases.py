@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from dist_harness import all_gather_values, run_named
-from pipeline_cases import LR, Net, _by_name, _distance, _params, batches, step
+from pipeline_cases import CLIP, LR, SGD, Net, _by_name, _distance, _params, batches, clipping_step, step
 from torch import nn
 
 import zgraph
@@ -102,6 +102,30 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
     """ZeRO 1 (2 and 4 micro-batches) and 2 within each stage's data-parallel group."""
     runs = [train(rank, world, 2, steps=3, stage=1), train(rank, world, 4, steps=1, stage=1)]
     return all_gather_values([*runs, train(rank, world, 2, steps=2, stage=2)])
+
+
+def zero_clipped(rank: int, world: int) -> list[dict]:
+    """``Config.max_grad_norm`` at ZeRO 2 within each stage's data-parallel group (issue 42, item 2): the norm over
+    every stage and every shard (each rank's shard's squares, over its data-parallel group, then the pipeline)
+    against ``clip_grad_norm_`` on the whole batch, SGD; the reduce-scatters of its update graphs (the part
+    before the total, and the update)."""
+    eager_model = Net()
+    model = copy.deepcopy(eager_model)
+    eager_opt, opt = SGD(eager_model.parameters()), SGD(model.parameters())
+    config = zgraph.Config(
+        backend="eager", pipeline_parallel=P, schedule="1f1b", microbatches=2, stage=2, max_grad_norm=CLIP
+    )
+    compiled = zgraph.distribute(config)(step)
+    norms: list[float] = []
+    want, got = [], []
+    for batch in batches():
+        want.append(clipping_step(norms)(eager_model, eager_opt, *batch))
+        got.append(compiled(model, opt, *zgraph.pipeline_batch(batch, P)))
+    full = zgraph.full_state_dict(model)
+    whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
+    names = [n for n in compiled.graphs if n.endswith((".totals", ".update"))]
+    scatters = sum(_reduce_scatters(compiled.graphs[n]) for n in names)
+    return all_gather_values({"want": want, "got": got, "whole": whole, "norms": norms, "reduce_scatters": scatters})
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

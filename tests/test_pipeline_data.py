@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_cases import Net
+from pipeline_cases import CLIP, Net
 
 PARAMS = [name for name, _ in Net().named_parameters()]
 
@@ -17,7 +17,7 @@ def four_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
-    cases = ["two_by_two", "zero_within_stages"]
+    cases = ["two_by_two", "zero_within_stages", "zero_clipped"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
     for result in results.values():
@@ -83,3 +83,13 @@ def test_zero_reduces_each_stage_bucket_once_per_step_whatever_the_micro_batch_c
     for rank in four_ranks["zero_within_stages"]:
         for r in rank:
             assert r["reduce_scatters"] == [1] and sorted(r["sizes"]) == [1, 1], r
+
+
+def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(four_ranks):
+    """Issue 42, item 2: P=2 x D=2 at ZeRO 2, every step clipping (eager's norm above ``max_grad_norm``): the whole
+    model (``zgraph.full_state_dict``) equals eager's after 3 SGD steps; the stage's gradients are still
+    reduce-scattered once (one bucket), by the part of the update the norm reads, which hands the shards on."""
+    for r in four_ranks["zero_clipped"]:
+        torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["whole"] < 1e-6 and min(r["norms"]) > CLIP, r
+        assert r["reduce_scatters"] == 1, r["reduce_scatters"]

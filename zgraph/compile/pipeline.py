@@ -29,12 +29,13 @@ from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.config_checks import pipeline_world_error
 from zgraph.errors import CaptureError
-from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
+from zgraph.graph import INPUT, VAL, GraphInput, input_specs, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_grads import stage_grads
-from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
+from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
+from zgraph.passes.stage_totals import split_update
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.pipeline_groups import pipeline_groups
@@ -47,7 +48,9 @@ from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
-_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "bucket", "lower_collectives")  # ZeRO >= 1
+# ZeRO >= 1; ``clip_grad`` and ``loss_scale``: the norms and overflow checks of gradient shards
+_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "clip_grad", "loss_scale", "bucket",
+                         "lower_collectives")  # fmt: skip
 
 
 def compile_pipeline(
@@ -78,6 +81,9 @@ def compile_pipeline(
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
     program.update_reduces = zero is not None
+    program.totals = [
+        (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
+    ]
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -124,7 +130,8 @@ def _runs_by_schedule(inputs: object) -> object:
 
 
 def _parts(stage: StageRun) -> list[Part]:
-    return [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
+    parts = [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
+    return parts if stage.totals is None else [*parts, stage.totals]
 
 
 def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pass]] | None:
@@ -150,20 +157,30 @@ def _compile_stage(
     """The stage's five graphs lowered, each for its backend in ``backends`` (``Config.backend`` for those the
     schedule runs, ``"eager"`` for the others: no compile for a graph that never runs); the update graph first
     through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``)."""
-    parts = []
+    parts, totals = [], None
     for name, backend in backends.items():
         gm, part_ctx = getattr(g, name), ctx
         if name == "update" and zero is not None:
             part_ctx, passes = zero
             gm = run_passes(gm, part_ctx, passes)[-1].gm
-        records, executable = lower(gm, part_ctx, backend)
-        final = records[-1].gm
-        graphs[f"stage{g.stage}.{name}"] = final
-        examples = [p.meta[VAL] for p in placeholders(final)]
-        run, seconds = executable.run, executable.compile_seconds
-        updated = executable.updated_inputs
-        parts.append(Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend))
-    return StageRun(g.stage, *parts)
+        split = split_update(gm, build_graph) if name == "update" else None
+        if split is not None:  # the partials of a global norm or overflow check first (``stage_totals``)
+            totals = _lowered(split[0], part_ctx, backend, graphs, f"stage{g.stage}.totals")
+            gm = split[1]
+        parts.append(_lowered(gm, part_ctx, backend, graphs, f"stage{g.stage}.{name}"))
+    return StageRun(g.stage, *parts, totals=totals)
+
+
+def _lowered(
+    gm: fx.GraphModule, ctx: PassContext, backend: str, graphs: OrderedDict[str, fx.GraphModule], name: str
+) -> Part:
+    """``gm`` lowered for ``backend`` as a ``Part``, its final graph kept in ``graphs`` under ``name``."""
+    records, executable = lower(gm, ctx, backend)
+    final = records[-1].gm
+    graphs[name] = final
+    examples = [p.meta[VAL] for p in placeholders(final)]
+    run, seconds, updated = executable.run, executable.compile_seconds, executable.updated_inputs
+    return Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend)
 
 
 def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:
@@ -199,7 +216,9 @@ def run_pipeline(
 
     peers = program.peers
     divisor = functools.partial(_divisor, program, peers)
-    runner = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces)
+    runner = RankRunner(
+        program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces, program.totals
+    )
     results = runner.run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
