@@ -87,12 +87,14 @@ class Results:
 @dataclass
 class Peers:
     """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
-    ranks running the same stages in each (``data``) and their count (``pipelines``)."""
+    ranks running the same stages in each (``data``), their count (``pipelines``) and the dtype gradients are
+    reduced over it in (``Config.reduce_dtype``; None: their own)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
     data: dist.ProcessGroup | None = None
     pipelines: int = 1
+    reduce_dtype: torch.dtype | None = None
 
 
 class RankRunner:
@@ -247,13 +249,15 @@ class RankRunner:
 
     def _reduce_over_pipelines(self) -> None:
         """Each stage's gradient sums over the micro-batches summed over the pipelines: one all-reduce per stage
-        (a flat bucket per dtype), whatever the micro-batch count."""
+        (a flat bucket per dtype, sent in the reduce dtype where one is set), whatever the micro-batch count."""
         for s in sorted(self.stages):
             keys = sorted(k for k in self.sums if k[0] == s)
             for dtype in sorted({self.sums[k].dtype for k in keys}, key=str):
                 bucket = [k for k in keys if self.sums[k].dtype == dtype]
                 flat = torch.cat([self.sums[k].reshape(-1) for k in bucket])
-                dist.all_reduce(flat, group=self.peers.data)
+                wire = flat if self.peers.reduce_dtype in (None, dtype) else flat.to(self.peers.reduce_dtype)
+                dist.all_reduce(wire, group=self.peers.data)
+                flat = wire.to(dtype)
                 for k, value in zip(bucket, flat.split([self.sums[k].numel() for k in bucket])):
                     self.sums[k] = value.view_as(self.sums[k])
 

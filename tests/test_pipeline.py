@@ -79,6 +79,19 @@ def test_max_grad_norm_loss_scaling_and_bf16_states_with_remat_equal_eager_on_th
             assert r["state_dtypes"] == ["torch.bfloat16"], r["state_dtypes"]
 
 
+def test_max_grad_norm_over_two_stages_on_one_rank_equals_eager():
+    """Issue 42, item 2: two stages on one process (P=1, interleaved): the rank combines its stages' partials of
+    the norm itself, without a collective; every step clips."""
+    norms: list[float] = []
+    config = {"pipeline_virtual_stages": 2, "schedule": "interleaved_1f1b", "microbatches": 2}
+    eager = pipeline_cases.clipping_step(norms)
+    result = pipeline_cases.against(
+        eager, pipeline_cases.SGD, batches(), pipeline_parallel=1, max_grad_norm=0.05, **config
+    )
+    assert_equals_eager([result])
+    assert min(norms) > 0.05, norms
+
+
 def test_each_rank_holds_only_its_stages_state_and_the_whole_model_still_comes_out(two_ranks):
     """Model state per rank (parameters, gradients, optimizer state; counted from the live state and by a tracker
     of every allocation since the model was copied) is its stages' share, within the cut's imbalance; the params

@@ -48,8 +48,9 @@ from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
-# ZeRO >= 1; ``clip_grad`` and ``loss_scale``: the norms and overflow checks of gradient shards
-_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "clip_grad", "loss_scale", "bucket",
+# ZeRO >= 1; ``cast``: reductions in ``Config.reduce_dtype``; ``clip_grad``, ``loss_scale``: norms and overflow
+# checks of gradient shards
+_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "cast", "clip_grad", "loss_scale", "bucket",
                          "lower_collectives")  # fmt: skip
 
 
@@ -294,4 +295,5 @@ def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: 
 def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
     assert config.pipeline_parallel is not None
     groups = pipeline_groups(group, config.pipeline_parallel, config.collective_timeout)
-    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)))
+    reduce_dtype = config.pass_options()["reduce_dtype"]
+    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)), reduce_dtype)
