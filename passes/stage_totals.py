@@ -69,7 +69,9 @@ def split_across_stages(gm: fx.GraphModule, node: fx.Node, where: Mapping[fx.Nod
 
 
 def _whole_norm(norm: fx.Node, stacked: fx.Node) -> bool:
-    return norm.target is aten.linalg_vector_norm.default and norm.args[:1] == (stacked,) and not norm.kwargs
+    """``linalg_vector_norm(stacked, ord)`` over every element (no ``dim``, ``keepdim`` or ``dtype``)."""
+    plain = all(a in (None, False) for a in norm.args[2:]) and not norm.kwargs
+    return norm.target is aten.linalg_vector_norm.default and norm.args[:1] == (stacked,) and plain
 
 
 def _by_stage(values: list, stage_of: StageOf) -> dict[int, list[fx.Node]] | None:

@@ -215,7 +215,7 @@ def against(eager: Callable, make_opt: Callable, data: list, **config: object) -
     eager_model = Net()
     model = copy.deepcopy(eager_model)
     eager_opt, opt = make_opt(eager_model.parameters()), make_opt(model.parameters())
-    compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
+    compiled = zgraph.distribute(zgraph.Config(**{"backend": "eager", **config}))(step)
     want, got, scales = [], [], []
     for x, y in data:
         want.append(eager(eager_model, eager_opt, x, y))
