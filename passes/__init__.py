@@ -30,6 +30,7 @@ Files::
     token_mean.py            a cross_entropy token mean made a sum over another count (sequence, pipeline)
     stage_cut.py             ``stage_cut`` (pipeline parallelism): each node stamped with its stage and part
     stage_balance.py         the cut's balance: blocks' forward flops grouped into stages
+    stage_totals.py          a global gradient norm or overflow check cut into per-stage partials and a total
     stage_graphs.py          a graph ``stage_cut`` stamped taken apart: each stage's forward, backward, update
     stage_grads.py           ``stage_grads`` (pipelines, ZeRO >= 1): a stage's update reduces its gradients itself
     stage_gather.py          ``stage_gather`` (pipelines, ZeRO 3): the graph gathering a stage's parameters per step

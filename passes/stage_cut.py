@@ -24,11 +24,13 @@ not update; rotary tables, masks, the optimizer's scalars).
   sends the fewest gradients down: the gradient of a stage's input is summed where it is made. A node that reads
   gradients only (a view, transpose or sum of an incoming gradient) runs in its readers' stage instead, so a
   gradient crosses once, not once per view of it.
-- Update: a node runs in the one stage whose state it reads.
+- Update: a node runs in the one stage whose state it reads. A global gradient norm (``clip_grad_norm_``) or
+  overflow check (fp16 loss scaling) over several stages is cut into per-stage partials and a total the runtime
+  combines over the pipeline (``stage_totals``); what reads only the total is free.
 
 Refused (``PassError``, before anything runs): fewer blocks than stages; a ``split`` name that is not one of the
 step's blocks, or names out of order; a parameter the forwards of two stages read themselves (an embedding's weight
-the head reads as it is); an update that reads the state of several stages (a global gradient norm) or a
+the head reads as it is); an update that reads the state of several stages (but those two) or a
 per-micro-batch value; a buffer the forward updates (BatchNorm's running statistics: batch statistics cannot be
 split into micro-batches exactly); a result no stage computes.
 """
@@ -44,10 +46,11 @@ import torch.fx as fx
 
 from zgraph.errors import PassError
 from zgraph.graph import BACKWARD, FORWARD, INPUT, OPTIMIZER, PHASE, VAL, output_roles, placeholders, state_key
-from zgraph.ops import GRAD_CONTRIBUTION
+from zgraph.ops import FLAG_TO_HOST, GRAD_CONTRIBUTION
 from zgraph.passes.pass_list import PassContext
 from zgraph.passes.remat import block_of, blocks_in
 from zgraph.passes.stage_balance import balance, block_flops, node_flops
+from zgraph.passes.stage_totals import split_across_stages
 
 aten = torch.ops.aten
 
@@ -56,7 +59,7 @@ STAGE = "zgraph_stage"
 STAGE_PLAN = "zgraph_stage_plan"
 """``gm.meta``: the ``StagePlan``."""
 PARTS = ("forward", "backward", "update")
-FREE_KINDS = ("input", "hparam", "loss_scale")
+FREE_KINDS = ("input", "hparam", "loss_scale", "stage_total")
 PER_MICRO_BATCH_RESULTS = ("user", "loss_count")  # output kinds made per micro-batch (``micro_batch_loss``)
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute, aten.expand,
           aten.unsqueeze, aten.squeeze, aten.alias}  # fmt: skip
@@ -155,7 +158,7 @@ def free_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def _copyable(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
+    if node.target in (operator.getitem, FLAG_TO_HOST):  # a copy of the overflow flag for host state: deterministic
         return True
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
@@ -311,8 +314,18 @@ def _backward_stage(node: fx.Node, owners: dict[tuple[str, int], int], where: di
 def _place_update(
     gm: fx.GraphModule, free: set[fx.Node], owners: dict[tuple[str, int], int], where: dict[fx.Node, Placement]
 ) -> None:
+    """Each update node in its one stage; a global gradient norm or overflow check cut into per-stage partials
+    and a total (``stage_totals``): the total, and what reads only it and free values, are free."""
     for node in _phase_nodes(gm, OPTIMIZER, free):
-        where[node] = Placement(_one_stage(node, free, owners, where), "update")
+        if node._erased or (_copyable(node) and all(a in free for a in node.all_input_nodes)):
+            free.add(node)  # erased: a norm's stack or check ``split_across_stages`` replaced
+            continue
+        split = split_across_stages(gm, node, where)
+        if split is None:
+            where[node] = Placement(_one_stage(node, free, owners, where), "update")
+            continue
+        where.update({new: Placement(stage, "update") for new, stage in split[0].items()})
+        free.update(split[1])
 
 
 def _one_stage(
@@ -337,8 +350,9 @@ def _one_stage(
         )
     if len(stages) > 1:
         raise PassError(
-            f"{node.name} ({node.target}) reads the state of stages {sorted(stages)} (a norm over every gradient?); "
-            "each stage updates its own parameters, and a value across stages is not supported yet"
+            f"{node.name} ({node.target}) reads the state of stages {sorted(stages)}; each stage updates its own "
+            "parameters, and a value across stages other than a global gradient norm (clip_grad_norm_) or the fp16 "
+            "overflow check is not supported"
         )
     return stages.pop() if stages else 0
 

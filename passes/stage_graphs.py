@@ -99,18 +99,18 @@ def _stage(gm: fx.GraphModule, s: int, nodes: list[fx.Node], where: dict, flow: 
     forward_out = [(v, GraphOutput("activation", v.name, i)) for i, v in enumerate(flow.activations[s])]
     forward_out += [(v, GraphOutput("saved", v.name, i)) for i, v in enumerate(flow.saved[s])]
     forward_out += [(v, r) for v, r in results if _made(v, r, where, Placement(s, "forward"))]
-    forward = _graph(gm, mine["forward"], _inputs("activation", received), forward_out)
+    forward = build_graph(gm, mine["forward"], _inputs("activation", received), forward_out)
     grads_in = _inputs("activation_grad", flow.grads[s])
     saved_in = _inputs("saved", flow.saved[s])
     sent = [(v, GraphOutput("activation_grad", v.name, i)) for i, v in enumerate(flow.grads[s - 1] if s else [])]
     sent += [(v, r) for v, r in results if _made(v, r, where, Placement(s, "backward"))]
     markers = [n for n in mine["backward"] if n.target is GRAD_CONTRIBUTION]
     contributions = [(m, GraphOutput("grad_contribution", m.name, m.args[1])) for m in markers]
-    backward = _graph(gm, mine["backward"], saved_in + grads_in, sent + contributions)
+    backward = build_graph(gm, mine["backward"], saved_in + grads_in, sent + contributions)
     input_grad, weight_grad = _split_backward(gm, mine["backward"], saved_in + grads_in, sent, contributions)
     grad_means = [(m, GraphInput("grad_mean", m.name, m.args[1])) for m in markers]
     state_out = [(v, r) for v, r in results if not _per_micro_batch(v, r, where) and _in_update(v, s, where, r)]
-    update = _graph(gm, mine["update"], grad_means, state_out)
+    update = build_graph(gm, mine["update"], grad_means, state_out)
     return StageGraphs(s, forward, backward, input_grad, weight_grad, update)
 
 
@@ -134,6 +134,8 @@ def _per_micro_batch(value: object, role: GraphOutput, where: dict) -> bool:
 def _in_update(value: object, s: int, where: dict, role: GraphOutput) -> bool:
     """Whether stage ``s``'s update returns this result: one it computes, or state it holds passed through."""
     if isinstance(value, fx.Node) and value.op == "call_function":
+        if where.get(value) is None and role.kind == "loss_scale":  # made from a total: every stage has it
+            return True
         return where.get(value) == Placement(s, "update")
     owner = role.kind != "user" and getattr(value, "op", "") == "placeholder"
     return owner and _holds(value, s, where)
@@ -165,10 +167,10 @@ def _split_backward(
     partial = [n for n in first if any(u in rest for u in n.users)]
     partial_io = [(n, GraphInput("partial", n.name, i)) for i, n in enumerate(partial)]
     handed = [(n, GraphOutput("partial", n.name, i)) for i, n in enumerate(partial)]
-    return _graph(gm, first, inputs, sent + handed), _graph(gm, rest, inputs + partial_io, contributions)
+    return build_graph(gm, first, inputs, sent + handed), build_graph(gm, rest, inputs + partial_io, contributions)
 
 
-def _graph(
+def build_graph(
     gm: fx.GraphModule,
     body: list[fx.Node],
     boundary: list[tuple[fx.Node, GraphInput]],

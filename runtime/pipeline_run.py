@@ -17,7 +17,10 @@ stage's data-parallel group first (one flat bucket per stage); or, where the upd
 ``divisor(counts) / D`` and the update averages them over the ``D`` pipelines. What a graph reads of the step's
 state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update). At ZeRO stage 3 a
 stage's parameters are gathered whole once per step, right before its first action (``StageRun.gather``), and
-kept across the micro-batches until the updates, which read and write the shards.
+kept across the micro-batches until the updates, which read and write the shards. A value
+across stages (a global gradient norm, an overflow check: ``zgraph.passes.stage_totals``) is combined before the updates:
+each stage's ``totals`` part makes its partial, the rank's are combined and all-reduced over the pipeline (every
+rank, every total, in one order), and each update reads the total.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class StageRun:
     weight_grad: Part
     update: Part
     gather: Part | None = None  # ZeRO stage 3: the stage's parameter shards all-gathered (``stage_gather``)
+    totals: Part | None = None  # what the stage's partials of values across stages need, run before ``update``
 
 
 @dataclass
@@ -86,12 +90,14 @@ class Results:
 @dataclass
 class Peers:
     """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
-    ranks running the same stages in each (``data``) and their count (``pipelines``)."""
+    ranks running the same stages in each (``data``), their count (``pipelines``) and the dtype gradients are
+    reduced over it in (``Config.reduce_dtype``; None: their own)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
     data: dist.ProcessGroup | None = None
     pipelines: int = 1
+    reduce_dtype: torch.dtype | None = None
 
 
 class RankRunner:
@@ -106,9 +112,12 @@ class RankRunner:
         peers: Peers,
         divisor: Divisor,
         update_reduces: bool = False,
+        totals: Sequence[tuple[GraphInput, Tensor]] = (),
     ):
         self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
-        self.divisor, self.update_reduces = divisor, update_reduces
+        self.divisor, self.update_reduces, self.totals = divisor, update_reduces, list(totals)
+        self.grad_means: dict[tuple[int, str], Tensor] = {}
+        self.handed: dict[int, list[Tensor]] = {}
         self.scale: Tensor | float = 1.0  # what the summed gradients the update reads are divided by
         self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.outbox: dict[tuple[str, int, int], list[Tensor]] = {}
@@ -146,8 +155,9 @@ class RankRunner:
             self.scale = self.scale / self.peers.pipelines  # the update averages each gradient over the pipelines
         elif self.peers.data is not None:
             self._reduce_over_pipelines()
+        totals = self._stage_totals()
         for s, stage in sorted(self.stages.items()):
-            self.results.updates[s] = self._update(s, stage.update)
+            self.results.updates[s] = self._update(s, stage.update, totals)
         return self.results
 
     def _gather(self, s: int) -> None:
@@ -261,22 +271,55 @@ class RankRunner:
 
     def _reduce_over_pipelines(self) -> None:
         """Each stage's gradient sums over the micro-batches summed over the pipelines: one all-reduce per stage
-        (a flat bucket per dtype), whatever the micro-batch count."""
+        (a flat bucket per dtype, sent in the reduce dtype where one is set), whatever the micro-batch count."""
         for s in sorted(self.stages):
             keys = sorted(k for k in self.sums if k[0] == s)
             for dtype in sorted({self.sums[k].dtype for k in keys}, key=str):
                 bucket = [k for k in keys if self.sums[k].dtype == dtype]
                 flat = torch.cat([self.sums[k].reshape(-1) for k in bucket])
-                dist.all_reduce(flat, group=self.peers.data)
+                wire = flat if self.peers.reduce_dtype in (None, dtype) else flat.to(self.peers.reduce_dtype)
+                dist.all_reduce(wire, group=self.peers.data)
+                flat = wire.to(dtype)
                 for k, value in zip(bucket, flat.split([self.sums[k].numel() for k in bucket])):
                     self.sums[k] = value.view_as(self.sums[k])
 
-    def _update(self, s: int, part: Part) -> tuple[list[Tensor], list]:
+    def _update(self, s: int, part: Part, totals: dict[str, Tensor]) -> tuple[list[Tensor], list]:
         """The stage's update on the mean over micro-batches of each parameter's gradient contributions."""
         inputs = []
         for spec in part.inputs:
             if spec.kind == "grad_mean":
-                inputs.append(self.sums.pop((s, spec.name)) / self.scale)
+                key = (s, spec.name)
+                if key not in self.grad_means:
+                    self.grad_means[key] = self.sums.pop(key) / self.scale
+                inputs.append(self.grad_means[key])
+            elif spec.kind == "stage_total":
+                inputs.append(totals[spec.name])
+            elif spec.kind == "handed":
+                inputs.append(self.handed[s][spec.index])
             else:
                 inputs.append(self.feed(spec, None))
         return inputs, list(part.run(inputs))
+
+    def _stage_totals(self) -> dict[str, Tensor]:
+        """Each value across stages (``zgraph.passes.stage_totals``: a global gradient norm's sum of powers, an
+        overflow flag): the partials of this rank's stages combined, then over the pipeline (one all-reduce each,
+        on every rank, in the order of ``self.totals``). What a stage's first part hands its update is kept."""
+        partials: dict[str, list[Tensor]] = {}
+        for s, stage in sorted(self.stages.items()):
+            if stage.totals is None:
+                continue
+            _, outputs = self._update(s, stage.totals, {})
+            for role, value in zip(stage.totals.outputs, outputs):
+                if role.kind == "stage_partial":
+                    partials.setdefault(role.name, []).append(value)
+            handed = sorted((r.index, v) for r, v in zip(stage.totals.outputs, outputs) if r.kind == "handed")
+            self.handed[s] = [v for _, v in handed]
+        totals = {}
+        for spec, example in self.totals:
+            values = partials.get(spec.name) or [torch.zeros(example.shape, dtype=example.dtype, device=example.device)]
+            total = torch.stack(values).amax(0) if spec.field == "max" else torch.stack(values).sum(0)
+            if len(self.peers.ranks) > 1:
+                op = dist.ReduceOp.MAX if spec.field == "max" else dist.ReduceOp.SUM
+                dist.all_reduce(total, op=op, group=self.peers.group)
+            totals[spec.name] = total
+        return totals

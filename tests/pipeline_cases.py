@@ -5,6 +5,7 @@ its losses, the parameters its stages own, and their largest distance from eager
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import tempfile
 from collections.abc import Callable
@@ -134,6 +135,99 @@ def budget_estimate(world: int, **config: object) -> zgraph.Estimate:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     compiled = zgraph.distribute(zgraph.Config(backend="eager", **config))(step)
     return compiled.estimate(model, opt, *batches()[0], world_size=world)
+
+
+CLIP = 0.05  # below every step's gradient norm: each step clips
+
+
+def clipped(rank: int, world: int) -> list[dict]:
+    """``Config.max_grad_norm`` with pipelines (issue 42, item 2): SGD (its update follows the clip
+    coefficient, which Adam's would mostly cancel) against ``clip_grad_norm_`` on the whole batch."""
+    norms: list[float] = []
+    config = {"pipeline_parallel": world, "schedule": "1f1b", "microbatches": 4, "max_grad_norm": CLIP}
+    out = against(clipping_step(norms), SGD, batches(), **config)
+    return all_gather_values({**out, "norms": norms})
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def clipping_step(norms: list[float]) -> Callable:
+    """Eager's step clipping to ``CLIP`` (``clip_grad_norm_``), each step's norm appended to ``norms``."""
+
+    def eager(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return eager
+
+
+OVERFLOW = zgraph.DynamicLossScale(init_scale=2.0**127, backoff_factor=2.0**-100, hysteresis=1)
+
+
+def loss_scaled(rank: int, world: int) -> list[dict]:
+    """Dynamic loss scaling with pipelines (issue 42, item 2): on the first step only stage 0's gradients overflow
+    (its input weight's: a large input column; in eager on the whole batch too), so every stage skips the update
+    and the scale backs off on every rank; the next steps update. Against eager scaling by the same rule."""
+    scales: list[float] = []
+    skipped: list[bool] = []
+
+    def eager(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scale = scales[-1] if scales else OVERFLOW.init_scale
+        loss = F.cross_entropy(model(x), y)
+        (loss.float() * scale).backward()
+        grads = [p.grad for p in model.parameters()]
+        skipped.append(not all(bool(torch.isfinite(g).all()) for g in grads))
+        if skipped[-1]:
+            scale = max(scale * OVERFLOW.backoff_factor, OVERFLOW.min_scale)
+        else:
+            for g in grads:
+                g.mul_(1.0 / scale)
+            opt.step()
+        opt.zero_grad()
+        scales.append(scale)
+        return loss.detach()
+
+    data = batches()
+    data[0][0][:, 0] *= 10
+    adamw = functools.partial(torch.optim.AdamW, lr=LR)
+    config = {"pipeline_parallel": world, "schedule": "1f1b", "microbatches": 2, "loss_scale": OVERFLOW}
+    out = against(eager, adamw, data, **config)
+    return all_gather_values({**out, "eager_scales": scales, "skipped": skipped})
+
+
+def low_precision_states(rank: int, world: int) -> list[dict]:
+    """bf16 optimizer states and full remat with pipelines (issue 42, item 2), against the same Config without
+    pipelines on the whole batch (zgraph's bf16 states: the update in float32, rounded once when stored)."""
+    options = {"optimizer_state_dtype": torch.bfloat16, "remat": "full"}
+    reference = zgraph.distribute(zgraph.Config(backend="eager", **options))(step)
+    adamw = functools.partial(torch.optim.AdamW, lr=LR)
+    config = {"pipeline_parallel": world, "schedule": "1f1b", "microbatches": 4, **options}
+    return all_gather_values(against(reference, adamw, batches(), **config))
+
+
+def against(eager: Callable, make_opt: Callable, data: list, **config: object) -> dict:
+    """The pipelined ``step`` and ``eager`` (a step of the same signature) on the same batches: losses, the
+    parameters this rank's stages update and their largest distance from eager's, the loss scale after each step,
+    the dtypes of the optimizer states (but ``step``)."""
+    eager_model = Net()
+    model = copy.deepcopy(eager_model)
+    eager_opt, opt = make_opt(eager_model.parameters()), make_opt(model.parameters())
+    compiled = zgraph.distribute(zgraph.Config(**{"backend": "eager", **config}))(step)
+    want, got, scales = [], [], []
+    for x, y in data:
+        want.append(eager(eager_model, eager_opt, x, y))
+        got.append(compiled(model, opt, x, y))
+        scales.append(float(getattr(opt, "_zgraph_loss_scale", {}).get("scale", 0.0)))
+    owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
+    eager_params = dict(eager_model.named_parameters())
+    distance = max((p - eager_params[n]).abs().max().item() for n, p in model.named_parameters() if n in owned)
+    dtypes = sorted({str(v.dtype) for state in opt.state.values() for k, v in state.items() if k != "step"})
+    return {"want": want, "got": got, "owned": owned, "distance": distance, "scales": scales, "state_dtypes": dtypes}
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from dist_harness import all_gather_values, run_named
-from pipeline_cases import LR, Net, _by_name, _distance, _params, batches, step
+from pipeline_cases import CLIP, LR, SGD, Net, _by_name, _distance, _params, batches, clipping_step, step
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -93,12 +93,14 @@ def _saved_and_loaded(rank: int, model: nn.Module, opt: torch.optim.Optimizer, e
 
 
 @contextlib.contextmanager
-def counted(sizes: list[int]) -> Iterator[None]:
-    """The sizes of the ``dist.all_reduce`` calls made inside, appended to ``sizes``."""
+def counted(sizes: list[int], dtypes: list[str] | None = None) -> Iterator[None]:
+    """The sizes (and dtypes) of the ``dist.all_reduce`` calls made inside, appended to ``sizes`` (``dtypes``)."""
     real = dist.all_reduce
 
     def counting(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
         sizes.append(tensor.numel())
+        if dtypes is not None and tensor.numel() > 1:  # not a 0-d result's or count's
+            dtypes.append(str(tensor.dtype))
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counting
@@ -111,9 +113,13 @@ def counted(sizes: list[int]) -> Iterator[None]:
 def _reduce_scatters(gm: torch.fx.GraphModule) -> int:
     """The reduce-scatters a lowered graph runs (on gloo each an ``all_to_all_single``: see
     ``zgraph.graph.reduce_scatter_by_all_to_all``)."""
+    return len(_scatters(gm))
+
+
+def _scatters(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     c10d = torch.ops._c10d_functional
     targets = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)
-    return sum(node.target in targets for node in gm.graph.nodes)
+    return [node for node in gm.graph.nodes if node.target in targets]
 
 
 class FunctionalCollectives(TorchDispatchMode):
@@ -153,6 +159,54 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
 def stage_three(rank: int, world: int) -> list[dict]:
     """ZeRO 3 within each stage's data-parallel group: 3 steps with 2 micro-batches, 2 with 4."""
     return all_gather_values([train(rank, world, 2, steps=3, stage=3), train(rank, world, 4, steps=2, stage=3)])
+
+
+def zero_clipped(rank: int, world: int) -> list[dict]:
+    """``Config.max_grad_norm`` at ZeRO 2 within each stage's data-parallel group (issue 42, item 2): the norm over
+    every stage and every shard (each rank's shard's squares, over its data-parallel group, then the pipeline)
+    against ``clip_grad_norm_`` on the whole batch, SGD; the reduce-scatters of its update graphs (the part
+    before the total, and the update)."""
+    eager_model = Net()
+    model = copy.deepcopy(eager_model)
+    eager_opt, opt = SGD(eager_model.parameters()), SGD(model.parameters())
+    config = zgraph.Config(
+        backend="eager", pipeline_parallel=P, schedule="1f1b", microbatches=2, stage=2, max_grad_norm=CLIP
+    )
+    compiled = zgraph.distribute(config)(step)
+    norms: list[float] = []
+    want, got = [], []
+    for batch in batches():
+        want.append(clipping_step(norms)(eager_model, eager_opt, *batch))
+        got.append(compiled(model, opt, *zgraph.pipeline_batch(batch, P)))
+    full = zgraph.full_state_dict(model)
+    whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
+    names = [n for n in compiled.graphs if n.endswith((".totals", ".update"))]
+    scatters = sum(_reduce_scatters(compiled.graphs[n]) for n in names)
+    return all_gather_values({"want": want, "got": got, "whole": whole, "norms": norms, "reduce_scatters": scatters})
+
+
+def reduced_in_bf16(rank: int, world: int) -> list[dict]:
+    """``Config.reduce_dtype=torch.bfloat16`` with P=2 x D=2 (issue 42, item 2), at ZeRO 0 (the runtime's
+    all-reduce of each stage's gradient sums) and 2 (the update graph's reduce-scatter): the dtypes the gradients
+    cross in, and the whole model's distance from eager's after 2 steps (within bf16's rounding of the gradients)."""
+    runs = []
+    for stage in (0, 2):
+        eager_model = Net()
+        model = copy.deepcopy(eager_model)
+        eager_opt, opt = SGD(eager_model.parameters()), SGD(model.parameters())
+        options = {"schedule": "1f1b", "microbatches": 2, "stage": stage, "reduce_dtype": torch.bfloat16}
+        compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=P, **options))(step)
+        dtypes: list[str] = []
+        for batch in batches()[:2]:
+            step(eager_model, eager_opt, *batch)
+            with counted([], dtypes):
+                compiled(model, opt, *zgraph.pipeline_batch(batch, P))
+        full = zgraph.full_state_dict(model)
+        whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
+        updates = [gm for name, gm in compiled.graphs.items() if name.endswith(".update")]
+        scattered = sorted({str(n.meta["val"].dtype) for gm in updates for n in _scatters(gm)})
+        runs.append({"whole": whole, "all_reduced": sorted(set(dtypes)), "scattered": scattered})
+    return all_gather_values(runs)
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pipeline_cases
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ import zgraph
 
 CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "memory_budget"]
 CASES += ["stage_three"]
+COMPOSED = ["clipped", "loss_scaled", "low_precision_states"]  # issue 42, item 2
 PARAMS = [name for name, _ in Net().named_parameters()]
 
 
@@ -24,7 +26,7 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline") / "results.pt"
-    run_ranks(2, "pipeline_cases.run", str(path), [*CASES, "stage_state"], timeout=300)
+    run_ranks(2, "pipeline_cases.run", str(path), [*CASES, *COMPOSED, "stage_state"], timeout=300)
     return torch.load(path, weights_only=False)
 
 
@@ -58,6 +60,37 @@ def test_inductor_compiles_the_stage_graphs_the_schedule_runs(tmp_path):
         assert r["distance"] < 1e-5, r["distance"]
         assert r["backends"] == {"forward": "inductor", "backward": "eager", "input_grad": "inductor",
                                  "weight_grad": "inductor", "update": "inductor"}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", COMPOSED)
+def test_max_grad_norm_loss_scaling_and_bf16_states_with_remat_equal_eager_on_the_whole_batch(two_ranks, case):
+    """Issue 42, item 2: ``clipped``: every step clips (eager's global norm above ``max_grad_norm``), by the norm
+    over both stages' gradients; ``loss_scaled``: the first step overflows in stage 0's gradients only, and both
+    stages skip it, the scale backing off on both ranks as eager's; ``low_precision_states``: bf16 optimizer states
+    and full remat, against the same Config without pipelines."""
+    result = two_ranks[case]
+    assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    assert_equals_eager(result)
+    for r in result:
+        if case == "clipped":
+            assert min(r["norms"]) > pipeline_cases.CLIP, r["norms"]
+        if case == "loss_scaled":
+            assert r["skipped"] == [True, False, False] and r["scales"] == r["eager_scales"] == [2.0**27] * 3, r
+        if case == "low_precision_states":
+            assert r["state_dtypes"] == ["torch.bfloat16"], r["state_dtypes"]
+
+
+def test_max_grad_norm_over_two_stages_on_one_rank_equals_eager():
+    """Issue 42, item 2: two stages on one process (P=1, interleaved): the rank combines its stages' partials of
+    the norm itself, without a collective; every step clips."""
+    norms: list[float] = []
+    config = {"pipeline_virtual_stages": 2, "schedule": "interleaved_1f1b", "microbatches": 2}
+    eager = pipeline_cases.clipping_step(norms)
+    result = pipeline_cases.against(
+        eager, pipeline_cases.SGD, batches(), pipeline_parallel=1, max_grad_norm=0.05, **config
+    )
+    assert_equals_eager([result])
+    assert min(norms) > 0.05, norms
 
 
 def test_each_rank_holds_only_its_stages_state_and_the_whole_model_still_comes_out(two_ranks):

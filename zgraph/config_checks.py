@@ -360,8 +360,6 @@ def check_pipeline(config: Any) -> None:
         "sequence_parallel": config.sequence_parallel is not None,
         "shard_group_size": config.shard_group_size is not None,
         "secondary_shard_group_size": config.secondary_shard_group_size is not None,
-        "loss_scale": config.loss_scale is not None,
-        "max_grad_norm": config.max_grad_norm is not None,
         "offload_optimizer": config.offload_optimizer is not None,
         "offload_params": config.offload_params is not None,
         "offload_activations": config.offload_activations is not None,
@@ -371,7 +369,7 @@ def check_pipeline(config: Any) -> None:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
             "run at ZeRO stage 0 to 3 (within each stage's data-parallel group), without sequence parallelism, "
-            "hybrid sharding (hpZ included), loss scaling, max_grad_norm or offload"
+            "hybrid sharding (hpZ included) or offload"
         )
     world = known_world_size()
     if world is not None and world % p:

@@ -111,8 +111,8 @@ class TracePrecision:
     def scale_seed(self, output: Tensor, gradient: Tensor | None) -> tuple[Tensor, Tensor]:
         """``(output, gradient)`` for autograd with the loss scale applied, in float32."""
         scale = self.loss_state["scale"]
-        if gradient is None:
-            return output.float(), scale.expand(output.shape)
+        if gradient is None:  # ones times the scale: the seed of a loss (``zgraph.passes.micro_batch_loss``)
+            return output.float(), torch.ones_like(output, dtype=torch.float32) * scale
         return output.float(), gradient.float() * scale
 
     def unscale_contribution(self, grad: Tensor) -> Tensor:

@@ -29,13 +29,14 @@ from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.config_checks import pipeline_world_error
 from zgraph.errors import CaptureError
-from zgraph.graph import VAL, GraphInput, input_specs, output_roles, placeholders
+from zgraph.graph import INPUT, VAL, GraphInput, input_specs, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
-from zgraph.passes.stage_graphs import StageGraphs, stage_graphs
+from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
+from zgraph.passes.stage_totals import split_update
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.pipeline_groups import pipeline_groups
@@ -48,7 +49,10 @@ from zgraph.runtime.state_io import StateIO
 
 _PASSES_BEFORE_THE_CUT = ("cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
-_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "shard_params", "bucket", "lower_collectives")
+# ZeRO >= 1; at stage 3 ``shard_params`` (the update reads and writes shards); ``cast``: reductions in
+# ``Config.reduce_dtype``; ``clip_grad``, ``loss_scale``: norms and overflow checks of gradient shards
+_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "shard_params", "cast", "clip_grad", "loss_scale",
+                         "bucket", "lower_collectives")  # fmt: skip
 _PASSES_ON_THE_GATHER = ("bucket", "lower_collectives")  # ZeRO 3: a stage's parameters gathered once per step
 
 
@@ -83,6 +87,9 @@ def compile_pipeline(
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
     program.update_reduces = zero is not None
+    program.totals = [
+        (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
+    ]
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -130,7 +137,7 @@ def _runs_by_schedule(inputs: object) -> object:
 
 def _parts(stage: StageRun) -> list[Part]:
     parts = [stage.forward, stage.backward, stage.input_grad, stage.weight_grad, stage.update]
-    return parts if stage.gather is None else [*parts, stage.gather]
+    return parts + [p for p in (stage.gather, stage.totals) if p is not None]
 
 
 def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pass]] | None:
@@ -157,22 +164,28 @@ def _compile_stage(
 ) -> StageRun:
     """The stage's five graphs lowered, each for its backend in ``backends`` (``Config.backend`` for those the
     schedule runs, ``"eager"`` for the others: no compile for a graph that never runs); the update graph first
-    through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``). At ZeRO stage 3,
-    also the graph gathering the stage's parameter shards (``stage_gather``, bucketed: ``_PASSES_ON_THE_GATHER``)."""
-    parts = []
+    through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``), its partials of
+    values across stages first where it has some (``stage_totals``). At ZeRO stage 3, also the graph gathering the
+    stage's parameter shards (``stage_gather``, bucketed: ``_PASSES_ON_THE_GATHER``)."""
+    parts, totals = [], None
     for name, backend in backends.items():
         gm, part_ctx = getattr(g, name), ctx
         if name == "update" and zero is not None:
             part_ctx, passes = zero
             gm = run_passes(gm, part_ctx, passes)[-1].gm
+        split = split_update(gm, build_graph) if name == "update" else None
+        if split is not None:  # the partials of a global norm or overflow check first (``stage_totals``)
+            totals = _lowered(split[0], part_ctx, backend, graphs, f"stage{g.stage}.totals")
+            gm = split[1]
         parts.append(_lowered(gm, part_ctx, backend, graphs, f"stage{g.stage}.{name}"))
     compute = [g.forward, g.backward, g.input_grad, g.weight_grad]
     gather = None if zero is None else stage_gather(compute, zero[0], stage=stage)
     if gather is not None and zero is not None:
         passes = [p for p in zero[1] if p.name in _PASSES_ON_THE_GATHER]
         gm = run_passes(gather, zero[0], passes, check_input=False)[-1].gm
-        parts.append(_lowered(gm, zero[0], backends["forward"], graphs, f"stage{g.stage}.gather"))
-    return StageRun(g.stage, *parts)
+        gather_part = _lowered(gm, zero[0], backends["forward"], graphs, f"stage{g.stage}.gather")
+        return StageRun(g.stage, *parts, gather=gather_part, totals=totals)
+    return StageRun(g.stage, *parts, totals=totals)
 
 
 def _lowered(
@@ -220,7 +233,9 @@ def run_pipeline(
 
     peers = program.peers
     divisor = functools.partial(_divisor, program, peers)
-    runner = RankRunner(program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces)
+    runner = RankRunner(
+        program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces, program.totals
+    )
     results = runner.run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
@@ -296,4 +311,5 @@ def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: 
 def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
     assert config.pipeline_parallel is not None
     groups = pipeline_groups(group, config.pipeline_parallel, config.collective_timeout)
-    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)))
+    reduce_dtype = config.pass_options()["reduce_dtype"]
+    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)), reduce_dtype)
