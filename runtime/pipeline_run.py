@@ -17,10 +17,10 @@ stage's data-parallel group first (one flat bucket per stage); or, where the upd
 ``divisor(counts) / D`` and the update averages them over the ``D`` pipelines. What a graph reads of the step's
 state and arguments comes from ``feed(spec, micro_batch)`` (micro_batch None for the update). At ZeRO stage 3 a
 stage's parameters are gathered whole once per step, right before its first action (``StageRun.gather``), and
-kept across the micro-batches until the updates, which read and write the shards. A value
-across stages (a global gradient norm, an overflow check: ``zgraph.passes.stage_totals``) is combined before the updates:
-each stage's ``totals`` part makes its partial, the rank's are combined and all-reduced over the pipeline (every
-rank, every total, in one order), and each update reads the total.
+kept across the micro-batches until the updates, which read and write the shards. A value across stages (a global
+gradient norm, an overflow check: ``zgraph.passes.stage_totals``) is combined before the updates: each stage's
+``totals`` part makes its partial, the rank's are combined and all-reduced over the pipeline (every rank, every
+total, in one order), and each update reads the total.
 """
 
 from __future__ import annotations
