@@ -14,7 +14,8 @@ from pipeline_cases import Net, batches, step, step_of, train
 
 import zgraph
 
-CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "memory_budget"]
+CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "kept_grads"]
+CASES += ["memory_budget"]
 PARAMS = [name for name, _ in Net().named_parameters()]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from zgraph.runtime.pipeline_groups import pipeline_groups
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
-from zgraph.runtime.stage_state import release_other_stages
+from zgraph.runtime.stage_state import release_other_stages, released_grads
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
@@ -78,6 +79,7 @@ def compile_pipeline(
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
     program.update_reduces = zero is not None
+    program.grads_elsewhere = _grads_written(g for g in every if schedule.rank_of(g.stage) != place)
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -166,6 +168,11 @@ def _compile_stage(
     return StageRun(g.stage, *parts)
 
 
+def _grads_written(others: Iterable[StageGraphs]) -> tuple[int, ...]:
+    """The parameters whose ``.grad`` the update graphs of ``others`` (stages this rank does not run) leave set."""
+    return tuple(sorted({role.index for g in others for role in output_roles(g.update) if role.kind == "grad"}))
+
+
 def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:
     """Where each of the step's results is made, with one micro-batch's value of it (a fake tensor)."""
     out = {}
@@ -210,6 +217,7 @@ def run_pipeline(
                 user[role.index] = value
             else:
                 io.write(role, value, micro[0])
+    released_grads(binding, program.grads_elsewhere)
     for (_, index), values in results.user.items():
         kind = program.combine.results.get(index, "mean")
         user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)

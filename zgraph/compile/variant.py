@@ -55,6 +55,7 @@ class PipelineCompiled:
     count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
+    grads_elsewhere: tuple[int, ...] = ()  # parameters whose .grad other ranks' stages write (kept, as zeros)
 
 
 @dataclass
