@@ -83,12 +83,13 @@ class Results:
 @dataclass
 class Peers:
     """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
-    ranks running the same stages in each (``data``) and their count (``pipelines``)."""
+    ranks running the same stages in each (``data``, their global ``data_ranks``) and their count (``pipelines``)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
     data: dist.ProcessGroup | None = None
     pipelines: int = 1
+    data_ranks: tuple[int, ...] = ()
 
 
 class RankRunner:

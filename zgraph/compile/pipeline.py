@@ -283,4 +283,4 @@ def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: 
 def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
     assert config.pipeline_parallel is not None
     groups = pipeline_groups(group, config.pipeline_parallel, config.collective_timeout)
-    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)))
+    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)), groups.data_ranks)
