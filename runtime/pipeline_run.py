@@ -4,9 +4,12 @@ Each stage the rank holds is a ``StageRun``: its five graphs, compiled (``Part``
 weight_grad, update; see ``zgraph.passes.stage_graphs`` for what each reads and returns). A forward's activations go
 to the next stage, a backward's input gradients to the previous one: kept in the rank when that stage is its own,
 else sent (``isend``: the rank goes on computing while it travels; every send is waited for at the end of the step;
-one that has completed is let go after each action) and received (``irecv`` of a buffer shaped as the graph's input,
-waited for before the action that reads it). Each message is tagged with its stage, micro-batch and position, so
-sends and receives between two ranks pair up whatever order the ranks' schedules run them in.
+one that has completed is let go after each action, its buffer held until then) and received (``irecv`` of a buffer
+shaped as the graph's input). Receives are posted as early as the schedule allows, as torch.distributed.pipelining's
+schedules post theirs: before a compute action runs, the receives of the next compute action are posted too, so
+their data travels while this one computes; a receive is waited for only by the action that reads it. Each message
+is tagged with its stage, micro-batch and position, so sends and receives between two ranks pair up whatever order
+the ranks' schedules run them in.
 
 Gradient contributions are summed per gradient marker over the micro-batches; the update runs once, after the last
 action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zgraph.graph import GraphInput, GraphOutput
-from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
+from zgraph.runtime.pipeline_schedule import COMPUTE, Action, Kind, Schedule
 
 Feed = Callable[[GraphInput, int | None], Tensor]
 Divisor = Callable[[dict[int, Tensor]], Tensor | float]
@@ -90,13 +93,14 @@ class Results:
 @dataclass
 class Peers:
     """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
-    ranks running the same stages in each (``data``), their count (``pipelines``) and the dtype gradients are
-    reduced over it in (``Config.reduce_dtype``; None: their own)."""
+    ranks running the same stages in each (``data``, their global ``data_ranks``), their count (``pipelines``) and
+    the dtype gradients are reduced over it in (``Config.reduce_dtype``; None: their own)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
     data: dist.ProcessGroup | None = None
     pipelines: int = 1
+    data_ranks: tuple[int, ...] = ()
     reduce_dtype: torch.dtype | None = None
 
 
@@ -119,7 +123,8 @@ class RankRunner:
         self.grad_means: dict[tuple[int, str], Tensor] = {}
         self.handed: dict[int, list[Tensor]] = {}
         self.scale: Tensor | float = 1.0  # what the summed gradients the update reads are divided by
-        self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}
+        self.inbox: dict[tuple[str, int, int], list[Tensor]] = {}  # from this rank's own stages
+        self.posted: dict[tuple[str, int, int], tuple[list[Tensor], list[dist.Work]]] = {}  # receives in flight
         self.outbox: dict[tuple[str, int, int], list[Tensor]] = {}
         self.saved: dict[tuple[int, int], list[Tensor]] = {}
         self.kept: dict[tuple[int, int], list[Tensor]] = {}  # a split backward's gradients, until its W
@@ -142,9 +147,12 @@ class RankRunner:
             Kind.RECV_F: self._receive,
             Kind.RECV_B: self._receive,
         }
-        for action in self.schedule.actions[self.rank]:
-            if action.kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+        actions = self.schedule.actions[self.rank]
+        for i, action in enumerate(actions):
+            if action.kind in COMPUTE:
                 self._gather(action.stage)
+                self._post_next_receives(actions[i + 1 :])
+                self._arrived(action)
             handlers[action.kind](action)
             self._drop_delivered()
         for work, _ in self.sends:
@@ -248,8 +256,19 @@ class RankRunner:
             dst = self.peers.ranks[self.schedule.rank_of(to)]
             self.sends.append((dist.isend(value, dst, self.peers.group, self._tag(direction, a.stage, a.mb, i)), value))
 
+    def _post_next_receives(self, rest: Sequence[Action]) -> None:
+        """Before a compute action: the receives of the next one (those up to it in ``rest``) posted now."""
+        for a in rest:
+            if a.kind in COMPUTE:
+                return
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                self._receive(a)
+
     def _receive(self, a: Action) -> None:
+        """Post the receive of ``a`` (once: it may have been posted ahead); waited for by ``_arrived``."""
         direction = "F" if a.kind is Kind.RECV_F else "B"
+        if (direction, a.stage, a.mb) in self.posted:
+            return
         source = a.stage - 1 if direction == "F" else a.stage + 1
         stage = self.stages[a.stage]
         examples = (
@@ -260,9 +279,16 @@ class RankRunner:
         works = [
             dist.irecv(b, src, self.peers.group, self._tag(direction, source, a.mb, i)) for i, b in enumerate(buffers)
         ]
-        for work in works:
-            work.wait()
-        self.inbox[direction, a.stage, a.mb] = buffers
+        self.posted[direction, a.stage, a.mb] = (buffers, works)
+
+    def _arrived(self, a: Action) -> None:
+        """Compute action ``a``'s receive, if it has one, waited for now that ``a`` reads it (into the inbox)."""
+        key = ("F" if a.kind is Kind.F else "B", a.stage, a.mb)
+        if key in self.posted:
+            buffers, works = self.posted.pop(key)
+            for work in works:
+                work.wait()
+            self.inbox[key] = buffers
 
     def _tag(self, direction: str, stage: int, mb: int, index: int) -> int:
         """A message's tag: unique per direction, sending stage, micro-batch and position in the boundary."""

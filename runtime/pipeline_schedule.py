@@ -8,7 +8,9 @@ A pipeline of ``P`` ranks runs ``S = P * v`` stages (``v`` virtual stages per ra
   micro-batch;
 - ``SEND_F`` / ``RECV_F``: a stage's output activation to the next stage's rank / a stage's input from the previous
   one; ``SEND_B`` / ``RECV_B``: the gradient of a stage's input to the previous stage's rank / the gradient of a
-  stage's output from the next one. A send does not wait for its receive (``isend``); a receive waits for its data.
+  stage's output from the next one. A send does not wait for its receive (``isend``); a receive is posted by
+  then at the latest (``zgraph.runtime.pipeline_run`` posts it one compute action earlier) and waited for by the
+  compute that reads it.
 
 Actions print as ``torch.distributed.pipelining`` writes them (``2F0``: stage 2's forward of micro-batch 0;
 ``1SEND_F3``), and each rank's compute order is the one torch's schedule of that name computes (tests compare them).

@@ -16,6 +16,8 @@ own stages' tensors (``held_elsewhere``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -46,6 +48,16 @@ def release_other_stages(binding: Binding, holders: dict[int, int], mine: set[in
             for key, value in (state or {}).items():
                 if isinstance(value, Tensor) and not value.is_meta:
                     state[key] = _meta_like(value)
+
+
+def released_grads(binding: Binding, indices: Iterable[int]) -> None:
+    """After a step whose update leaves the ``.grad`` of parameters ``indices`` set (``zero_grad(set_to_none=False)``)
+    on the ranks holding them: a meta ``.grad`` here where there is none, so that every rank binds the same state
+    (the ranks' next graphs then read the same gradients, each its own stages' for real)."""
+    for index in indices:
+        p = binding.params[index].tensor
+        if p.grad is None:
+            p.grad = torch.empty(p.shape, dtype=p.dtype, device="meta")
 
 
 def _meta_like(t: Tensor) -> Tensor:

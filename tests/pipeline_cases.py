@@ -47,14 +47,14 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def step_of(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
-    """The training step of a loss ``loss_fn(logits, labels)``."""
+def step_of(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], set_to_none: bool = True) -> Callable:
+    """The training step of a loss ``loss_fn(logits, labels)``, zeroing the gradients with ``set_to_none``."""
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         return loss.detach()
 
     return step
@@ -73,14 +73,14 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(STEPS)]
 
 
-def train(make: Callable[[], nn.Module] = Net, loss: str = "", **config: object) -> dict:
+def train(make: Callable[[], nn.Module] = Net, loss: str = "", set_to_none: bool = True, **config: object) -> dict:
     """Eager and pipelined runs of the same steps of ``make()``: losses, and for the parameters this rank's stages
-    update, the largest distance between the two."""
+    update, the largest distance between the two; ``set_to_none``: as the step's ``opt.zero_grad`` is called."""
     eager_model = make()
     model = copy.deepcopy(eager_model)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    run = step_of(LOSSES[loss]) if loss else step
+    run = step_of(LOSSES[loss] if loss else F.cross_entropy, set_to_none)
     compiled = zgraph.distribute(zgraph.Config(**{"backend": "eager", **config}))(run)
     want, got = [], []
     for x, y in batches():
@@ -116,6 +116,7 @@ interleaved = on_ranks(schedule="interleaved_1f1b", pipeline_virtual_stages=2, m
 split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
 sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
 token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
+kept_grads = on_ranks(schedule="1f1b", microbatches=2, set_to_none=False)  # zero_grad leaves zeros in .grad
 inductor = on_ranks(schedule="zb_h1", microbatches=2, backend="inductor")
 # one pipeline: ZeRO 3 has nothing to shard over within a stage (plan_stage: laid out as stage 0, parameters whole)
 stage_three = on_ranks(schedule="1f1b", microbatches=2, stage=3, param_persistence_threshold=0)

@@ -59,10 +59,13 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
     full = zgraph.full_state_dict(model)
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
     numel = sum(eager[n].numel() for n in owned)
-    explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
+    lines = compiled.explain().splitlines()
+    explained = next(line for line in lines if line.startswith("pipeline:"))
+    sharding = [line.strip() for line in lines if line.startswith(("buckets of", "  ZeRO within"))]
     updates = [gm for name, gm in compiled.graphs.items() if name.endswith(".update")]
     out = {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
-           "stage_numel": numel, "explained": explained, "state": state_bytes(model, opt)["total"],
+           "stage_numel": numel, "explained": explained, "sharding": sharding,
+           "state": state_bytes(model, opt)["total"],
            "optimizer": state_bytes(model, opt)["optimizer"],
            "eager_optimizer": state_bytes(eager_model, eager_opt)["optimizer"],
            "reduce_scatters": [_reduce_scatters(gm) for gm in updates],

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_cases import CLIP, Net
+from pipeline_cases import CLIP, LR, Net, batches, step
+
+import zgraph
 
 PARAMS = [name for name, _ in Net().named_parameters()]
 
@@ -139,3 +141,23 @@ def test_reduce_dtype_is_what_each_stages_gradients_cross_the_pipelines_in(four_
         assert zero0["all_reduced"] == ["torch.bfloat16"] and zero0["scattered"] == [], zero0
         assert zero2["all_reduced"] == [] and zero2["scattered"] == ["torch.bfloat16"], zero2
         assert 1e-6 < zero0["whole"] < 1e-3 and 1e-6 < zero2["whole"] < 1e-3, (zero0["whole"], zero2["whole"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_explain_and_the_estimate_give_the_state_sharded_within_each_stage(four_ranks, stage):
+    """``explain()`` says what each stage shards over which data-parallel group and its update graph's buckets;
+    ``step.estimate`` (in process, 4 ranks planned) gives each stage's model state as its ranks hold it: the
+    optimizer state's padded shard, the parameters in their padded all-gathered storage."""
+    runs = [rank[ZERO_RUNS[f"stage {stage}, 2 micro-batches"]] for rank in four_ranks["zero_within_stages"]]
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    config = zgraph.Config(backend="eager", pipeline_parallel=2, schedule="1f1b", microbatches=2, stage=stage)
+    estimate = zgraph.distribute(config)(step).estimate(model, opt, *batches()[0], world_size=4)
+    for rank, r in enumerate(runs):
+        assert estimate.stages[rank % 2].model_state_bytes["total"] == r["state"], (estimate.stages, r["state"])
+        zero, *buckets = sorted(r["sharding"], key=lambda line: not line.startswith("ZeRO"))
+        assert zero.startswith("ZeRO within each stage: a stage's optimizer state sharded over the 2 ranks of its "
+                               f"data-parallel group (here global ranks {[rank % 2, rank % 2 + 2]})"), zero  # fmt: skip
+        padded = sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * 4 for n, p in Net().named_parameters() if n in r["owned"])
+        kinds = ("all_gather", "reduce_scatter")  # the stage's one bucket, padded to equal shards
+        assert buckets == [f"buckets of stage{rank % 2}.update: {kind} x1 ({padded} B)" for kind in kinds], buckets

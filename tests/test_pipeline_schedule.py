@@ -179,3 +179,58 @@ def test_a_rank_lets_go_of_the_sends_its_peers_have_received():
     runner.sends.append((Work(True, RuntimeError("peer 1 is gone")), "c"))
     with pytest.raises(RuntimeError, match="peer 1 is gone"):
         RankRunner._drop_delivered(runner)
+
+
+def test_a_rank_posts_the_next_actions_receives_before_computing_and_waits_only_when_it_reads_them(monkeypatch):
+    """``RankRunner`` (rank 1 of 1F1B, P=2, M=3; fake point-to-point calls, nothing sent): each compute action's
+    receive is posted before the compute action before it runs, and waited for only after that one has run."""
+    import torch
+
+    from zgraph.graph import GraphInput, GraphOutput
+    from zgraph.runtime import pipeline_run
+    from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
+
+    events: list[str] = []
+
+    class Work:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait(self) -> None:
+            events.append(f"wait {self.name}")
+
+        def is_completed(self) -> bool:
+            return True
+
+    def irecv(buffer, src, group, tag):
+        events.append(f"post {tag}")
+        return Work(str(tag))
+
+    monkeypatch.setattr(pipeline_run.dist, "irecv", irecv)
+    monkeypatch.setattr(pipeline_run.dist, "isend", lambda *args: Work("send"))
+    one = torch.zeros(1)
+
+    def part(name: str, reads: str, outputs: list[str]) -> Part:
+        def run(inputs):
+            events.append(name)
+            return [one] * len(outputs)
+
+        roles = [GraphOutput(kind, kind, 0) for kind in outputs]
+        return Part(run, [GraphInput(reads, reads, 0)], roles, [one])
+
+    stage = StageRun(
+        1,
+        part("F", "activation", ["saved"]),
+        part("B", "saved", ["activation_grad"]),
+        *(part(n, "saved", []) for n in ("I", "W", "update")),
+    )
+    schedule = build_schedule("1f1b", 2, 3)
+    runner = RankRunner(schedule, 1, {1: stage}, lambda spec, mb: one, Peers(None, [0, 1]), lambda counts: 1.0)
+    runner.run()
+    tags = [runner._tag("F", 0, mb, 0) for mb in range(3)]
+    computes = [i for i, e in enumerate(events) if e in ("F", "B")]
+    assert [events[i] for i in computes] == ["F", "B", "F", "B", "F", "B"]
+    for mb in (1, 2):  # posted before the backward ahead of its forward, waited for after it
+        forward = computes[2 * mb]
+        posted, waited = events.index(f"post {tags[mb]}"), events.index(f"wait {tags[mb]}")
+        assert posted < computes[2 * mb - 1] < waited < forward, events

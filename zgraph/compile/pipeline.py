@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from zgraph.runtime.pipeline_groups import pipeline_groups
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
-from zgraph.runtime.stage_state import release_other_stages
+from zgraph.runtime.stage_state import release_other_stages, released_grads
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
@@ -90,6 +91,7 @@ def compile_pipeline(
     program.totals = [
         (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
     ]
+    program.grads_elsewhere = _grads_written(g for g in every if schedule.rank_of(g.stage) != place)
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -200,6 +202,11 @@ def _lowered(
     return Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend)
 
 
+def _grads_written(others: Iterable[StageGraphs]) -> tuple[int, ...]:
+    """The parameters whose ``.grad`` the update graphs of ``others`` (stages this rank does not run) leave set."""
+    return tuple(sorted({role.index for g in others for role in output_roles(g.update) if role.kind == "grad"}))
+
+
 def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:
     """Where each of the step's results is made, with one micro-batch's value of it (a fake tensor)."""
     out = {}
@@ -246,6 +253,7 @@ def run_pipeline(
                 user[role.index] = value
             else:
                 io.write(role, value, micro[0])
+    released_grads(binding, program.grads_elsewhere)
     for (_, index), values in results.user.items():
         kind = program.combine.results.get(index, "mean")
         user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
@@ -312,4 +320,5 @@ def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
     assert config.pipeline_parallel is not None
     groups = pipeline_groups(group, config.pipeline_parallel, config.collective_timeout)
     reduce_dtype = config.pass_options()["reduce_dtype"]
-    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)), reduce_dtype)
+    pipelines = max(1, len(groups.data_ranks))
+    return Peers(groups.group, groups.ranks, groups.data, pipelines, groups.data_ranks, reduce_dtype)

@@ -56,6 +56,7 @@ class PipelineCompiled:
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
     totals: list[tuple[GraphInput, Tensor]] = field(default_factory=list)  # values across stages, with examples
+    grads_elsewhere: tuple[int, ...] = ()  # parameters whose .grad other ranks' stages write (kept, as zeros)
 
 
 @dataclass

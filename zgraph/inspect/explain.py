@@ -93,7 +93,11 @@ def explain_table(compiled: CompiledStep, config: Config) -> str:
     lines.append(fmt(header).rstrip())
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt(row).rstrip() for row in table]
-    lines += _bucket_lines(compiled.final)
+    if compiled.pipeline is None:
+        lines += _bucket_lines(compiled.final)
+    else:  # this rank's stages' update graphs (ZeRO >= 1 within stages)
+        graphs = compiled.pipeline.graphs
+        lines += [line for name, gm in graphs.items() if name.endswith(".update") for line in _bucket_lines(gm, name)]
     lines += _sharding_lines(compiled.params, config)
     lines += _reuse_lines(compiled, config)
     lines += _activation_lines(compiled, config)
@@ -166,8 +170,9 @@ def _reader_phases(node: fx.Node) -> set[str]:
     return phases - {None}
 
 
-def _bucket_lines(gm: fx.GraphModule) -> list[str]:
-    """One line per collective kind: how many collectives carry several tensors, and their sizes."""
+def _bucket_lines(gm: fx.GraphModule, graph: str = "") -> list[str]:
+    """One line per collective kind: how many collectives carry several tensors, and their sizes (``graph``: the
+    graph's name, shown)."""
     buckets: dict[str, list[int]] = {}
     for node in gm.graph.nodes:
         kind = collective_kind(node)
@@ -175,7 +180,7 @@ def _bucket_lines(gm: fx.GraphModule) -> list[str]:
         if kind is not None and info is not None and isinstance(info[1], (list, tuple)):
             buckets.setdefault(_SHORT[kind], []).append(collective_bytes(node))
     return [
-        f"buckets: {kind} x{len(sizes)} ({', '.join(human_bytes(b) for b in sizes)})"
+        f"buckets{f' of {graph}' if graph else ''}: {kind} x{len(sizes)} ({', '.join(human_bytes(b) for b in sizes)})"
         for kind, sizes in sorted(buckets.items())
     ]
 

@@ -6,7 +6,9 @@ actions run, lowered as the eager backend runs them) and its schedule's action l
 
 - model state: the pieces of state (``zgraph.inspect.model_state``) of the parameters a stage owns (with their
   ``.grad`` and optimizer state) and of the buffers it updates. A rank holds its stages' and every buffer whole
-  (``zgraph.runtime.stage_state``);
+  (``zgraph.runtime.stage_state``); at ZeRO stage 1 or 2 with ``D = world / P`` pipelines, its dim-0 shard (padded,
+  ``zgraph.graph.ShardSpec``) of its stages' optimizer state of their parameters' shapes (the 0-d ones whole), and
+  their parameters in the padded storage the update all-gathers them into, as the ranks hold them;
 - memory held under the schedule: each stage graph measured, and each rank's actions walked in order as
   ``zgraph.runtime.pipeline_run`` runs them (``zgraph.inspect.stage_parts``): a rank's peak is its model state, the
   whole batch (every rank is called with it) and the most, over its actions and updates, of what is held then
@@ -23,6 +25,7 @@ actions run, lowered as the eager backend runs them) and its schedule's action l
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +33,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from zgraph.config import Config
-from zgraph.graph import INPUT, VAL, CostModel, placeholders
+from zgraph.graph import INPUT, VAL, CostModel, placeholders, shard_rows
+from zgraph.inspect.liveness import cuda_block_bytes
 from zgraph.inspect.model_state import StatePiece, state_totals
 from zgraph.inspect.stage_parts import PART_OF, PARTS, RESIDENT, StagePart, measure, storage_of, value_bytes, walk
 from zgraph.passes import PassContext
@@ -126,6 +130,7 @@ def pipeline_figures(
     """The figures of a pipeline: ``cut``, the graph ``stage_cut`` stamped; ``every``, its stage graphs;
     ``pieces``, the step's model state (module docstring)."""
     plan: StagePlan = cut.meta[STAGE_PLAN]
+    pieces = _sharded_within_stages(pieces, config, planned.world // schedule.ranks, planned.device)
     held = {storage_of(n.meta[VAL]) for n in placeholders(cut) if n.meta[INPUT].kind in RESIDENT}
     parts = [
         {p: measure(getattr(g, p), f"stage{g.stage}.{p}", ctx, planned.device, planned.cost_model, held) for p in PARTS}
@@ -161,6 +166,26 @@ def pipeline_figures(
     seconds = _step_seconds(schedule, parts, ranks)
     nodes = sum(p.nodes for stage in parts for p in stage.values())
     return PipelineFigures(tuple(stages), tuple(ranks), units.bubble, seconds, nodes)
+
+
+def _sharded_within_stages(
+    pieces: Sequence[StatePiece], config: Config, pipelines: int, device: str
+) -> list[StatePiece]:
+    """``pieces`` as a rank holds them: at ZeRO stage >= 1 over ``pipelines > 1`` data-parallel ranks, the optimizer
+    state of a parameter's shape as its padded dim-0 shard, the parameter in its padded whole
+    (``zgraph.runtime.pipeline_groups``)."""
+    if config.stage < 1 or pipelines < 2:
+        return list(pieces)
+    shapes = {p.spec.index: tuple(p.value.shape) for p in pieces if p.spec.kind == "param"}
+    out = []
+    for piece in pieces:
+        shape, kind = tuple(piece.value.shape), piece.spec.kind
+        if kind in ("param", "opt_state") and shape and shape == shapes.get(piece.spec.index):
+            rows = shard_rows(shape[0], pipelines) * (pipelines if kind == "param" else 1)
+            nbytes = math.prod((rows, *shape[1:])) * piece.value.element_size()
+            piece = piece._replace(nbytes=cuda_block_bytes(nbytes) if device == "cuda" else nbytes)
+        out.append(piece)
+    return out
 
 
 def _owner(piece: StatePiece, plan: StagePlan, *, buffers_everywhere: bool) -> int | None:

@@ -1,9 +1,11 @@
 """``explain()`` of a pipelined step (``Config.pipeline_parallel``): which stage each block went to, on which rank,
-and the schedule's predicted timeline and bubble (``zgraph.runtime.pipeline_simulate``, unit costs)."""
+the schedule's predicted timeline and bubble (``zgraph.runtime.pipeline_simulate``, unit costs), and at ZeRO >= 1
+with several pipelines, what each stage shards over its data-parallel group."""
 
 from __future__ import annotations
 
-from zgraph.compile.variant import CompiledStep
+from zgraph.compile.variant import CompiledStep, PipelineCompiled
+from zgraph.graph import INPUT, placeholders
 from zgraph.passes.stage_cut import STAGE_PLAN
 from zgraph.runtime.pipeline_simulate import UNIT_COSTS, simulate
 
@@ -36,7 +38,31 @@ def pipeline_lines(compiled: CompiledStep) -> list[str]:
             f"  stage {stage} (rank {schedule.rank_of(stage)}): {len(blocks)} blocks ({shown}), "
             f"{plan.flops[stage]:.3g} forward flops per micro-batch"
         )
+    lines += _sharding_lines(program)
     if simulation.step_time <= _WIDEST_TIMELINE:
         lines.append("  timeline (one column per forward's time; '.': idle):")
         lines += [f"    {line}" for line in simulation.timeline().splitlines()]
     return lines
+
+
+_SHARDED = {"param": "parameters", "grad": "gradients", "opt_state": "optimizer state"}
+
+
+def _sharding_lines(program: PipelineCompiled) -> list[str]:
+    """Where the update graphs shard state within each stage's data-parallel group (ZeRO >= 1, several
+    pipelines): what they read sharded, over which ranks."""
+    peers = program.peers
+    if not program.update_reduces or peers is None:
+        return []
+    kinds = {
+        spec.kind
+        for s in program.stages
+        for spec in (n.meta[INPUT] for n in placeholders(program.graphs[f"stage{s}.update"]))
+        if spec.layout == "shard"
+    }
+    what = " and ".join(_SHARDED[k] for k in _SHARDED if k in kinds) or "nothing"
+    return [
+        f"  ZeRO within each stage: a stage's {what} sharded over the {peers.pipelines} ranks of its data-parallel "
+        f"group (here global ranks {list(peers.data_ranks)}); its update graph reduce-scatters the gradient sums "
+        "over that group once per step (the lines `buckets of stageN.update`)"
+    ]
