@@ -82,13 +82,16 @@ class Results:
 
 @dataclass
 class Peers:
-    """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
-    ranks running the same stages in each (``data``) and their count (``pipelines``)."""
+    """The pipeline's process group (its chain, ``zgraph.runtime.pipeline_groups``) and each of its ranks' global
+    rank; with several chains, the group of the ranks running the same stages in each (``data``) and their count
+    (``pipelines``); ``first``: the first chain's global ranks (those that write each stage's state to a
+    checkpoint)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
     data: dist.ProcessGroup | None = None
     pipelines: int = 1
+    first: list[int] = field(default_factory=list)
 
 
 class RankRunner:

@@ -9,6 +9,7 @@ import copy
 import tempfile
 from collections.abc import Iterator
 
+import sequence_cases as sc
 import torch
 import torch.distributed as dist
 from dist_harness import all_gather_values, run_named
@@ -19,6 +20,7 @@ import zgraph
 from zgraph.runtime.memory import state_bytes
 
 P = 2
+SGD_LR = 0.1
 
 
 def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) -> dict:
@@ -102,6 +104,44 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
     """ZeRO 1 (2 and 4 micro-batches) and 2 within each stage's data-parallel group."""
     runs = [train(rank, world, 2, steps=3, stage=1), train(rank, world, 4, steps=1, stage=1)]
     return all_gather_values([*runs, train(rank, world, 2, steps=2, stage=2)])
+
+
+def pipeline_by_sequence(rank: int, world: int) -> list[dict]:
+    """P=2 x SP=2: sequence_cases' GPT (attention in each of its 2 blocks), 3 SGD steps on each rank's slice of the
+    global batch's sequences (``zgraph.pipeline_batch(..., sequence_parallel=2)``), 2 micro-batches, ZeRO 0 and
+    1, against eager on the whole batch: the losses, the largest distance of the parameters
+    (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, and the sequence
+    all-to-alls in its stage graphs. SGD: linear in the gradients, so the float noise in the key bias's gradient
+    (zero in exact arithmetic: softmax ignores a shift of every key) stays small, which Adam would scale up to lr."""
+    eager_model = sc.build("gpt")[0]
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=SGD_LR)
+    want = [float(sc.train_step(eager_model, eager_opt, *b)) for b in sc.batches()]
+    return all_gather_values([_by_sequence(stage, eager_model, want) for stage in (0, 1)])
+
+
+def _by_sequence(stage: int, eager: nn.Module, want: list[float]) -> dict:
+    model = sc.build("gpt")[0]
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    config = zgraph.Config(backend="eager", pipeline_parallel=P, sequence_parallel=2, microbatches=2, stage=stage)
+    compiled = zgraph.distribute(config)(sc.train_step)
+    got = [float(compiled(model, opt, *zgraph.pipeline_batch(b, P, sequence_parallel=2))) for b in sc.batches()]
+    owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
+    sequence_ops = (torch.ops.zgraph.seq_to_heads.default, torch.ops.zgraph.heads_to_seq.default)
+    exchanges = {name: sum(n.target in sequence_ops for n in gm.graph.nodes) for name, gm in compiled.graphs.items()}
+    full = zgraph.full_state_dict(model)
+    distance = max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items())
+    return {"got": got, "want": want, "distance": distance, "owned": owned, "exchanges": exchanges}
+
+
+def pipeline_by_sequence_refused(rank: int, world: int) -> list[str]:
+    """``Config(pipeline_parallel=2, sequence_parallel=4)`` on 4 ranks (each divides the world, their product does
+    not): the message of the ``ValueError`` it raises on each rank."""
+    try:
+        zgraph.Config(pipeline_parallel=P, sequence_parallel=4)
+        message = "not refused"
+    except ValueError as error:
+        message = str(error)
+    return all_gather_values(message)
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

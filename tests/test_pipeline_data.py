@@ -1,13 +1,18 @@
 """Pipeline parallelism over ``P x D`` ranks (issue 42): two pipelines of two stages on four gloo ranks, each
 pipeline on its rows of the batch (``zgraph.pipeline_batch``), against eager PyTorch on the whole batch, and the
 gradient reductions a step issues: one per stage, the same for 2 and 4 micro-batches (3 steps with 2, 1 with 4);
-at ZeRO stages 1 and 2 within each stage's data-parallel group, one reduce-scatter per stage's bucket."""
+at ZeRO stages 1 and 2 within each stage's data-parallel group, one reduce-scatter per stage's bucket; and two
+stages of two sequence-parallel ranks each (P=2 x SP=2), with the rank layout and its refusals."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 from pipeline_cases import Net
+
+import zgraph
 
 PARAMS = [name for name, _ in Net().named_parameters()]
 
@@ -17,7 +22,7 @@ def four_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
-    cases = ["two_by_two", "zero_within_stages"]
+    cases = ["two_by_two", "zero_within_stages", "pipeline_by_sequence", "pipeline_by_sequence_refused"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
     for result in results.values():
@@ -83,3 +88,56 @@ def test_zero_reduces_each_stage_bucket_once_per_step_whatever_the_micro_batch_c
     for rank in four_ranks["zero_within_stages"]:
         for r in rank:
             assert r["reduce_scatters"] == [1] and sorted(r["sizes"]) == [1, 1], r
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_two_stages_of_two_sequence_parallel_ranks_equal_eager_on_the_whole_batch(four_ranks, stage):
+    """P=2 x SP=2 (ranks 0, 1: stage 0; ranks 2, 3: stage 1; ranks 0 and 2, 1 and 3 a chain of sends), a GPT on each
+    rank's slice of the sequences: losses and every parameter after 3 steps as eager's on the whole batch, at ZeRO 0
+    and 1 (over the stage's two sequence ranks); each stage's forward and backward run attention's all-to-alls."""
+    runs = [rank[stage] for rank in four_ranks["pipeline_by_sequence"]]
+    for r in runs:
+        torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["distance"] < 1e-6, r["distance"]
+        parts = {name.split(".")[1]: n for name, n in r["exchanges"].items() if re.fullmatch(r"stage\d\.\w+", name)}
+        assert parts["forward"] > 0 and parts["backward"] > 0 and parts["update"] == 0, r["exchanges"]
+    assert runs[0]["owned"] == runs[1]["owned"] and runs[2]["owned"] == runs[3]["owned"], "a stage per place"
+    assert not set(runs[0]["owned"]) & set(runs[2]["owned"])
+    assert "blocks.0.qkv.weight" in runs[0]["owned"] and "blocks.1.qkv.weight" in runs[2]["owned"]
+
+
+def test_pipeline_by_sequence_that_does_not_divide_the_world_is_refused(four_ranks):
+    """P=2 and SP=4 each divide 4 ranks, their product does not: ``Config`` refuses it, naming both."""
+    for message in four_ranks["pipeline_by_sequence_refused"]:
+        assert "pipeline_parallel=2 x sequence_parallel=4 = 8 must divide the world size (4)" in message, message
+
+
+def test_the_rank_layout_of_pipelines_by_sequence():
+    """``P x SP x D`` ranks, SP innermost: rank ``(d*P + p)*SP + s``; a chain holds one slice through every stage,
+    a place's data-parallel group every chain's rank at that place; ``zgraph.pipeline_batch`` cuts rows by ``d``
+    and sequences by ``s``."""
+    from zgraph.runtime.pipeline_groups import layout, place_of
+
+    ranks = list(range(8))  # P=2, SP=2, D=2
+    assert layout(ranks, 0, 2, 2) == ([0, 2], (0, 1, 4, 5))
+    assert layout(ranks, 3, 2, 2) == ([1, 3], (2, 3, 6, 7))
+    assert layout(ranks, 5, 2, 2) == ([5, 7], (0, 1, 4, 5))
+    assert layout(ranks, 5, 2, 1) == ([4, 5], (1, 3, 5, 7)), "without SP: pipelines of P consecutive ranks"
+    assert [place_of(r, 2, 2) for r in ranks] == [0, 0, 1, 1, 0, 0, 1, 1]
+    batch = torch.arange(4 * 6).view(4, 6)
+    got = [zgraph.pipeline_batch(batch, 2, sequence_parallel=2, rank=r, world=8) for r in ranks]
+    assert torch.equal(got[0], batch[:2, :3]) and torch.equal(got[3], batch[:2, 3:]) and torch.equal(got[2], got[0])
+    assert torch.equal(got[5], batch[2:, 3:])
+    with pytest.raises(ValueError, match="pipeline_parallel=2 x sequence_parallel=2 does not divide the world"):
+        zgraph.pipeline_batch(batch, 2, sequence_parallel=2, rank=0, world=6)
+
+
+def test_a_step_group_pipelines_by_sequence_do_not_divide_is_refused_before_any_group():
+    """A step's own group (``step_groups``, before any group is made) that ``P x SP`` does not divide."""
+    from zgraph.binding.setup import step_groups
+    from zgraph.runtime.process_group import ProcessGroupInfo
+
+    config = zgraph.Config(pipeline_parallel=2, sequence_parallel=2)
+    group = ProcessGroupInfo(world_size=6, rank=0, group_name="six", backend="gloo")
+    with pytest.raises(ValueError, match=r"pipeline_parallel=2 x sequence_parallel=2 = 4 must divide the world"):
+        step_groups(group, config)
