@@ -109,22 +109,23 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
 def pipeline_by_sequence(rank: int, world: int) -> list[dict]:
     """P=2 x SP=2: sequence_cases' GPT (attention in each of its 2 blocks), 3 SGD steps on each rank's slice of the
     global batch's sequences (``zgraph.pipeline_batch(..., sequence_parallel=2)``), 2 micro-batches, ZeRO 0 and
-    1, against eager on the whole batch: the losses, the largest distance of the parameters
-    (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, and the sequence
-    all-to-alls in its stage graphs. SGD: linear in the gradients, so the float noise in the key bias's gradient
-    (zero in exact arithmetic: softmax ignores a shift of every key) stays small, which Adam would scale up to lr."""
-    eager_model = sc.build("gpt")[0]
-    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=SGD_LR)
-    want = [float(sc.train_step(eager_model, eager_opt, *b)) for b in sc.batches()]
-    return all_gather_values([_by_sequence(stage, eager_model, want) for stage in (0, 1)])
+    1, and at ZeRO 0 with labels shifted over the whole sequence, its last position ignored (``-100``: the slices
+    count different numbers of labels), against eager on the whole batch: the losses, the largest distance of the
+    parameters (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, and the
+    sequence all-to-alls in its stage graphs. SGD: linear in the gradients, so the float noise in the key bias's
+    gradient (zero in exact arithmetic: softmax ignores a shift of every key) stays small; Adam would scale it up."""
+    runs = [(0, "gpt"), (1, "gpt"), (0, "llama")]  # sequence_cases.batches: "llama" labels are shifted, -100 last
+    return all_gather_values([_by_sequence(stage, labels) for stage, labels in runs])
 
 
-def _by_sequence(stage: int, eager: nn.Module, want: list[float]) -> dict:
-    model = sc.build("gpt")[0]
+def _by_sequence(stage: int, labels: str) -> dict:
+    eager, model = sc.build("gpt")[0], sc.build("gpt")[0]
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=SGD_LR)
+    want = [float(sc.train_step(eager, eager_opt, *b)) for b in sc.batches(labels)]
     opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     config = zgraph.Config(backend="eager", pipeline_parallel=P, sequence_parallel=2, microbatches=2, stage=stage)
     compiled = zgraph.distribute(config)(sc.train_step)
-    got = [float(compiled(model, opt, *zgraph.pipeline_batch(b, P, sequence_parallel=2))) for b in sc.batches()]
+    got = [float(compiled(model, opt, *zgraph.pipeline_batch(b, P, sequence_parallel=2))) for b in sc.batches(labels)]
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     sequence_ops = (torch.ops.zgraph.seq_to_heads.default, torch.ops.zgraph.heads_to_seq.default)
     exchanges = {name: sum(n.target in sequence_ops for n in gm.graph.nodes) for name, gm in compiled.graphs.items()}
