@@ -84,14 +84,15 @@ class Results:
 class Peers:
     """The pipeline's process group (its chain, ``zgraph.runtime.pipeline_groups``) and each of its ranks' global
     rank; with several chains, the group of the ranks running the same stages in each (``data``) and their count
-    (``pipelines``); ``first``: the first chain's global ranks (those that write each stage's state to a
-    checkpoint)."""
+    (``pipelines``: with sequence parallelism, pipelines x ``sequence`` slices); ``first``: the first chain's global
+    ranks (those that write each stage's state to a checkpoint)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
     data: dist.ProcessGroup | None = None
     pipelines: int = 1
     first: list[int] = field(default_factory=list)
+    sequence: int = 1
 
 
 class RankRunner:

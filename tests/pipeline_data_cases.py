@@ -131,7 +131,9 @@ def _by_sequence(stage: int, labels: str) -> dict:
     exchanges = {name: sum(n.target in sequence_ops for n in gm.graph.nodes) for name, gm in compiled.graphs.items()}
     full = zgraph.full_state_dict(model)
     distance = max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items())
-    return {"got": got, "want": want, "distance": distance, "owned": owned, "exchanges": exchanges}
+    explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
+    return {"got": got, "want": want, "distance": distance, "owned": owned, "exchanges": exchanges,
+            "explained": explained}  # fmt: skip
 
 
 def pipeline_by_sequence_refused(rank: int, world: int) -> list[str]:

@@ -108,6 +108,11 @@ def test_two_stages_of_two_sequence_parallel_ranks_equal_eager_on_the_whole_batc
     assert runs[0]["owned"] == runs[1]["owned"] and runs[2]["owned"] == runs[3]["owned"], "a stage per place"
     assert not set(runs[0]["owned"]) & set(runs[2]["owned"])
     assert "blocks.0.qkv.weight" in runs[0]["owned"] and "blocks.1.qkv.weight" in runs[2]["owned"]
+    for rank, r in enumerate(runs):
+        chain = [rank % 2, rank % 2 + 2]
+        assert r["explained"].endswith(
+            f"this is rank {rank // 2} of the chain of global ranks {chain}, one of 2 (1 pipelines x 2 sequence slices)"
+        ), r["explained"]
 
 
 def test_pipeline_by_sequence_that_does_not_divide_the_world_is_refused(four_ranks):

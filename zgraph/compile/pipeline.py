@@ -283,4 +283,4 @@ def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
     groups = pipeline_groups(group, p, config.collective_timeout, sp)
     ranks = list(group.ranks or range(group.world_size))
     first = layout(ranks, 0, p, sp or 1)[0] if group.distributed else groups.ranks
-    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)), first)
+    return Peers(groups.group, groups.ranks, groups.data, max(1, len(groups.data_ranks)), first, sp or 1)
