@@ -92,9 +92,11 @@ class Results:
 
 @dataclass
 class Peers:
-    """The pipeline's process group and each pipeline rank's global rank; with several pipelines, the group of the
-    ranks running the same stages in each (``data``, their global ``data_ranks``), their count (``pipelines``) and
-    the dtype gradients are reduced over it in (``Config.reduce_dtype``; None: their own)."""
+    """The pipeline's process group (its chain, ``zgraph.runtime.pipeline_groups``) and each of its ranks' global
+    rank; with several chains, the group of the ranks running the same stages in each (``data``, their global
+    ``data_ranks``), their count (``pipelines``: with sequence parallelism, pipelines x ``sequence`` slices) and the
+    dtype gradients are reduced over it in (``Config.reduce_dtype``; None: their own); ``first``: the first chain's
+    global ranks (those that write each stage's state to a checkpoint)."""
 
     group: dist.ProcessGroup | None
     ranks: list[int]
@@ -102,6 +104,8 @@ class Peers:
     pipelines: int = 1
     data_ranks: tuple[int, ...] = ()
     reduce_dtype: torch.dtype | None = None
+    first: list[int] = field(default_factory=list)
+    sequence: int = 1
 
 
 class RankRunner:

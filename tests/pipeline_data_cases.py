@@ -12,6 +12,7 @@ import re
 import tempfile
 from collections.abc import Iterator
 
+import sequence_cases as sc
 import torch
 import torch.distributed as dist
 from dist_harness import all_gather_values, run_named
@@ -24,6 +25,7 @@ import zgraph
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
 
 P = 2
+SGD_LR = 0.1
 
 
 def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) -> dict:
@@ -210,6 +212,47 @@ def reduced_in_bf16(rank: int, world: int) -> list[dict]:
         scattered = sorted({str(n.meta["val"].dtype) for gm in updates for n in _scatters(gm)})
         runs.append({"whole": whole, "all_reduced": sorted(set(dtypes)), "scattered": scattered})
     return all_gather_values(runs)
+
+
+def pipeline_by_sequence(rank: int, world: int) -> list[dict]:
+    """P=2 x SP=2: sequence_cases' GPT (attention in each of its 2 blocks), 3 SGD steps on each rank's slice of the
+    global batch's sequences (``zgraph.pipeline_batch(..., sequence_parallel=2)``), 2 micro-batches, ZeRO 0 and
+    1, and at ZeRO 0 with labels shifted over the whole sequence, its last position ignored (``-100``: the slices
+    count different numbers of labels), against eager on the whole batch: the losses, the largest distance of the
+    parameters (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, and the
+    sequence all-to-alls in its stage graphs. SGD: linear in the gradients, so the float noise in the key bias's
+    gradient (zero in exact arithmetic: softmax ignores a shift of every key) stays small; Adam would scale it up."""
+    runs = [(0, "gpt"), (1, "gpt"), (0, "llama")]  # sequence_cases.batches: "llama" labels are shifted, -100 last
+    return all_gather_values([_by_sequence(stage, labels) for stage, labels in runs])
+
+
+def _by_sequence(stage: int, labels: str) -> dict:
+    eager, model = sc.build("gpt")[0], sc.build("gpt")[0]
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=SGD_LR)
+    want = [float(sc.train_step(eager, eager_opt, *b)) for b in sc.batches(labels)]
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    config = zgraph.Config(backend="eager", pipeline_parallel=P, sequence_parallel=2, microbatches=2, stage=stage)
+    compiled = zgraph.distribute(config)(sc.train_step)
+    got = [float(compiled(model, opt, *zgraph.pipeline_batch(b, P, sequence_parallel=2))) for b in sc.batches(labels)]
+    owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
+    sequence_ops = (torch.ops.zgraph.seq_to_heads.default, torch.ops.zgraph.heads_to_seq.default)
+    exchanges = {name: sum(n.target in sequence_ops for n in gm.graph.nodes) for name, gm in compiled.graphs.items()}
+    full = zgraph.full_state_dict(model)
+    distance = max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items())
+    explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
+    return {"got": got, "want": want, "distance": distance, "owned": owned, "exchanges": exchanges,
+            "explained": explained}  # fmt: skip
+
+
+def pipeline_by_sequence_refused(rank: int, world: int) -> list[str]:
+    """``Config(pipeline_parallel=2, sequence_parallel=4)`` on 4 ranks (each divides the world, their product does
+    not): the message of the ``ValueError`` it raises on each rank."""
+    try:
+        zgraph.Config(pipeline_parallel=P, sequence_parallel=4)
+        message = "not refused"
+    except ValueError as error:
+        message = str(error)
+    return all_gather_values(message)
 
 
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:

@@ -2,9 +2,12 @@
 pipeline on its rows of the batch (``zgraph.pipeline_batch``), against eager PyTorch on the whole batch, and the
 gradient reductions a step issues: one per stage, the same for 2 and 4 micro-batches (3 steps with 2, 1 with 4);
 at ZeRO stages 1 to 3 within each stage's data-parallel group, one reduce-scatter per stage's bucket (stage 3: and one
-all-gather of its parameters)."""
+all-gather of its parameters); and two stages of two sequence-parallel ranks each (P=2 x SP=2), with the rank layout
+and its refusals."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ def four_ranks(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
     cases = ["two_by_two", "zero_within_stages", "stage_three", "zero_clipped", "reduced_in_bf16"]
+    cases += ["pipeline_by_sequence", "pipeline_by_sequence_refused"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
     for result in results.values():
@@ -161,3 +165,65 @@ def test_explain_and_the_estimate_give_the_state_sharded_within_each_stage(four_
         padded = sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * 4 for n, p in Net().named_parameters() if n in r["owned"])
         kinds = ("all_gather", "reduce_scatter")  # the stage's one bucket, padded to equal shards
         assert buckets == [f"buckets of stage{rank % 2}.update: {kind} x1 ({padded} B)" for kind in kinds], buckets
+
+
+BY_SEQUENCE = {"stage 0": 0, "stage 1": 1, "stage 0, uneven labels per slice": 2}
+
+
+@pytest.mark.parametrize("run", list(BY_SEQUENCE))
+def test_two_stages_of_two_sequence_parallel_ranks_equal_eager_on_the_whole_batch(four_ranks, run):
+    """P=2 x SP=2 (ranks 0, 1: stage 0; ranks 2, 3: stage 1; ranks 0 and 2, 1 and 3 a chain of sends), a GPT on each
+    rank's slice of the sequences: losses and every parameter after 3 steps as eager's on the whole batch, at ZeRO 0
+    and 1 (over the stage's two sequence ranks), and with the last position's label ignored (the cross_entropy
+    mean's count differs between slices); each stage's forward and backward run attention's all-to-alls."""
+    runs = [rank[BY_SEQUENCE[run]] for rank in four_ranks["pipeline_by_sequence"]]
+    for r in runs:
+        torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["distance"] < 1e-6, r["distance"]
+        parts = {name.split(".")[1]: n for name, n in r["exchanges"].items() if re.fullmatch(r"stage\d\.\w+", name)}
+        assert parts["forward"] > 0 and parts["backward"] > 0 and parts["update"] == 0, r["exchanges"]
+    assert runs[0]["owned"] == runs[1]["owned"] and runs[2]["owned"] == runs[3]["owned"], "a stage per place"
+    assert not set(runs[0]["owned"]) & set(runs[2]["owned"])
+    assert "blocks.0.qkv.weight" in runs[0]["owned"] and "blocks.1.qkv.weight" in runs[2]["owned"]
+    for rank, r in enumerate(runs):
+        chain = [rank % 2, rank % 2 + 2]
+        assert r["explained"].endswith(
+            f"this is rank {rank // 2} of the chain of global ranks {chain}, one of 2 (1 pipelines x 2 sequence slices)"
+        ), r["explained"]
+
+
+def test_pipeline_by_sequence_that_does_not_divide_the_world_is_refused(four_ranks):
+    """P=2 and SP=4 each divide 4 ranks, their product does not: ``Config`` refuses it, naming both."""
+    for message in four_ranks["pipeline_by_sequence_refused"]:
+        assert "pipeline_parallel=2 x sequence_parallel=4 = 8 must divide the world size (4)" in message, message
+
+
+def test_the_rank_layout_of_pipelines_by_sequence():
+    """``P x SP x D`` ranks, SP innermost: rank ``(d*P + p)*SP + s``; a chain holds one slice through every stage,
+    a place's data-parallel group every chain's rank at that place; ``zgraph.pipeline_batch`` cuts rows by ``d``
+    and sequences by ``s``."""
+    from zgraph.runtime.pipeline_groups import layout, place_of
+
+    ranks = list(range(8))  # P=2, SP=2, D=2
+    assert layout(ranks, 0, 2, 2) == ([0, 2], (0, 1, 4, 5))
+    assert layout(ranks, 3, 2, 2) == ([1, 3], (2, 3, 6, 7))
+    assert layout(ranks, 5, 2, 2) == ([5, 7], (0, 1, 4, 5))
+    assert layout(ranks, 5, 2, 1) == ([4, 5], (1, 3, 5, 7)), "without SP: pipelines of P consecutive ranks"
+    assert [place_of(r, 2, 2) for r in ranks] == [0, 0, 1, 1, 0, 0, 1, 1]
+    batch = torch.arange(4 * 6).view(4, 6)
+    got = [zgraph.pipeline_batch(batch, 2, sequence_parallel=2, rank=r, world=8) for r in ranks]
+    assert torch.equal(got[0], batch[:2, :3]) and torch.equal(got[3], batch[:2, 3:]) and torch.equal(got[2], got[0])
+    assert torch.equal(got[5], batch[2:, 3:])
+    with pytest.raises(ValueError, match="pipeline_parallel=2 x sequence_parallel=2 does not divide the world"):
+        zgraph.pipeline_batch(batch, 2, sequence_parallel=2, rank=0, world=6)
+
+
+def test_a_step_group_pipelines_by_sequence_do_not_divide_is_refused_before_any_group():
+    """A step's own group (``step_groups``, before any group is made) that ``P x SP`` does not divide."""
+    from zgraph.binding.setup import step_groups
+    from zgraph.runtime.process_group import ProcessGroupInfo
+
+    config = zgraph.Config(pipeline_parallel=2, sequence_parallel=2)
+    group = ProcessGroupInfo(world_size=6, rank=0, group_name="six", backend="gloo")
+    with pytest.raises(ValueError, match=r"pipeline_parallel=2 x sequence_parallel=2 = 4 must divide the world"):
+        step_groups(group, config)

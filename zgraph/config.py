@@ -99,7 +99,7 @@ class Config(DeprecatedNames):
     """Sequence parallelism (DeepSpeed-Ulysses): ranks per sequence group. Each rank of a group of this many
     consecutive ranks gets one slice of every sequence (``zgraph.shard_sequence``); the ``sequence_parallel`` pass
     puts all-to-alls around attention so it runs on whole sequences for a share of the heads (the head count must
-    divide by it). ZeRO shards over every rank. It must divide the world size. None (default): off."""
+    divide by it). ZeRO shards over every rank. It (``P x SP`` with pipelines) must divide the world size. None: off."""
 
     pipeline_parallel: int | None = None
     """Pipeline parallelism: ranks per pipeline, ``P``. The captured step is cut into ``P * pipeline_virtual_stages``

@@ -357,7 +357,7 @@ def check_pipeline(config: Any) -> None:
             f"stages; got {len(config.pipeline_split)}"
         )
     unsupported = {
-        "sequence_parallel": config.sequence_parallel is not None,
+        "stage": config.stage == 3 and config.sequence_parallel is not None,
         "shard_group_size": config.shard_group_size is not None,
         "secondary_shard_group_size": config.secondary_shard_group_size is not None,
         "offload_optimizer": config.offload_optimizer is not None,
@@ -368,18 +368,25 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            "run at ZeRO stage 0 to 3 (within each stage's data-parallel group), without sequence parallelism, "
-            "hybrid sharding (hpZ included) or offload"
+            "run at ZeRO stage 0 to 3 within each stage's data-parallel group (0 to 2 with sequence parallelism), "
+            "without hybrid sharding (hpZ included) or offload"
         )
     world = known_world_size()
-    if world is not None and world % p:
-        raise ValueError(pipeline_world_error(p, world))
+    if world is not None and world % (p * (config.sequence_parallel or 1)):
+        raise ValueError(pipeline_world_error(p, world, config.sequence_parallel))
 
 
-def pipeline_world_error(p: int, world: int) -> str:
+def pipeline_world_error(p: int, world: int, sequence_parallel: int | None = None) -> str:
+    if sequence_parallel is None or sequence_parallel == 1:
+        return (
+            f"Config.pipeline_parallel={p} must divide the world size ({world}): the ranks form world / P pipelines "
+            "of P consecutive ranks each (zgraph.pipeline_batch gives each its rows)"
+        )
+    sp = sequence_parallel
     return (
-        f"Config.pipeline_parallel={p} must divide the world size ({world}): the ranks form world / P pipelines of "
-        "P consecutive ranks each (zgraph.pipeline_batch gives each its rows)"
+        f"Config.pipeline_parallel={p} x sequence_parallel={sp} = {p * sp} must divide the world size ({world}): "
+        f"the ranks form world / {p * sp} pipelines of {p} stages, each stage run by {sp} consecutive ranks holding "
+        "a slice of every sequence each (zgraph.pipeline_batch gives each rank its rows and slice)"
     )
 
 

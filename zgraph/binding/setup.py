@@ -22,6 +22,7 @@ from torch import nn
 from zgraph.capture.precision import initial_loss_scale_state
 from zgraph.capture.update_rules import kernel_for
 from zgraph.config import Config
+from zgraph.config_checks import pipeline_world_error
 from zgraph.graph import CostModel
 from zgraph.runtime.agreement import Channel
 from zgraph.runtime.cost_model import fit_cost_model
@@ -161,7 +162,10 @@ def _first_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, config: 
 def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:
     """``group`` with the groups ``config`` asks for made (hybrid sharding's, hpZ's, sequence parallelism's, a
     pipelined step's at ZeRO stage >= 1): collective, on every rank of ``group`` at the same point (right after
-    ``timed_group``)."""
+    ``timed_group``). A pipelined step's ``P x SP`` must divide the group (``ValueError``, before any group)."""
+    p, sp = config.pipeline_parallel, config.sequence_parallel
+    if p is not None and group.world_size % (p * (sp or 1)):
+        raise ValueError(pipeline_world_error(p, group.world_size, sp))
     group = hybrid_group(
         group,
         shard_group_size=config.shard_group_size,
@@ -169,7 +173,8 @@ def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:
         timeout=config.collective_timeout,
         sequence_parallel=config.sequence_parallel,
     )
-    return zero_within_stages(group, config.pipeline_parallel, config.stage, config.collective_timeout)
+    timeout, sequence = config.collective_timeout, config.sequence_parallel
+    return zero_within_stages(group, config.pipeline_parallel, config.stage, timeout, sequence)
 
 
 def meta_source(binding: Binding, group: ProcessGroupInfo, channel: Channel | None) -> str | None:

@@ -40,7 +40,7 @@ from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
 from zgraph.passes.stage_totals import split_update
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable
-from zgraph.runtime.pipeline_groups import pipeline_groups
+from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
@@ -48,7 +48,7 @@ from zgraph.runtime.stage_state import release_other_stages, released_grads
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
-_PASSES_BEFORE_THE_CUT = ("cse", "remat")
+_PASSES_BEFORE_THE_CUT = ("sequence_parallel", "cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
 # ZeRO >= 1; at stage 3 ``shard_params`` (the update reads and writes shards); ``cast``: reductions in
 # ``Config.reduce_dtype``; ``clip_grad``, ``loss_scale``: norms and overflow checks of gradient shards
@@ -69,9 +69,9 @@ def compile_pipeline(
             "requires grad for a backward outside it (split mode), which pipelines do not run. Move "
             "loss.backward() and opt.step() into the decorated function, or drop pipeline_parallel"
         )
-    if group.world_size % config.pipeline_parallel:
-        raise ValueError(pipeline_world_error(config.pipeline_parallel, group.world_size))
-    place = group.rank % config.pipeline_parallel  # this rank's place in its pipeline
+    if group.world_size % (config.pipeline_parallel * (config.sequence_parallel or 1)):
+        raise ValueError(pipeline_world_error(config.pipeline_parallel, group.world_size, config.sequence_parallel))
+    place = place_of(group.rank, config.pipeline_parallel, config.sequence_parallel)  # this rank's stage place
     ctx = stage_context(binding)
     records, every, schedule = cut_stages(captured.gm, ctx, config)
     graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
@@ -99,13 +99,19 @@ def compile_pipeline(
     compiled = CompiledStep(captured, records, executable, capture_seconds, description=description)
     compiled.digest, compiled.pipeline = digest(description), program
     if group.distributed:
-        _release_other_stages(binding, records[-1].gm.meta[STAGE_PLAN], schedule, group)
+        _release_other_stages(binding, records[-1].gm.meta[STAGE_PLAN], schedule, program.peers, place)
     return compiled
 
 
 def stage_context(binding: Binding) -> PassContext:
-    """The pass context of a pipeline's cut and stage graphs: no process group (the stages' own come later)."""
-    return PassContext(params=pass_context(binding).params)
+    """The pass context of a pipeline's cut and stage graphs: no process group (the stages' own come later), but
+    with sequence parallelism the step's group and its sequence group, for the ``sequence_parallel`` pass, which
+    runs before the cut (each stage's forward and backward then hold their attention's all-to-alls)."""
+    whole = pass_context(binding)
+    if whole.sequence_group is None:
+        return PassContext(params=whole.params)
+    group = dict(world_size=whole.world_size, rank=whole.rank, group_name=whole.group_name)
+    return PassContext(params=whole.params, sequence_group=whole.sequence_group, **group)
 
 
 def cut_stages(
@@ -124,12 +130,11 @@ def cut_stages(
     return records, stage_graphs(records[-1].gm), schedule
 
 
-def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, group: ProcessGroupInfo) -> None:
-    """Each parameter's holder, the global rank running its stage in the first pipeline; those of stages this
-    rank does not run released here (last: the step is compiled, nothing refused it)."""
-    ranks, place = list(group.ranks or range(group.world_size)), group.rank % schedule.ranks
+def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, peers: Peers, place: int) -> None:
+    """Each parameter's holder, the global rank running its stage in the first chain (``peers.first``); those of
+    stages this rank does not run released here (last: the step is compiled, nothing refused it)."""
     stages = {index: stage for (kind, index), stage in plan.owners.items() if kind == "param"}
-    holders = {index: ranks[schedule.rank_of(stage)] for index, stage in stages.items()}
+    holders = {index: peers.first[schedule.rank_of(stage)] for index, stage in stages.items()}
     release_other_stages(binding, holders, {i for i, stage in stages.items() if schedule.rank_of(stage) == place})
 
 
@@ -318,7 +323,17 @@ def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: 
 
 def _peers(group: ProcessGroupInfo, config: Config) -> Peers:
     assert config.pipeline_parallel is not None
-    groups = pipeline_groups(group, config.pipeline_parallel, config.collective_timeout)
-    reduce_dtype = config.pass_options()["reduce_dtype"]
-    pipelines = max(1, len(groups.data_ranks))
-    return Peers(groups.group, groups.ranks, groups.data, pipelines, groups.data_ranks, reduce_dtype)
+    p, sp = config.pipeline_parallel, config.sequence_parallel
+    groups = pipeline_groups(group, p, config.collective_timeout, sp)
+    ranks = list(group.ranks or range(group.world_size))
+    first = layout(ranks, 0, p, sp or 1)[0] if group.distributed else groups.ranks
+    return Peers(
+        groups.group,
+        groups.ranks,
+        groups.data,
+        pipelines=max(1, len(groups.data_ranks)),
+        data_ranks=groups.data_ranks,
+        reduce_dtype=config.pass_options()["reduce_dtype"],
+        first=first,
+        sequence=sp or 1,
+    )

@@ -208,8 +208,9 @@ def estimate_pipeline(
     first = split_call(call, microbatches(config))[0]
     prepared = prepare(first, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     world, captured = prepared.group.world_size, prepared.captured
-    if world % config.pipeline_parallel:
-        raise ValueError(f"{pipeline_world_error(config.pipeline_parallel, world)} (step.estimate: pass world_size=)")
+    if world % (config.pipeline_parallel * (config.sequence_parallel or 1)):
+        error = pipeline_world_error(config.pipeline_parallel, world, config.sequence_parallel)
+        raise ValueError(f"{error} (step.estimate: pass world_size=)")
     if size_symbols(captured.gm):
         raise EstimateError("step.estimate of a pipelined step traces static sizes: leave zgraph.mark_dynamic off")
     ctx = stage_context(prepared.binding)

@@ -23,7 +23,10 @@ def pipeline_lines(compiled: CompiledStep) -> list[str]:
     p, m = schedule.ranks, schedule.microbatches
     costs = ", ".join(f"{kind.value} {cost:g}" for kind, cost in UNIT_COSTS.items())
     peers, pipelines = program.peers, ""
-    if peers is not None and peers.pipelines > 1:
+    if peers is not None and peers.sequence > 1:
+        count = f"{peers.pipelines // peers.sequence} pipelines x {peers.sequence} sequence slices"
+        pipelines = f" of the chain of global ranks {peers.ranks}, one of {peers.pipelines} ({count})"
+    elif peers is not None and peers.pipelines > 1:
         pipelines = f" of the pipeline of global ranks {peers.ranks}, one of {peers.pipelines} pipelines"
     lines = [
         f"pipeline: {schedule.name}, {p} ranks x {schedule.virtual} stages each, {m} micro-batches; this is rank "
