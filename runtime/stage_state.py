@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from zgraph.graph import GraphOutput
 from zgraph.runtime.meta_init import swap_storage
 from zgraph.runtime.sharded_state import release_shard, sharding_of
 from zgraph.runtime.state import Binding
@@ -50,14 +51,19 @@ def release_other_stages(binding: Binding, holders: dict[int, int], mine: set[in
                     state[key] = _meta_like(value)
 
 
-def released_grads(binding: Binding, indices: Iterable[int]) -> None:
-    """After a step whose update leaves the ``.grad`` of parameters ``indices`` set (``zero_grad(set_to_none=False)``)
-    on the ranks holding them: a meta ``.grad`` here where there is none, so that every rank binds the same state
-    (the ranks' next graphs then read the same gradients, each its own stages' for real)."""
-    for index in indices:
-        p = binding.params[index].tensor
-        if p.grad is None:
-            p.grad = torch.empty(p.shape, dtype=p.dtype, device="meta")
+def released_state(binding: Binding, written: Iterable[tuple[GraphOutput, torch.Size, torch.dtype]]) -> None:
+    """After a step whose other stages' updates leave ``written`` set on the ranks holding them (a ``.grad`` kept by
+    ``zero_grad(set_to_none=False)``, optimizer state made in the first step, as SGD's momentum buffers): a meta
+    tensor here where there is none, so that every rank binds the same state (the ranks' next graphs then read the
+    same state, each its own stages' for real)."""
+    for role, shape, dtype in written:
+        p = binding.params[role.index].tensor
+        if role.kind == "grad" and p.grad is None:
+            p.grad = torch.empty(shape, dtype=dtype, device="meta")
+        elif role.kind == "opt_state":
+            state = binding.optimizers[role.optimizer].optimizer.state[p]
+            if role.field not in state:
+                state[role.field] = torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _meta_like(t: Tensor) -> Tensor:

@@ -73,13 +73,26 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(STEPS)]
 
 
-def train(make: Callable[[], nn.Module] = Net, loss: str = "", set_to_none: bool = True, **config: object) -> dict:
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=LR),
+    # its momentum buffers are made in its first step, each by the rank whose stage updates the parameter
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
+}
+
+
+def train(
+    make: Callable[[], nn.Module] = Net,
+    loss: str = "",
+    set_to_none: bool = True,
+    optimizer: str = "adamw",
+    **config: object,
+) -> dict:
     """Eager and pipelined runs of the same steps of ``make()``: losses, and for the parameters this rank's stages
-    update, the largest distance between the two; ``set_to_none``: as the step's ``opt.zero_grad`` is called."""
+    update, the largest distance between the two; ``set_to_none``: as the step's ``opt.zero_grad`` is called;
+    ``optimizer``: a key of ``OPTIMIZERS``."""
     eager_model = make()
     model = copy.deepcopy(eager_model)
-    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=LR)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    eager_opt, opt = OPTIMIZERS[optimizer](eager_model.parameters()), OPTIMIZERS[optimizer](model.parameters())
     run = step_of(LOSSES[loss] if loss else F.cross_entropy, set_to_none)
     compiled = zgraph.distribute(zgraph.Config(**{"backend": "eager", **config}))(run)
     want, got = [], []
@@ -117,6 +130,7 @@ split = on_ranks(schedule="1f1b", microbatches=2, pipeline_split=("blocks.1",))
 sum_loss = on_ranks(schedule="1f1b", microbatches=4, loss="sum")
 token_mean = on_ranks(schedule="zb_h1", microbatches=4, loss="token_mean")
 kept_grads = on_ranks(schedule="1f1b", microbatches=2, set_to_none=False)  # zero_grad leaves zeros in .grad
+momentum = on_ranks(schedule="1f1b", microbatches=2, optimizer="sgd_momentum")
 inductor = on_ranks(schedule="zb_h1", microbatches=2, backend="inductor")
 # one pipeline: ZeRO 3 has nothing to shard over within a stage (plan_stage: laid out as stage 0, parameters whole)
 stage_three = on_ranks(schedule="1f1b", microbatches=2, stage=3, param_persistence_threshold=0)

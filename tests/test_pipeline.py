@@ -16,7 +16,7 @@ from pipeline_cases import Net, batches, step, step_of, train
 import zgraph
 
 CASES = ["gpipe", "one_f_one_b", "zb_h1", "interleaved", "split", "sum_loss", "token_mean", "kept_grads"]
-CASES += ["memory_budget", "stage_three"]
+CASES += ["memory_budget", "stage_three", "momentum"]
 COMPOSED = ["clipped", "loss_scaled", "low_precision_states"]  # issue 42, item 2
 PARAMS = [name for name, _ in Net().named_parameters()]
 

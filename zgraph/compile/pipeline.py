@@ -30,7 +30,7 @@ from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.config_checks import pipeline_world_error
 from zgraph.errors import CaptureError
-from zgraph.graph import INPUT, VAL, GraphInput, input_specs, output_roles, placeholders
+from zgraph.graph import INPUT, VAL, GraphInput, GraphOutput, input_specs, output_node, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
@@ -44,7 +44,7 @@ from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
-from zgraph.runtime.stage_state import release_other_stages, released_grads
+from zgraph.runtime.stage_state import release_other_stages, released_state
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
 
@@ -91,7 +91,7 @@ def compile_pipeline(
     program.totals = [
         (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
     ]
-    program.grads_elsewhere = _grads_written(g for g in every if schedule.rank_of(g.stage) != place)
+    program.state_elsewhere = _state_written(g for g in every if schedule.rank_of(g.stage) != place)
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
@@ -207,9 +207,16 @@ def _lowered(
     return Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend)
 
 
-def _grads_written(others: Iterable[StageGraphs]) -> tuple[int, ...]:
-    """The parameters whose ``.grad`` the update graphs of ``others`` (stages this rank does not run) leave set."""
-    return tuple(sorted({role.index for g in others for role in output_roles(g.update) if role.kind == "grad"}))
+def _state_written(others: Iterable[StageGraphs]) -> tuple[tuple[GraphOutput, torch.Size, torch.dtype], ...]:
+    """The ``.grad`` and optimizer state the update graphs of ``others`` (stages this rank does not run) write, with
+    their whole shapes and dtypes."""
+    written = []
+    for g in others:
+        outputs = output_node(g.update).args[0]
+        for role, node in zip(output_roles(g.update), outputs):
+            if role.kind in ("grad", "opt_state"):
+                written.append((role, node.meta[VAL].shape, node.meta[VAL].dtype))
+    return tuple(written)
 
 
 def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:
@@ -258,7 +265,7 @@ def run_pipeline(
                 user[role.index] = value
             else:
                 io.write(role, value, micro[0])
-    released_grads(binding, program.grads_elsewhere)
+    released_state(binding, program.state_elsewhere)
     for (_, index), values in results.user.items():
         kind = program.combine.results.get(index, "mean")
         user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)

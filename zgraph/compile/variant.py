@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 from torch import Tensor
 
@@ -56,7 +57,9 @@ class PipelineCompiled:
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
     totals: list[tuple[GraphInput, Tensor]] = field(default_factory=list)  # values across stages, with examples
-    grads_elsewhere: tuple[int, ...] = ()  # parameters whose .grad other ranks' stages write (kept, as zeros)
+    # the ``.grad`` and optimizer state other ranks' stages' updates write (``zero_grad(set_to_none=False)``, state
+    # an optimizer makes in its first step, as SGD's momentum buffers), with their shapes and dtypes
+    state_elsewhere: tuple[tuple[GraphOutput, torch.Size, torch.dtype], ...] = ()
 
 
 @dataclass
