@@ -185,14 +185,24 @@ def _compile_stage(
             totals = _lowered(split[0], part_ctx, backend, graphs, f"stage{g.stage}.totals")
             gm = split[1]
         parts.append(_lowered(gm, part_ctx, backend, graphs, f"stage{g.stage}.{name}"))
-    compute = [g.forward, g.backward, g.input_grad, g.weight_grad]
-    gather = None if zero is None else stage_gather(compute, zero[0], stage=stage)
-    if gather is not None and zero is not None:
-        passes = [p for p in zero[1] if p.name in _PASSES_ON_THE_GATHER]
-        gm = run_passes(gather, zero[0], passes, check_input=False)[-1].gm
-        gather_part = _lowered(gm, zero[0], backends["forward"], graphs, f"stage{g.stage}.gather")
-        return StageRun(g.stage, *parts, gather=gather_part, totals=totals)
-    return StageRun(g.stage, *parts, totals=totals)
+    gather = None if zero is None else _gather(g, zero, stage, backends["forward"], graphs)
+    return StageRun(g.stage, *parts, gather=gather, totals=totals)
+
+
+def _gather(
+    g: StageGraphs,
+    zero: tuple[PassContext, list[Pass]],
+    stage: int,
+    backend: str,
+    graphs: OrderedDict[str, fx.GraphModule],
+) -> Part | None:
+    """At ZeRO stage 3, the stage's graph gathering its parameter shards (``stage_gather``), bucketed; else None."""
+    ctx, passes = zero
+    gm = stage_gather([g.forward, g.backward, g.input_grad, g.weight_grad], ctx, stage=stage)
+    if gm is None:
+        return None
+    gm = run_passes(gm, ctx, [p for p in passes if p.name in _PASSES_ON_THE_GATHER], check_input=False)[-1].gm
+    return _lowered(gm, ctx, backend, graphs, f"stage{g.stage}.gather")
 
 
 def _lowered(
