@@ -8,7 +8,8 @@ For stage ``s`` (``StageGraphs``):
   reads (kind ``saved``) and the step's results it makes (kind ``user``, one per micro-batch).
 - ``backward`` (B, per micro-batch): reads ``saved`` and the gradients stage ``s + 1`` sends (kind
   ``activation_grad``); returns the gradients stage ``s - 1`` reads (kind ``activation_grad``) and each
-  parameter's gradient contribution (kind ``grad_contribution``, index = parameter), summed over micro-batches.
+  parameter's gradient contribution (kind ``grad_contribution``, index = parameter), summed over micro-batches:
+  what the step graph's marker (``zgraph::grad_contribution``, the identity) marked; the marker itself is left out.
 - ``input_grad`` (I) and ``weight_grad`` (W): the backward split for zero-bubble schedules. I makes what stage
   ``s - 1`` waits for; W (the rest: the parameters' gradients) reads what I leaves it (kind ``partial``).
 - ``update`` (once per step): reads each parameter's gradient, averaged over the micro-batches (kind ``grad_mean``:
@@ -105,7 +106,8 @@ def _stage(gm: fx.GraphModule, s: int, nodes: list[fx.Node], where: dict, flow: 
     sent = [(v, GraphOutput("activation_grad", v.name, i)) for i, v in enumerate(flow.grads[s - 1] if s else [])]
     sent += [(v, r) for v, r in results if _made(v, r, where, Placement(s, "backward"))]
     markers = [n for n in mine["backward"] if n.target is GRAD_CONTRIBUTION]
-    contributions = [(m, GraphOutput("grad_contribution", m.name, m.args[1])) for m in markers]
+    # a marker is the identity (its kernel a copy): the graph returns what it marks, the output's kind says the rest
+    contributions = [(m.args[0], GraphOutput("grad_contribution", m.name, m.args[1])) for m in markers]
     backward = build_graph(gm, mine["backward"], saved_in + grads_in, sent + contributions)
     input_grad, weight_grad = _split_backward(gm, mine["backward"], saved_in + grads_in, sent, contributions)
     grad_means = [(m, GraphInput("grad_mean", m.name, m.args[1])) for m in markers]

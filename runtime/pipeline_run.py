@@ -11,7 +11,8 @@ their data travels while this one computes; a receive is waited for only by the 
 is tagged with its stage, micro-batch and position, so sends and receives between two ranks pair up whatever order
 the ranks' schedules run them in.
 
-Gradient contributions are summed per gradient marker over the micro-batches; the update runs once, after the last
+Gradient contributions are summed per gradient marker over the micro-batches (in place from the third on, in a
+buffer the second's sum made); the update runs once, after the last
 action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
 a mean over samples, 1 for a sum, the whole batch's counted tokens for a token mean, each micro-batch's count
 being a result of the stage that makes the loss). With ``D`` pipelines the sums are all-reduced over each
@@ -134,6 +135,7 @@ class RankRunner:
         self.kept: dict[tuple[int, int], list[Tensor]] = {}  # a split backward's gradients, until its W
         self.partial: dict[tuple[int, int], list[Tensor]] = {}
         self.sums: dict[tuple[int, str], Tensor] = {}  # by stage and gradient marker
+        self.owned: set[tuple[int, str]] = set()  # the sums in the rank's own buffers (added into in place)
         self.sends: list[tuple[dist.Work, Tensor]] = []
         self.wholes: dict[int, Tensor] = {}  # ZeRO stage 3: gathered parameters, by index, until the updates
         self.gathered: set[int] = set()
@@ -222,12 +224,23 @@ class RankRunner:
         """Sum gradient contributions; keep each micro-batch's results."""
         for role, value in outs:
             if role.kind == "grad_contribution":
-                key = (a.stage, role.name)
-                self.sums[key] = value if key not in self.sums else self.sums[key] + value
+                self._accumulate((a.stage, role.name), value)
             elif role.kind == "loss_count":
                 self.results.counts[a.mb] = value
             elif role.kind == "user":
                 self.results.user.setdefault((a.stage, role.index), {})[a.mb] = value
+
+    def _accumulate(self, key: tuple[int, str], value: Tensor) -> None:
+        """Add a micro-batch's contribution to ``key``'s sum: the first kept as the graph returned it (it may be
+        what the graph read or sent on: never written), the second added out of place into the rank's own
+        buffer, the rest added into that buffer in place."""
+        if key not in self.sums:
+            self.sums[key] = value
+        elif key in self.owned:
+            self.sums[key].add_(value)
+        else:
+            self.sums[key] = self.sums[key] + value
+            self.owned.add(key)
 
     def _hand_on(self, direction: str, a: Action, values: list[Tensor]) -> None:
         """A forward's activations to the next stage, a backward's gradients to the previous one."""

@@ -234,3 +234,19 @@ def test_a_rank_posts_the_next_actions_receives_before_computing_and_waits_only_
         forward = computes[2 * mb]
         posted, waited = events.index(f"post {tags[mb]}"), events.index(f"wait {tags[mb]}")
         assert posted < computes[2 * mb - 1] < waited < forward, events
+
+
+def test_a_rank_sums_gradient_contributions_without_writing_what_a_graph_returned():
+    """A micro-batch's gradient contribution may be what its graph read or sent on: the runner sums contributions
+    into its own buffer (the second's sum, added into in place after that) and never writes the first one."""
+    import torch
+
+    from zgraph.runtime.pipeline_run import RankRunner
+
+    runner = types.SimpleNamespace(sums={}, owned=set())
+    first, contributions = torch.ones(3), [torch.full((3,), 2.0), torch.full((3,), 3.0), torch.full((3,), 4.0)]
+    for value in (first, *contributions):
+        RankRunner._accumulate(runner, (0, "g"), value)
+    assert torch.equal(runner.sums[0, "g"], torch.full((3,), 10.0))
+    assert torch.equal(first, torch.ones(3)) and torch.equal(contributions[0], torch.full((3,), 2.0))
+    assert runner.sums[0, "g"] is not first and runner.owned == {(0, "g")}

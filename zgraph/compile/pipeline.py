@@ -261,7 +261,8 @@ def run_pipeline(
         return state[spec]
 
     peers = program.peers
-    divisor = functools.partial(_divisor, program, peers)
+    pending: list[tuple[dist.Work, Tensor]] = []  # the token count's broadcast from its rank, in flight
+    divisor = functools.partial(_divisor, program, peers, pending)
     runner = RankRunner(
         program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces, program.totals
     )
@@ -284,6 +285,8 @@ def run_pipeline(
         _over_pipelines(v, program.combine.results.get(i, "mean"), peers)
         for i, v in zip(sorted(program.results), values)
     ]
+    for work, _ in pending:
+        work.wait()
     return finish_call(compiled, binding, micro[0], values)
 
 
@@ -297,18 +300,23 @@ def _combined(values: list[Tensor], kind: str, divisor: Tensor | float) -> Tenso
     return total / (divisor if kind == "token" else len(values))
 
 
-def _divisor(program: PipelineCompiled, peers: Peers, counts: dict[int, Tensor]) -> Tensor | float:
+def _divisor(
+    program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]], counts: dict[int, Tensor]
+) -> Tensor | float:
     """What the summed gradients are divided by: the micro-batch count for a mean, 1 for a sum, the whole batch's
-    counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast)."""
+    counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast: that rank does not
+    wait for the others to receive it, its broadcast joins ``pending``, waited for at the end of the call)."""
     kind = program.combine.kind
     if kind != "token":
         return 1.0 if kind == "sum" else float(program.schedule.microbatches * peers.pipelines)
-    stage = program.count_stage
+    source = peers.ranks[program.schedule.rank_of(program.count_stage)]
     total = torch.stack([counts[mb] for mb in sorted(counts)]).sum() if counts else None
-    if len(peers.ranks) > 1:
-        if total is None:
-            total = torch.empty((), dtype=program.combine.count_dtype)
-        dist.broadcast(total, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
+    if len(peers.ranks) > 1 and total is None:
+        total = torch.empty((), dtype=program.combine.count_dtype)
+        dist.broadcast(total, source, group=peers.group)
+    elif len(peers.ranks) > 1:
+        sent = total.clone()  # ``total`` goes on: all-reduced over the pipelines below
+        pending.append((dist.broadcast(sent, source, group=peers.group, async_op=True), sent))
     assert total is not None
     if peers.data is not None:
         dist.all_reduce(total, group=peers.data)  # the whole batch's count, over every pipeline's rows
