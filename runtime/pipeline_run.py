@@ -11,8 +11,8 @@ their data travels while this one computes; a receive is waited for only by the 
 is tagged with its stage, micro-batch and position, so sends and receives between two ranks pair up whatever order
 the ranks' schedules run them in.
 
-Gradient contributions are summed per gradient marker over the micro-batches (in place from the third on, in a
-buffer the second's sum made); the update runs once, after the last
+Gradient contributions are summed per gradient marker over the micro-batches, in place into the rank's own buffer
+(the first contribution where its graph made it afresh, else the second's sum); the update runs once, after the last
 action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
 a mean over samples, 1 for a sum, the whole batch's counted tokens for a token mean, each micro-batch's count
 being a result of the stage that makes the loss). With ``D`` pipelines the sums are all-reduced over each
@@ -136,6 +136,7 @@ class RankRunner:
         self.partial: dict[tuple[int, int], list[Tensor]] = {}
         self.sums: dict[tuple[int, str], Tensor] = {}  # by stage and gradient marker
         self.owned: set[tuple[int, str]] = set()  # the sums in the rank's own buffers (added into in place)
+        self.fresh: set[int] = set()  # the last graph call's outputs sharing memory with nothing else (by id)
         self.sends: list[tuple[dist.Work, Tensor]] = []
         self.wholes: dict[int, Tensor] = {}  # ZeRO stage 3: gathered parameters, by index, until the updates
         self.gathered: set[int] = set()
@@ -186,7 +187,9 @@ class RankRunner:
 
     def _call(self, part: Part, mb: int, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
         inputs = [given[s.kind][s.index] if s.kind in given else self._read(s, mb) for s in part.inputs]
-        return list(zip(part.outputs, part.run(inputs)))
+        outs = list(zip(part.outputs, part.run(inputs)))
+        self.fresh = _fresh(inputs, [v for _, v in outs])
+        return outs
 
     def _read(self, spec: GraphInput, mb: int) -> Tensor:
         whole = spec.kind == "param" and spec.layout == "full"
@@ -231,11 +234,13 @@ class RankRunner:
                 self.results.user.setdefault((a.stage, role.index), {})[a.mb] = value
 
     def _accumulate(self, key: tuple[int, str], value: Tensor) -> None:
-        """Add a micro-batch's contribution to ``key``'s sum: the first kept as the graph returned it (it may be
-        what the graph read or sent on: never written), the second added out of place into the rank's own
-        buffer, the rest added into that buffer in place."""
+        """Add a micro-batch's contribution to ``key``'s sum, into the rank's own buffer: the first contribution
+        itself where the graph made it afresh (``self.fresh``), else (it may be what the graph read or sent on:
+        never written) the second's sum, made out of place; the rest are added into it in place."""
         if key not in self.sums:
             self.sums[key] = value
+            if id(value) in self.fresh:
+                self.owned.add(key)
         elif key in self.owned:
             self.sums[key].add_(value)
         else:
@@ -366,3 +371,14 @@ class RankRunner:
                 dist.all_reduce(total, op=op, group=self.peers.group)
             totals[spec.name] = total
         return totals
+
+
+def _fresh(inputs: Sequence[object], outputs: Sequence[object]) -> set[int]:
+    """The ids of the tensors of ``outputs`` whose memory no input and no other output shares (by the tensor a view
+    is of): a graph made them afresh, so they may be written."""
+    roots: dict[int, int] = {}
+    for value in (*inputs, *outputs):
+        if isinstance(value, Tensor):
+            root = id(value._base if value._base is not None else value)
+            roots[root] = roots.get(root, 0) + 1
+    return {id(v) for v in outputs if isinstance(v, Tensor) and roots[id(v._base if v._base is not None else v)] == 1}

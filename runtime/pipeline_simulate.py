@@ -12,6 +12,7 @@ starts when its rank is free and its inputs are there. Its ``bubble`` is the sha
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zgraph.runtime.pipeline_schedule import COMPUTE, Action, Kind, Schedule
@@ -87,10 +88,13 @@ def _matching_recv(send: Action, schedule: Schedule) -> tuple[int, Action]:
     return schedule.rank_of(send.stage + step), Action(send.stage + step, kind, send.mb)
 
 
-def simulate(schedule: Schedule, costs: dict[Kind, float] | None = None) -> Simulation:
-    """Run ``schedule`` on the model above with ``costs`` per compute kind (``UNIT_COSTS``); a ``ValueError``
-    naming each rank's stuck action if it deadlocks."""
-    costs = UNIT_COSTS if costs is None else costs
+def simulate(
+    schedule: Schedule, costs: dict[Kind, float] | None = None, per_rank: Sequence[dict[Kind, float]] | None = None
+) -> Simulation:
+    """Run ``schedule`` on the model above with ``costs`` per compute kind (``UNIT_COSTS``), or each rank's own
+    (``per_rank``: unequal stages, e.g. the times a run measured); a ``ValueError`` naming each rank's stuck
+    action if it deadlocks."""
+    every = [UNIT_COSTS if costs is None else costs] * schedule.ranks if per_rank is None else list(per_rank)
     position = [0] * schedule.ranks
     free = [0.0] * schedule.ranks
     finished: dict[Action, float] = {}  # compute actions and sends, by when their data is there
@@ -104,7 +108,7 @@ def simulate(schedule: Schedule, costs: dict[Kind, float] | None = None) -> Simu
                 if ready is None:
                     break
                 start = max(free[rank], ready)
-                end = start + costs[a.kind] if a.kind in COMPUTE else start
+                end = start + every[rank][a.kind] if a.kind in COMPUTE else start
                 if a.kind in COMPUTE:
                     spans[rank].append((start, end, a))
                 finished[a] = free[rank] = end

@@ -238,15 +238,19 @@ def test_a_rank_posts_the_next_actions_receives_before_computing_and_waits_only_
 
 def test_a_rank_sums_gradient_contributions_without_writing_what_a_graph_returned():
     """A micro-batch's gradient contribution may be what its graph read or sent on: the runner sums contributions
-    into its own buffer (the second's sum, added into in place after that) and never writes the first one."""
+    into its own buffer (the second's sum, added into in place after that) and never writes the first one, unless
+    the graph made it afresh (no input or other output shares its memory), which it then sums into."""
     import torch
 
-    from zgraph.runtime.pipeline_run import RankRunner
+    from zgraph.runtime.pipeline_run import RankRunner, _fresh
 
-    runner = types.SimpleNamespace(sums={}, owned=set())
-    first, contributions = torch.ones(3), [torch.full((3,), 2.0), torch.full((3,), 3.0), torch.full((3,), 4.0)]
-    for value in (first, *contributions):
-        RankRunner._accumulate(runner, (0, "g"), value)
-    assert torch.equal(runner.sums[0, "g"], torch.full((3,), 10.0))
-    assert torch.equal(first, torch.ones(3)) and torch.equal(contributions[0], torch.full((3,), 2.0))
-    assert runner.sums[0, "g"] is not first and runner.owned == {(0, "g")}
+    received = torch.ones(3)
+    made, view_of_made = torch.full((3,), 2.0), torch.zeros(3, 1)
+    assert _fresh([received], [received, made, view_of_made.view(3), view_of_made]) == {id(made)}
+    for first, owned in ((received, False), (made, True)):
+        runner = types.SimpleNamespace(sums={}, owned=set(), fresh=_fresh([received], [received, made]))
+        before = first.clone()
+        for value in (first, torch.full((3,), 3.0), torch.full((3,), 4.0)):
+            RankRunner._accumulate(runner, (0, "g"), value)
+        assert torch.equal(runner.sums[0, "g"], before + 7.0) and runner.owned == {(0, "g")}
+        assert (runner.sums[0, "g"] is first) == owned and torch.equal(first, before + 7.0 if owned else before)
