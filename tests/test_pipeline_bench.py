@@ -53,3 +53,15 @@ def test_arguments_and_system_names():
     assert set(pipeline.SYSTEMS) >= {"deepspeed-p4-1f1b", "zgraph-z3", "torch-p2-gpipe"}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown systems"):
         pipeline.parse_systems("zgraph-p3-1f1b")
+
+
+def test_measured_action_times_per_stage_place():
+    """Each place's median span per kind over its ranks (rank r at place r % P) and steps, for ``simulate``."""
+    from zgraph.runtime.pipeline_schedule import Kind
+
+    ranks = [
+        {"rank": r, "spans": [[["F", 0.0, 1.0 + r % 2, 0.0], ["B", 2.0, 4.0 + r, 0.0]]]} for r in range(4)
+    ]  # fmt: skip
+    costs = pipeline.measured_costs(ranks, 2)
+    assert costs == [{Kind.F: 1.0, Kind.B: 3.0}, {Kind.F: 2.0, Kind.B: 4.0}]
+    assert pipeline.predicted_bubble("1f1b", 2, 4, 1, costs) > pipeline.predicted_bubble("1f1b", 2, 4, 1)

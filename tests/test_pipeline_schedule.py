@@ -254,3 +254,13 @@ def test_a_rank_sums_gradient_contributions_without_writing_what_a_graph_returne
             RankRunner._accumulate(runner, (0, "g"), value)
         assert torch.equal(runner.sums[0, "g"], before + 7.0) and runner.owned == {(0, "g")}
         assert (runner.sums[0, "g"] is first) == owned and torch.equal(first, before + 7.0 if owned else before)
+
+
+def test_unequal_stages_are_timed_at_each_ranks_costs():
+    """``simulate(per_rank=...)``: a heavier last stage (the head and the loss) paces 1F1B: the step takes the
+    first stage's first forward and last backward plus every micro-batch of the last stage."""
+    light, heavy = {Kind.F: 1.0, Kind.B: 2.0}, {Kind.F: 1.5, Kind.B: 3.0}
+    sim = simulate(build_schedule("1f1b", 2, 4), per_rank=[light, heavy])
+    assert sim.step_time == pytest.approx(1.0 + 4 * 4.5 + 2.0)
+    assert sim.bubble > simulate(build_schedule("1f1b", 2, 4)).bubble
+    assert simulate(build_schedule("1f1b", 2, 4), per_rank=[light, light]).bubble == pytest.approx(1 / 5)
