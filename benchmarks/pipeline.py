@@ -51,6 +51,7 @@ SYSTEMS = (
     REFERENCE, *PIPELINED, "deepspeed-p2-1f1b", "deepspeed-p4-1f1b", "zgraph-z3",
     "zgraph-p4-1f1b-m4", "torch-p4-1f1b-m4", "zgraph-p4-zb_h1-m4", "torch-p4-zb_h1-m4",
     *(f"{impl}-p2-{s}{m}-w2" for m in ("", "-m4") for s in ("1f1b", "zb_h1") for impl in ("zgraph", "torch")),
+    *(f"{impl}-{p}-compiled" for p in ("p4-1f1b", "p2-1f1b-w2") for impl in ("zgraph", "torch")),
 )  # fmt: skip
 
 

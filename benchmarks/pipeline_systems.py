@@ -31,7 +31,7 @@ from zgraph.demos.models import GPT, Block, lm_loss
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1)}
 """A system name's schedule: zgraph's name for it and the stages per rank."""
-NAME = re.compile(r"(zgraph|torch|deepspeed)-p([24])-(gpipe|1f1b|interleaved|zb_h1)(?:-m(\d+))?(?:-w(\d+))?")
+NAME = re.compile(r"(zgraph|torch|deepspeed)-p([24])-(gpipe|1f1b|interleaved|zb_h1)(?:-m(\d+))?(?:-w(\d+))?(-compiled)?")
 
 StepFn = Callable[[Tensor, Tensor], float | None]
 
@@ -54,6 +54,7 @@ class Spec:
     virtual: int
     microbatches: int
     world: int = 4
+    compiled: bool = False  # zgraph: backend="inductor" (its default); torch: each stage module torch.compile'd
 
 
 def parse(name: str, microbatches: int) -> Spec | None:
@@ -61,9 +62,9 @@ def parse(name: str, microbatches: int) -> Spec | None:
     match = NAME.fullmatch(name)
     if match is None:
         return None
-    impl, p, schedule, m, w = match.groups()
+    impl, p, schedule, m, w, compiled = match.groups()
     zgraph_name, virtual = SCHEDULES[schedule]
-    return Spec(impl, int(p), zgraph_name, virtual, int(m) if m else microbatches, int(w) if w else 4)
+    return Spec(impl, int(p), zgraph_name, virtual, int(m) if m else microbatches, int(w) if w else 4, bool(compiled))
 
 
 def split_points(layers: int, stages: int) -> list[int]:
@@ -108,7 +109,7 @@ def build_zgraph(gpt: GPT, lr: float, spec: Spec, recorder: Recorder) -> System:
         recorder.wrap(RankRunner, method, kind)
     starts = split_points(len(gpt.blocks), spec.ranks * spec.virtual)[1:]
     config = zgraph.Config(
-        backend="eager", pipeline_parallel=spec.ranks, microbatches=spec.microbatches, schedule=spec.schedule,
+        backend="inductor" if spec.compiled else "eager", pipeline_parallel=spec.ranks, microbatches=spec.microbatches, schedule=spec.schedule,
         pipeline_virtual_stages=spec.virtual, pipeline_split=[f"blocks.{s}" for s in starts],
     )  # fmt: skip
     opt = adamw(gpt, lr)
@@ -180,7 +181,8 @@ def build_torch(gpt: GPT, lr: float, spec: Spec, recorder: Recorder) -> System:
     starts = [*split_points(len(gpt.blocks), count), len(gpt.blocks)]
     mine = [s for s in range(count) if s % spec.ranks == place]
     modules = [StageModule(gpt, starts[s], starts[s + 1]) for s in mine]
-    stages = [PipelineStage(m, s, count, torch.device("cpu"), group=group) for m, s in zip(modules, mine)]
+    run = [torch.compile(m) if spec.compiled else m for m in modules]
+    stages = [PipelineStage(m, s, count, torch.device("cpu"), group=group) for m, s in zip(run, mine)]
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
             "zb_h1": ScheduleInterleavedZeroBubble}[spec.schedule]  # fmt: skip
     single = kind in (ScheduleGPipe, Schedule1F1B)
