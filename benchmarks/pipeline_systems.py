@@ -31,7 +31,9 @@ from zgraph.demos.models import GPT, Block, lm_loss
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1)}
 """A system name's schedule: zgraph's name for it and the stages per rank."""
-NAME = re.compile(r"(zgraph|torch|deepspeed)-p([24])-(gpipe|1f1b|interleaved|zb_h1)(?:-m(\d+))?(?:-w(\d+))?(-compiled)?")
+NAME = re.compile(
+    r"(zgraph|torch|deepspeed)-p([24])-(gpipe|1f1b|interleaved|zb_h1)(?:-m(\d+))?(?:-w(\d+))?(-compiled)?"
+)
 
 StepFn = Callable[[Tensor, Tensor], float | None]
 
@@ -109,7 +111,8 @@ def build_zgraph(gpt: GPT, lr: float, spec: Spec, recorder: Recorder) -> System:
         recorder.wrap(RankRunner, method, kind)
     starts = split_points(len(gpt.blocks), spec.ranks * spec.virtual)[1:]
     config = zgraph.Config(
-        backend="inductor" if spec.compiled else "eager", pipeline_parallel=spec.ranks, microbatches=spec.microbatches, schedule=spec.schedule,
+        backend="inductor" if spec.compiled else "eager",
+        pipeline_parallel=spec.ranks, microbatches=spec.microbatches, schedule=spec.schedule,
         pipeline_virtual_stages=spec.virtual, pipeline_split=[f"blocks.{s}" for s in starts],
     )  # fmt: skip
     opt = adamw(gpt, lr)

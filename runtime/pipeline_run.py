@@ -136,7 +136,8 @@ class RankRunner:
         self.partial: dict[tuple[int, int], list[Tensor]] = {}
         self.sums: dict[tuple[int, str], Tensor] = {}  # by stage and gradient marker
         self.owned: set[tuple[int, str]] = set()  # the sums in the rank's own buffers (added into in place)
-        self.fresh: set[int] = set()  # the last graph call's outputs sharing memory with nothing else (by id)
+        self.last: tuple[list, list] = ([], [])  # the last graph call's inputs and outputs
+        self.fresh: set[int] | None = None  # of those outputs, the ones sharing memory with nothing else (by id)
         self.sends: list[tuple[dist.Work, Tensor]] = []
         self.wholes: dict[int, Tensor] = {}  # ZeRO stage 3: gathered parameters, by index, until the updates
         self.gathered: set[int] = set()
@@ -188,7 +189,7 @@ class RankRunner:
     def _call(self, part: Part, mb: int, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
         inputs = [given[s.kind][s.index] if s.kind in given else self._read(s, mb) for s in part.inputs]
         outs = list(zip(part.outputs, part.run(inputs)))
-        self.fresh = _fresh(inputs, [v for _, v in outs])
+        self.last, self.fresh = (inputs, [v for _, v in outs]), None
         return outs
 
     def _read(self, spec: GraphInput, mb: int) -> Tensor:
@@ -232,6 +233,7 @@ class RankRunner:
                 self.results.counts[a.mb] = value
             elif role.kind == "user":
                 self.results.user.setdefault((a.stage, role.index), {})[a.mb] = value
+        self.last, self.fresh = ([], []), None
 
     def _accumulate(self, key: tuple[int, str], value: Tensor) -> None:
         """Add a micro-batch's contribution to ``key``'s sum, into the rank's own buffer: the first contribution
@@ -239,6 +241,8 @@ class RankRunner:
         never written) the second's sum, made out of place; the rest are added into it in place."""
         if key not in self.sums:
             self.sums[key] = value
+            if self.fresh is None:  # found once per call, where a first contribution needs it
+                self.fresh = _fresh(*self.last)
             if id(value) in self.fresh:
                 self.owned.add(key)
         elif key in self.owned:
@@ -330,6 +334,7 @@ class RankRunner:
                 flat = wire.to(dtype)
                 for k, value in zip(bucket, flat.split([self.sums[k].numel() for k in bucket])):
                     self.sums[k] = value.view_as(self.sums[k])
+                    self.owned.add(k)  # a view of the rank's own flat bucket
 
     def _update(self, s: int, part: Part, totals: dict[str, Tensor]) -> tuple[list[Tensor], list]:
         """The stage's update on the mean over micro-batches of each parameter's gradient contributions."""
@@ -338,7 +343,8 @@ class RankRunner:
             if spec.kind == "grad_mean":
                 key = (s, spec.name)
                 if key not in self.grad_means:
-                    self.grad_means[key] = self.sums.pop(key) / self.scale
+                    total = self.sums.pop(key)
+                    self.grad_means[key] = total.div_(self.scale) if key in self.owned else total / self.scale
                 inputs.append(self.grad_means[key])
             elif spec.kind == "stage_total":
                 inputs.append(totals[spec.name])
