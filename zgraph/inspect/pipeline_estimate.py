@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zgraph.config import Config
 from zgraph.graph import INPUT, VAL, CostModel, placeholders, shard_rows
@@ -187,7 +188,7 @@ def _measured(
     zero: PassContext | None,
     config: Config,
     planned: Planned,
-    held: set,
+    held: set[StorageWeakRef],
 ) -> dict[str, StagePart]:
     """Stage ``g``'s graphs measured (``stage_parts.measure``); with ZeRO within stages (``zero``: the context of
     its data-parallel group, ``zgraph.inspect.stage_zero``), its update as that group runs it and at stage 3 its
