@@ -95,6 +95,11 @@ def test_zero_reduces_each_stage_bucket_once_per_step_whatever_the_micro_batch_c
 STAGE_THREE_RUNS = {"2 micro-batches, 3 steps": 0, "4 micro-batches, 2 steps": 1}
 
 
+def padded(owned: list[str]) -> int:
+    """Bytes of the parameters named ``owned`` (a stage's), each padded to 2 equal dim-0 shards."""
+    return sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * 4 for n, p in Net().named_parameters() if n in owned)
+
+
 @pytest.mark.parametrize("run", list(STAGE_THREE_RUNS))
 def test_zero_3_within_each_stage_equals_eager_and_holds_a_quarter_of_the_parameters(four_ranks, run):
     """ZeRO 3 within each stage's data-parallel group: losses, parameters, and the whole model's and optimizer's
@@ -125,6 +130,33 @@ def test_zero_3_gathers_and_reduces_each_stage_bucket_once_per_step_whatever_the
             assert sum(stage.values()) == 1 and r["reduce_scatters"] == [1], r
             # on gloo a reduce-scatter runs as an all_to_all_single (zgraph.graph.reduce_scatter_by_all_to_all)
             assert r["comm"] == {"all_gather_into_tensor_coalesced": 1, "all_to_all_single": 1}, r["comm"]
+
+
+@pytest.mark.parametrize("run", list(STAGE_THREE_RUNS))
+def test_the_estimate_at_zero_3_gives_the_state_each_rank_holds_and_the_collectives_it_runs(four_ranks, run):
+    """Issue 42, item 4: ``step.estimate`` of the ZeRO 3 runs (in process, 4 ranks planned, each rank's rows): each
+    stage's model state is what the tensors its ranks' model, optimizer and steps left alive hold between steps
+    (its parameters' and optimizer state's padded shards); per step one all-gather of the stage's parameters (their
+    padded whole) and one reduce-scatter of its gradients, the ops the run issued; the peak holds the gathered
+    parameters."""
+    runs = [rank[STAGE_THREE_RUNS[run]] for rank in four_ranks["stage_three"]]
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    microbatches = [2, 4][STAGE_THREE_RUNS[run]]
+    config = zgraph.Config(backend="eager", pipeline_parallel=2, schedule="1f1b", microbatches=microbatches, stage=3,
+                           param_persistence_threshold=0)  # fmt: skip
+    rows = zgraph.pipeline_batch(batches()[0], 2, rank=0, world=4)  # a rank's rows: half the batch
+    estimate = zgraph.distribute(config)(step).estimate(model, opt, *rows, world_size=4)
+    for rank, r in enumerate(runs):
+        stage = estimate.stages[rank % 2]
+        assert stage.model_state_bytes["total"] == r["state"] <= r["live"] <= r["state"] + 64, (stage, r)
+    assert estimate.comm_count["all_gather_into_tensor"] == estimate.comm_count["reduce_scatter_tensor"] == 1
+    sender = padded(runs[0]["owned"])  # stage 0, the larger: the rank sending the most
+    assert estimate.comm_bytes["all_gather_into_tensor"] == estimate.comm_bytes["reduce_scatter_tensor"] == sender
+    assert {k: n for k, n in estimate.comm_ops.items() if k != "isend"} == runs[0]["comm"], estimate.comm_ops
+    top = int(estimate.peak_node.split()[1])  # "rank R of the pipeline: ..."
+    gathered = dict(estimate.alive_at_peak)["whole parameters gathered for the rank's stages, held until the updates"]
+    assert gathered == padded(runs[top]["owned"]) and "parameters gathered whole" in estimate.peak_node
 
 
 def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(four_ranks):
@@ -162,9 +194,13 @@ def test_explain_and_the_estimate_give_the_state_sharded_within_each_stage(four_
         zero, *buckets = sorted(r["sharding"], key=lambda line: not line.startswith("ZeRO"))
         assert zero.startswith("ZeRO within each stage: a stage's optimizer state sharded over the 2 ranks of its "
                                f"data-parallel group (here global ranks {[rank % 2, rank % 2 + 2]})"), zero  # fmt: skip
-        padded = sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * 4 for n, p in Net().named_parameters() if n in r["owned"])
         kinds = ("all_gather", "reduce_scatter")  # the stage's one bucket, padded to equal shards
-        assert buckets == [f"buckets of stage{rank % 2}.update: {kind} x1 ({padded} B)" for kind in kinds], buckets
+        nbytes = padded(r["owned"])
+        assert buckets == [f"buckets of stage{rank % 2}.update: {kind} x1 ({nbytes} B)" for kind in kinds], buckets
+    # the estimate's collectives are its update graph's (those of rank 0, stage 0's, the larger: sending the most)
+    assert estimate.comm_count == {"send": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+    assert estimate.comm_bytes["all_gather_into_tensor"] == estimate.comm_bytes["reduce_scatter_tensor"]
+    assert estimate.comm_bytes["reduce_scatter_tensor"] == padded(runs[0]["owned"])
 
 
 BY_SEQUENCE = {"stage 0": 0, "stage 1": 1, "stage 0, uneven labels per slice": 2}

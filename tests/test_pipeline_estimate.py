@@ -1,9 +1,10 @@
 """``step.estimate`` and ``zgraph estimate`` of a pipelined step (issue 42, item 4), in process (an estimate needs no
 ranks): each stage's model state against the exact bytes of its parameters and their AdamW state, the micro-batches
 the schedule holds (1F1B: ``P - rank``; GPipe: ``M``), the bubble against ``(P - 1) / (M + P - 1)``, the bytes sent
-between stages and reduced over pipelines, the peak on one process against the measured one, the command's table
-and JSON, and what is refused. ``tests/test_pipeline.py`` compares each stage's state with what each of two gloo
-ranks holds after pipelined steps."""
+between stages and reduced over pipelines, ZeRO 3 within stages (shards, the gathers and the peak holding their
+parameters), the peak on one process against the measured one, the command's table and JSON, and what is refused.
+``tests/test_pipeline.py`` compares each stage's state with what each of two gloo ranks holds after pipelined steps,
+``tests/test_pipeline_data.py`` at ZeRO 1 to 3 with what each of four (P=2 x D=2) holds."""
 
 from __future__ import annotations
 
@@ -73,6 +74,33 @@ def test_pipelines_over_more_ranks_all_reduce_each_stages_gradients_once():
     assert e.to_json()["stages"][0]["model_state_bytes"] == dict(first.model_state_bytes)
 
 
+def test_zero_3_within_stages_holds_shards_and_gathers_each_stage_once():
+    """P=2 x D=2 at ZeRO 3 (issue 42, item 4): each stage's parameters and AdamW state as their padded dim-0 shards
+    over its 2 data-parallel ranks (0-d ``step`` whole); per step, on each rank, one all-gather of its stage's
+    parameters (their padded whole) and one reduce-scatter of its gradient sums, whatever M is; its peak holds the
+    whole parameters from the gather to the update. With ``param_persistence_threshold`` over every parameter's
+    size no stage gathers and the parameters are held whole, as at stage 2."""
+    for m in (2, 4):
+        e, model = estimate(world=4, pipeline_parallel=2, microbatches=m, stage=3, param_persistence_threshold=0)
+        for s in e.stages:
+            params = stage_parameters(model, s, 2)
+            shards = sum(-(-q.shape[0] // 2) * q[0].numel() * 4 for q in params)
+            assert s.model_state_bytes["params"] == shards
+            assert s.model_state_bytes["optimizer"] == 2 * shards + 4 * len(params)
+        first = stage_parameters(model, e.stages[0], 2)  # the larger stage: rank 0 sends the most
+        whole = sum(-(-q.shape[0] // 2) * 2 * q[0].numel() * 4 for q in first)
+        assert e.comm_count == {"send": m, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+        assert e.comm_bytes["all_gather_into_tensor"] == e.comm_bytes["reduce_scatter_tensor"] == whole
+        alive = dict(e.alive_at_peak)
+        assert "whole parameters gathered for the rank's stages, held until the updates" in alive, alive
+    two, _ = estimate(world=4, pipeline_parallel=2, microbatches=2, stage=2)
+    with pytest.warns(RuntimeWarning, match="stage 3 shards no parameter"):
+        kept, _ = estimate(world=4, pipeline_parallel=2, microbatches=2, stage=3)  # the default threshold: 100000
+    assert [s.model_state_bytes for s in kept.stages] == [s.model_state_bytes for s in two.stages]
+    assert kept.comm_count == two.comm_count, "the update all-gathers the new parameters, as at stage 2"
+    assert "whole parameters gathered for the rank's stages, held until the updates" not in dict(kept.alive_at_peak)
+
+
 def test_zero_bubble_and_interleaving_predict_a_smaller_bubble():
     zb, _ = estimate(world=2, pipeline_parallel=2, microbatches=4, schedule="zb_h1")
     interleaved, _ = estimate(
@@ -124,17 +152,24 @@ def test_bad_input_is_refused_before_anything_changes():
     assert not opt.state and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def test_a_memory_budget_gives_each_rank_the_lightest_remat_that_fits():
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_memory_budget_gives_each_rank_the_lightest_remat_that_fits(zero):
     """1F1B holds two micro-batches on rank 0, one on rank 1: a budget only rank 0 exceeds without remat
-    recomputes rank 0's blocks and no others; every rank's planned peak fits."""
+    recomputes rank 0's blocks and no others; every rank's planned peak fits. At ZeRO 3 within stages (P=2 x D=2)
+    the peaks it plans by hold each stage's parameters gathered whole."""
     pipeline = {"pipeline_parallel": 2, "microbatches": 4}
-    none, full = (estimate(world=2, remat=remat, **pipeline)[0] for remat in (None, "full"))
+    if zero:
+        pipeline.update(stage=3, param_persistence_threshold=0)
+    world = 2 * (1 + bool(zero))
+    none, full = (estimate(world=world, remat=remat, **pipeline)[0] for remat in (None, "full"))
     budget = max(full.stages[0].peak_bytes, none.stages[1].peak_bytes)
     assert none.stages[0].peak_bytes > budget
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     compiled = zgraph.distribute(zgraph.Config(backend="eager", **pipeline))(step)
-    plan = compiled.estimate(model, opt, *batches()[0], world_size=2, memory_budget=budget)
+    plan = compiled.estimate(model, opt, *batches()[0], world_size=world, memory_budget=budget)
+    gathered = "whole parameters gathered for the rank's stages, held until the updates"
+    assert (gathered in dict(plan.chosen.estimate.alive_at_peak)) == bool(zero)
     assert plan.chosen.changes == {"remat": {f"model.blocks.{i}": "full" if i < 2 else None for i in range(4)}}
     assert all(s.peak_bytes <= budget for s in plan.chosen.estimate.stages)
     assert plan.chosen.estimate.stages[0].saved_bytes == full.stages[0].saved_bytes
@@ -179,13 +214,29 @@ def test_cli_prints_each_stage_and_the_bubble(capsys):
     assert "blocks.0 .. blocks.1" in table and "blocks.2 .. blocks.3" in table
 
 
+def test_cli_prints_the_stage_3_figures(capsys):
+    """``--stage 3`` with pipelines (issue 42, item 4): each rank holds a shard of its stage's larger parameters
+    (those over ``param_persistence_threshold`` elements), all-gathers them and reduce-scatters their gradients
+    (bucketed) once per step, and its peak holds them gathered whole."""
+    argv = ["estimate", "--model", "gpt-bench", "--world", "4", "--pipeline-parallel", "2", "--stage", "3"]
+    done = cli_runner.here(capsys, *argv, "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["stage"] == 3 and set(out["comm_bytes"]) == {"send", "all_gather_into_tensor", "reduce_scatter_tensor"}
+    params = sum(s["model_state_bytes"]["params"] for s in out["stages"])
+    assert out["params"] * 4 / 2 <= params < out["params"] * 4 * 0.6, "a half of each, the small ones whole"
+    assert "parameters gathered whole" in out["peak_node"], out["peak_node"]
+    table = cli_runner.here(capsys, *argv).stdout
+    assert "all_gather_into_tensor" in table and "reduce_scatter_tensor" in table
+    assert "whole parameters gathered for the rank's stages" in table
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
         (["--microbatches", "4"], "--microbatches is a pipeline option: add --pipeline-parallel P"),
         (["--pipeline-parallel", "3"], "--pipeline-parallel 3 must be positive and divide --world 4"),
         (["--pipeline-parallel", "2", "--budget", "1GiB"], "does not combine with --budget yet"),
-        (["--pipeline-parallel", "2", "--stage", "3"], "does not combine with stage=3 yet"),
     ],
 )
 def test_cli_bad_pipeline_input_is_one_line_and_status_1(capsys, argv, says):

@@ -1,9 +1,9 @@
 """``zgraph estimate --pipeline-parallel P`` (with ``--microbatches M``, ``--schedule``, ``--virtual-stages v``): the
-step cut into a pipeline (``Config.pipeline_parallel``; ZeRO stage 0, the only one pipelines run with yet), each call
-taking M micro-batches of ``--micro-batch`` sequences per pipeline (``world / P`` pipelines). The table gets the
-predicted bubble and a row per stage: its model state, the activations the schedule holds, what it sends, its rank's
-peak and idle share (``zgraph.inspect.pipeline_estimate``). ``--budget``, ``--plan`` and ``--seq-lens`` do not
-combine with it yet."""
+step cut into a pipeline (``Config.pipeline_parallel``; ``--stage`` 0 by default, 1 to 3 within each stage's
+data-parallel group of ``world / P`` ranks), each call taking M micro-batches of ``--micro-batch`` sequences per
+pipeline (``world / P`` pipelines). The table gets the predicted bubble and a row per stage: its model state, the
+activations the schedule holds, what it sends, its rank's peak and idle share (``zgraph.inspect.pipeline_estimate``).
+``--budget``, ``--plan`` and ``--seq-lens`` do not combine with it yet."""
 
 from __future__ import annotations
 

@@ -52,9 +52,9 @@ _PASSES_BEFORE_THE_CUT = ("sequence_parallel", "cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
 # ZeRO >= 1; at stage 3 ``shard_params`` (the update reads and writes shards); ``cast``: reductions in
 # ``Config.reduce_dtype``; ``clip_grad``, ``loss_scale``: norms and overflow checks of gradient shards
-_PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "shard_params", "cast", "clip_grad", "loss_scale",
+PASSES_ON_THE_UPDATE = ("shard_optimizer", "reduce_scatter_grads", "shard_params", "cast", "clip_grad", "loss_scale",
                          "bucket", "lower_collectives")  # fmt: skip
-_PASSES_ON_THE_GATHER = ("bucket", "lower_collectives")  # ZeRO 3: a stage's parameters gathered once per step
+PASSES_ON_THE_GATHER = ("bucket", "lower_collectives")  # ZeRO 3: a stage's parameters gathered once per step
 
 
 def compile_pipeline(
@@ -157,7 +157,7 @@ def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pa
     axis = plan.group.shard
     whole = pass_context(binding)
     ctx = dataclasses.replace(whole, world_size=axis.size, rank=axis.rank, group_name=axis.name, shard_group=None)
-    passes = [p for p in config.passes() if p.name in _PASSES_ON_THE_UPDATE]
+    passes = [p for p in config.passes() if p.name in PASSES_ON_THE_UPDATE]
     return ctx, [Pass("stage_grads", stage_grads, requires={"phases"}), *passes]
 
 
@@ -173,7 +173,7 @@ def _compile_stage(
     schedule runs, ``"eager"`` for the others: no compile for a graph that never runs); the update graph first
     through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``), its partials of
     values across stages first where it has some (``stage_totals``). At ZeRO stage 3, also the graph gathering the
-    stage's parameter shards (``stage_gather``, bucketed: ``_PASSES_ON_THE_GATHER``)."""
+    stage's parameter shards (``stage_gather``, bucketed: ``PASSES_ON_THE_GATHER``)."""
     parts, totals = [], None
     for name, backend in backends.items():
         gm, part_ctx = getattr(g, name), ctx
@@ -201,7 +201,7 @@ def _gather(
     gm = stage_gather([g.forward, g.backward, g.input_grad, g.weight_grad], ctx, stage=stage)
     if gm is None:
         return None
-    gm = run_passes(gm, ctx, [p for p in passes if p.name in _PASSES_ON_THE_GATHER], check_input=False)[-1].gm
+    gm = run_passes(gm, ctx, [p for p in passes if p.name in PASSES_ON_THE_GATHER], check_input=False)[-1].gm
     return _lowered(gm, ctx, backend, graphs, f"stage{g.stage}.gather")
 
 

@@ -8,6 +8,7 @@ Files::
     model_state.py  the model state a step graph leaves, piece by piece and by kind
     pipeline_estimate.py  the estimate of a pipelined step: each stage's memory, each rank's peak under the schedule
     stage_parts.py  a pipeline's stage graphs measured, and a rank's actions walked in order: what it holds when
+    stage_zero.py  ZeRO within a pipeline's stages: a stage's update and (stage 3) gather graphs as its group runs them
     shadow.py    the estimate's stand-ins: the call's modules and optimizers copied onto the meta device, traced
     liveness.py  bytes alive after each node and the peak
     budget.py    ``Config.memory_budget``: the fastest estimated combination of remat and offload that fits

@@ -118,7 +118,9 @@ class Estimate:
             ``peak_node``: the action at its peak; ``activation_bytes``: the most saved values it holds at once,
             over its stages and micro-batches); ``comm_*`` and ``link_bytes`` those of the rank sending the most,
             with ``send`` (point-to-point, activations and their gradients) and, with ``world / P`` pipelines,
-            ``all_reduce`` (each stage's gradients over the pipelines); ``live_bytes`` is empty
+            ``all_reduce`` at ZeRO stage 0 (each stage's gradients over the pipelines), at stage >= 1 the update's
+            ``reduce_scatter_tensor`` (and at stages 1, 2 ``all_gather_into_tensor``), at stage 3 the
+            ``all_gather_into_tensor`` of each stage's parameters once per step; ``live_bytes`` is empty
             (``zgraph.inspect.pipeline_estimate``).
         bubble: a pipelined step: the schedule's predicted bubble, the share of rank-time no rank computes (unit
             costs, as ``explain()``; ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B); None otherwise.
@@ -203,8 +205,6 @@ def estimate_pipeline(
     assert config.pipeline_parallel is not None
     if sizes:
         raise EstimateError("step.estimate(sizes=...) does not combine with Config.pipeline_parallel yet")
-    if config.stage == 3:
-        raise EstimateError("step.estimate of a pipelined step does not combine with stage=3 yet (the step runs)")
     first = split_call(call, microbatches(config))[0]
     prepared = prepare(first, config, world_size, cost_model, device, ranks_per_node, inter_node_gbps)
     world, captured = prepared.group.world_size, prepared.captured
@@ -217,7 +217,8 @@ def estimate_pipeline(
     records, every, schedule = cut_stages(captured.gm, ctx, config, keep=False)
     cut = records[-1].gm
     pieces = state_pieces(cut, captured, prepared.device.type)
-    planned = Planned(prepared.device.type, prepared.binding.cost_model, world, ranks_per_node)
+    backend = prepared.binding.backend or prepared.group.backend
+    planned = Planned(prepared.device.type, prepared.binding.cost_model, world, ranks_per_node, backend)
     figures = pipeline_figures(cut, every, schedule, pieces, config, ctx, planned)
     top = max(figures.ranks, key=lambda r: r.peak_bytes)
     sender = max(figures.ranks, key=lambda r: sum(r.comm_bytes.values()))
@@ -233,7 +234,7 @@ def estimate_pipeline(
         comm_count=sender.comm_count,
         comm_seconds=sender.comm_seconds,
         cost_model_source=prepared.binding.cost_model.source,
-        comm_ops={{"send": "isend"}.get(k, k): n for k, n in sender.comm_count.items()},
+        comm_ops=sender.comm_ops,
         nodes=figures.nodes,
         device=prepared.device.type,
         step_seconds=figures.step_seconds,

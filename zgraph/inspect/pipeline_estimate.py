@@ -8,19 +8,24 @@ actions run, lowered as the eager backend runs them) and its schedule's action l
   ``.grad`` and optimizer state) and of the buffers it updates. A rank holds its stages' and every buffer whole
   (``zgraph.runtime.stage_state``); at ZeRO stage 1 or 2 with ``D = world / P`` pipelines, its dim-0 shard (padded,
   ``zgraph.graph.ShardSpec``) of its stages' optimizer state of their parameters' shapes (the 0-d ones whole), and
-  their parameters in the padded storage the update all-gathers them into, as the ranks hold them;
+  their parameters in the padded storage the update all-gathers them into, as the ranks hold them; at stage 3 also
+  the parameters as their padded shards (but those ``Config.param_persistence_threshold`` keeps whole);
 - memory held under the schedule: each stage graph measured, and each rank's actions walked in order as
   ``zgraph.runtime.pipeline_run`` runs them (``zgraph.inspect.stage_parts``): a rank's peak is its model state, the
   whole batch (every rank is called with it) and the most, over its actions and updates, of what is held then
-  (other micro-batches' saved values, gradient sums, what it sent) plus the action's working memory. Adding the
-  two as if their peaks met; within 3 % of the measured peak on one process (tests);
+  (other micro-batches' saved values, gradient sums, what it sent; at ZeRO stage 3 its stages' parameters gathered
+  whole, from each stage's gather before its first action until the updates) plus the action's working memory.
+  Adding the two as if their peaks met; within 3 % of the measured peak on one process (tests);
 - communication per rank and step: ``send``, the point-to-point sends to neighbouring stages' ranks (each
   micro-batch's activations and their gradients), priced as an all-gather of the same bytes per message (the cost
-  model measures no point-to-point); with ``world / P`` pipelines, ``all_reduce``, one per stage and dtype of its
-  gradient sums over the pipelines;
+  model measures no point-to-point); with ``world / P`` pipelines, at ZeRO stage 0 ``all_reduce``, one per stage and
+  dtype of its gradient sums over the pipelines; at stage >= 1 the collectives of each stage's update graph as its
+  data-parallel group runs it (a reduce-scatter of the gradient sums per bucket; at stages 1 and 2 the new
+  parameters all-gathered) and at stage 3 of its gather graph (its parameters all-gathered once per step, per
+  bucket), both made by the step's own passes (``zgraph.inspect.stage_zero``);
 - the bubble: ``zgraph.runtime.pipeline_simulate`` with unit costs (as ``explain()``); the step's seconds: the same
   schedule simulated with each kind's cost from the cost model's timeline of the costliest stage's graph, plus the
-  updates and the all-reduces.
+  updates, the gathers and the all-reduces.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zgraph.config import Config
 from zgraph.graph import INPUT, VAL, CostModel, placeholders, shard_rows
 from zgraph.inspect.liveness import cuda_block_bytes
 from zgraph.inspect.model_state import StatePiece, state_totals
 from zgraph.inspect.stage_parts import PART_OF, PARTS, RESIDENT, StagePart, measure, storage_of, value_bytes, walk
+from zgraph.inspect.stage_zero import ZERO_GROUP, zero_context, zero_gather, zero_update
 from zgraph.passes import PassContext
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan
 from zgraph.passes.stage_graphs import StageGraphs
@@ -44,6 +51,7 @@ from zgraph.runtime.cost_model import link_seconds
 from zgraph.runtime.hybrid import crosses_nodes
 from zgraph.runtime.pipeline_schedule import Action, Schedule
 from zgraph.runtime.pipeline_simulate import simulate
+from zgraph.runtime.timeline import CollectiveTotals
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +103,7 @@ class RankFigures:
     comm_count: dict[str, int]
     comm_seconds: dict[str, float]
     link_bytes: dict[str, int]
+    comm_ops: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -110,12 +119,14 @@ class PipelineFigures:
 
 @dataclass(frozen=True)
 class Planned:
-    """Where the pipeline is planned: the device type, the cost model, the world and consecutive ranks per node."""
+    """Where the pipeline is planned: the device type, the cost model, the world, consecutive ranks per node, and
+    the backend serving the device."""
 
     device: str
     cost_model: CostModel
     world: int
     ranks_per_node: int | None
+    backend: str | None = None
 
 
 def pipeline_figures(
@@ -130,12 +141,14 @@ def pipeline_figures(
     """The figures of a pipeline: ``cut``, the graph ``stage_cut`` stamped; ``every``, its stage graphs;
     ``pieces``, the step's model state (module docstring)."""
     plan: StagePlan = cut.meta[STAGE_PLAN]
-    pieces = _sharded_within_stages(pieces, config, planned.world // schedule.ranks, planned.device)
+    pipelines = planned.world // schedule.ranks
+    sharded = {p.index for p in ctx.params if not p.persistent} if config.stage >= 3 else set()
+    pieces = _sharded_within_stages(pieces, config, pipelines, planned.device, sharded)
     held = {storage_of(n.meta[VAL]) for n in placeholders(cut) if n.meta[INPUT].kind in RESIDENT}
-    parts = [
-        {p: measure(getattr(g, p), f"stage{g.stage}.{p}", ctx, planned.device, planned.cost_model, held) for p in PARTS}
-        for g in every
-    ]
+    zero = None
+    if config.stage >= 1 and pipelines > 1:
+        zero = zero_context(ctx, pipelines, planned.backend, planned.device, planned.cost_model)
+    parts = [_measured(g, schedule, ctx, zero, config, planned, held) for g in every]
     batch = schedule.microbatches * sum(
         value_bytes(n.meta[VAL], planned.device) for n in placeholders(cut) if n.meta[INPUT].kind == "input"
     )
@@ -168,12 +181,40 @@ def pipeline_figures(
     return PipelineFigures(tuple(stages), tuple(ranks), units.bubble, seconds, nodes)
 
 
+def _measured(
+    g: StageGraphs,
+    schedule: Schedule,
+    ctx: PassContext,
+    zero: PassContext | None,
+    config: Config,
+    planned: Planned,
+    held: set[StorageWeakRef],
+) -> dict[str, StagePart]:
+    """Stage ``g``'s graphs measured (``stage_parts.measure``); with ZeRO within stages (``zero``: the context of
+    its data-parallel group, ``zgraph.inspect.stage_zero``), its update as that group runs it and at stage 3 its
+    gather (``"gather"``)."""
+    graphs = {p: getattr(g, p) for p in PARTS}
+    if zero is not None:
+        graphs["update"] = zero_update(g, zero, config)
+        gather = zero_gather(g, zero, config)
+        graphs.update({} if gather is None else {"gather": gather})
+    place, pipelines = schedule.rank_of(g.stage), planned.world // schedule.ranks
+    group = [place + k * schedule.ranks for k in range(pipelines)]
+    crossing = {ZERO_GROUP: crosses_nodes(group, planned.ranks_per_node)}
+    contexts = {} if zero is None else {"update": zero, "gather": zero}
+    device, cost_model = planned.device, planned.cost_model
+    return {
+        p: measure(gm, f"stage{g.stage}.{p}", contexts.get(p, ctx), device, cost_model, held, crossing)
+        for p, gm in graphs.items()
+    }
+
+
 def _sharded_within_stages(
-    pieces: Sequence[StatePiece], config: Config, pipelines: int, device: str
+    pieces: Sequence[StatePiece], config: Config, pipelines: int, device: str, sharded: set[int]
 ) -> list[StatePiece]:
     """``pieces`` as a rank holds them: at ZeRO stage >= 1 over ``pipelines > 1`` data-parallel ranks, the optimizer
     state of a parameter's shape as its padded dim-0 shard, the parameter in its padded whole
-    (``zgraph.runtime.pipeline_groups``)."""
+    (``zgraph.runtime.pipeline_groups``), or at stage 3 where it is ``sharded`` (not persistent), its padded shard."""
     if config.stage < 1 or pipelines < 2:
         return list(pieces)
     shapes = {p.spec.index: tuple(p.value.shape) for p in pieces if p.spec.kind == "param"}
@@ -181,7 +222,8 @@ def _sharded_within_stages(
     for piece in pieces:
         shape, kind = tuple(piece.value.shape), piece.spec.kind
         if kind in ("param", "opt_state") and shape and shape == shapes.get(piece.spec.index):
-            rows = shard_rows(shape[0], pipelines) * (pipelines if kind == "param" else 1)
+            whole = kind == "param" and piece.spec.index not in sharded
+            rows = shard_rows(shape[0], pipelines) * (pipelines if whole else 1)
             nbytes = math.prod((rows, *shape[1:])) * piece.value.element_size()
             piece = piece._replace(nbytes=cuda_block_bytes(nbytes) if device == "cuda" else nbytes)
         out.append(piece)
@@ -236,6 +278,7 @@ def _rank(
     comm_bytes: dict[str, int] = {}
     comm_count: dict[str, int] = {}
     comm_seconds: dict[str, float] = {}
+    comm_ops: dict[str, int] = {}
     links = {"intra_node": 0, "inter_node": 0}
     for s in mine:
         nbytes, count = _sends(s, schedule, parts)
@@ -243,10 +286,15 @@ def _rank(
             neighbours = [r for r in (s - 1, s + 1) if 0 <= r < schedule.stages]
             crossing = crosses_nodes([place, *(schedule.rank_of(r) for r in neighbours)], planned.ranks_per_node)
             _add(comm_bytes, comm_count, comm_seconds, links, "send", nbytes, count, crossing, planned)
-        if pipelines > 1:
+            comm_ops["isend"] = comm_ops.get("isend", 0) + count
+        if pipelines > 1 and config.stage == 0:
             crossing = crosses_nodes([place + k * schedule.ranks for k in range(pipelines)], planned.ranks_per_node)
             for nbytes in parts[s]["backward"].by_dtype.values():
                 _add(comm_bytes, comm_count, comm_seconds, links, "all_reduce", nbytes, 1, crossing, planned)
+                comm_ops["all_reduce"] = comm_ops.get("all_reduce", 0) + 1
+        for name in ("update", "gather"):  # ZeRO within stages: their collectives over the data-parallel group
+            if name in parts[s]:
+                _add_totals(comm_bytes, comm_count, comm_seconds, links, comm_ops, parts[s][name].collectives)
     state = state_totals(held, config)
     walked = walk(place, schedule, parts, state["total"] + batch)
     figures = RankFigures(
@@ -260,6 +308,7 @@ def _rank(
         comm_count,
         comm_seconds,
         links,
+        comm_ops,
     )
     return figures, walked.in_flight
 
@@ -284,13 +333,33 @@ def _add(
     links["inter_node" if crossing else "intra_node"] += nbytes
 
 
+def _add_totals(
+    comm_bytes: dict[str, int],
+    comm_count: dict[str, int],
+    comm_seconds: dict[str, float],
+    links: dict[str, int],
+    comm_ops: dict[str, int],
+    totals: CollectiveTotals,
+) -> None:
+    """A stage graph's collectives (``totals``) added to its rank's."""
+    for kind, count in totals.counts.items():
+        comm_count[kind] = comm_count.get(kind, 0) + count
+        comm_bytes[kind] = comm_bytes.get(kind, 0) + totals.sent[kind]
+        comm_seconds[kind] = comm_seconds.get(kind, 0.0) + totals.seconds[kind]
+    for op, count in totals.ops.items():
+        comm_ops[op] = comm_ops.get(op, 0) + count
+    for link, nbytes in totals.link_bytes.items():
+        links[link] += nbytes
+
+
 def _step_seconds(schedule: Schedule, parts: list[dict[str, StagePart]], ranks: Sequence[RankFigures]) -> float:
     """The schedule simulated with each compute kind's cost the costliest stage's (cost model timelines), plus the
-    slowest rank's updates and all-reduces."""
+    slowest rank's updates, gathers (ZeRO stage 3) and all-reduces (ZeRO stage 0)."""
     costs = {kind: max(stage[name].seconds for stage in parts) for kind, name in PART_OF.items()}
     pipelined = simulate(schedule, costs).step_time
     after = 0.0
     for r in ranks:
-        mine = [s for s in range(schedule.stages) if schedule.rank_of(s) == r.rank]
-        after = max(after, sum(parts[s]["update"].seconds for s in mine) + r.comm_seconds.get("all_reduce", 0.0))
+        mine = [parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == r.rank]
+        own = sum(p["update"].seconds + (p["gather"].seconds if "gather" in p else 0.0) for p in mine)
+        after = max(after, own + r.comm_seconds.get("all_reduce", 0.0))
     return pipelined + after

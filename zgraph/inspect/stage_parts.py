@@ -5,9 +5,10 @@ its working memory (the liveness peak less the model state and batch it reads, h
 outputs by kind (storages counted once, none of the model state's or the batch's), and its seconds by the cost
 model's timeline. ``walk``: a rank's compute actions as ``zgraph.runtime.pipeline_run`` runs them, holding a
 micro-batch's saved values from its F to its B (or W; from I to W also the split backward's partial values and
-received gradients), a stage's gradient sums from its first backward to its update, and everything the rank sends
+received gradients), a stage's gradient sums from its first backward to its update, at ZeRO stage 3 a stage's
+parameters gathered whole from its gather (before its first action) until the updates, and everything the rank sends
 until the step's end (an upper bound: the runtime lets a send go once its peer has received it); its peak is the
-most, over the actions and the updates, of what is held plus the action's working memory."""
+most, over the actions, gathers and updates, of what is held plus the action's working memory."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ from zgraph.graph import INPUT, OUTPUTS, STATE_KINDS, VAL, CostModel, output_nod
 from zgraph.inspect.liveness import Liveness, cuda_block_bytes, liveness
 from zgraph.passes import PassContext
 from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
+from zgraph.runtime.timeline import CollectiveTotals, collective_totals
 from zgraph.runtime.timeline import estimate as timeline
 
 PART_OF = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad", Kind.W: "weight_grad"}
 PARTS = (*PART_OF.values(), "update")
 RESIDENT = (*STATE_KINDS, "input")  # graph inputs a rank holds all step anyway: model state and the batch
 _SENT = "sent, held until the step's end"
+_GATHERED = "whole parameters gathered for the rank's stages, held until the updates"
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,21 @@ class StagePart:
     sums: int  # memory of its gradient contributions (each tensor's; on CUDA its allocator block)
     seconds: float
     nodes: int
+    collectives: CollectiveTotals  # the collectives it runs (ZeRO within stages: its update's, its gather's)
 
 
 def measure(
-    gm: fx.GraphModule, name: str, ctx: PassContext, device: str, cost_model: CostModel, held: set[StorageWeakRef]
+    gm: fx.GraphModule,
+    name: str,
+    ctx: PassContext,
+    device: str,
+    cost_model: CostModel,
+    held: set[StorageWeakRef],
+    crossing: Mapping[str, bool] | None = None,
 ) -> StagePart:
     """One stage graph lowered and measured; ``held``: the storages of the model state and the batch (a value
-    living in one, a weight's transpose a forward saves, is no memory of its own)."""
+    living in one, a weight's transpose a forward saves, is no memory of its own); ``crossing``: whether each
+    group its collectives run on, by name, crosses nodes."""
     final = lower(gm, ctx, "eager", keep=False)[0][-1].gm
     live = liveness(final, device)
     inputs = [(n.meta[INPUT].kind, n.meta[VAL]) for n in placeholders(final)]
@@ -75,8 +86,9 @@ def measure(
         received=_storage_bytes([v for kind, v in inputs if kind == "activation_grad"], device, held),
         by_dtype=dict(by_dtype),
         sums=sum(value_bytes(v, device) for v in by_kind.get("grad_contribution", [])),
-        seconds=timeline(final, cost_model).total,
+        seconds=timeline(final, cost_model, crossing).total,
         nodes=len(final.graph.nodes),
+        collectives=collective_totals(final, cost_model, crossing),
     )
 
 
@@ -131,13 +143,22 @@ def walk(place: int, schedule: Schedule, parts: list[dict[str, StagePart]], resi
     out = Walk()
     saved: dict[tuple[int, int], int] = {}  # by (stage, micro-batch): its saved values (and a split backward's)
     summed: set[int] = set()
+    gathered: dict[int, int] = {}  # ZeRO stage 3: by stage, its whole parameters, from its gather to the updates
     sent = 0
     for a in schedule.compute(place):
         part = parts[a.stage][PART_OF[a.kind]]
         others = sum(saved.values()) - saved.get((a.stage, a.mb), 0)
         sums = sum(stage_sums(parts[s]) for s in summed)
         held = {"saved values of other micro-batches": others, "gradient sums": sums, _SENT: sent}
-        out.at(resident + others + sums + sent + part.working, str(a), part, held)
+        gather = parts[a.stage].get("gather")
+        if gather is not None and a.stage not in gathered:
+            held[_GATHERED] = sum(gathered.values())
+            out.at(resident + others + sums + sent + held[_GATHERED] + gather.working, f"stage {a.stage}'s gather",
+                   gather, held)  # fmt: skip
+            gathered[a.stage] = gather.outputs.get("param", 0)
+        held[_GATHERED] = sum(gathered.values())
+        where = f"{a}, its stages' parameters gathered whole" if held[_GATHERED] else str(a)
+        out.at(resident + others + sums + sent + held[_GATHERED] + part.working, where, part, held)
         sent += _sent_by(a, schedule, parts)
         if a.kind is Kind.F:
             saved[a.stage, a.mb] = parts[a.stage]["forward"].outputs.get("saved", 0)
