@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.fx.graph import _BoxedCodeGen
 
 from zgraph.graph import PHASE, UPDATED_INPUTS, fake_mode, insert, placeholders
 from zgraph.graph_copy import copy_graph_module
@@ -119,6 +120,21 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Executable | None:
             run_inductor, backend, time.perf_counter() - start, frozenset(updated), gm.meta.get(HOST_PARTS)
         )
     raise ValueError(f"unknown backend {backend!r}; expected 'eager' or 'inductor'")
+
+
+def run_consuming(gm: fx.GraphModule) -> Callable[[list[Tensor]], Sequence]:
+    """``gm`` (for the eager backend) run op by op on a list of inputs it empties as it reads them (FX's boxed
+    calling convention, on a copy of ``gm``): each input is let go after its last use rather than when the call
+    returns, where the caller holds it nowhere else (a pipeline stage's activations saved for its backward)."""
+    boxed = copy_graph_module(gm)
+    boxed.graph.set_codegen(_BoxedCodeGen())
+    boxed.recompile()
+
+    def run(inputs: list[Tensor]) -> Sequence:
+        with torch.enable_grad():  # as ``compile_graph``'s eager run
+            return boxed(inputs)
+
+    return run
 
 
 def _compile_inductor(gm: fx.GraphModule) -> Callable:

@@ -29,6 +29,7 @@ total, in one order), and each update reads the total.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,13 +41,23 @@ from zgraph.graph import GraphInput, GraphOutput
 from zgraph.runtime.pipeline_schedule import COMPUTE, Action, Kind, Schedule
 
 Feed = Callable[[GraphInput, int | None], Tensor]
+PART_OF = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad", Kind.W: "weight_grad"}
+"""The stage graph each compute action runs."""
 Divisor = Callable[[dict[int, Tensor]], Tensor | float]
 _TAG_SPAN = 1 << 12  # tensors one boundary may carry: a message's tag numbers its position below this
+CONSUMED: dict[str, frozenset[str]] = {
+    "forward": frozenset({"activation"}),
+    "backward": frozenset({"saved", "activation_grad"}),
+    "weight_grad": frozenset({"saved", "activation_grad", "partial"}),
+}
+"""The inputs of a stage graph the runner holds nowhere else once it runs it (by graph, then input kind): an eager
+graph lets each go after its last use (``input_grad``'s stay: its ``weight_grad`` reads them)."""
 
 
 @dataclass
 class Part:
-    """One compiled stage graph: ``run(inputs) -> outputs``, what each input and output is, the inputs' example
+    """One compiled stage graph: ``run(inputs) -> outputs`` (the eager backend's empties the list ``inputs`` as it
+    reads them: each input goes after its last use), what each input and output is, the inputs' example
     values (shapes and dtypes of what is received), the outputs that are their own input updated in place, the
     time it took to compile, and the backend that compiled it."""
 
@@ -136,8 +147,7 @@ class RankRunner:
         self.partial: dict[tuple[int, int], list[Tensor]] = {}
         self.sums: dict[tuple[int, str], Tensor] = {}  # by stage and gradient marker
         self.owned: set[tuple[int, str]] = set()  # the sums in the rank's own buffers (added into in place)
-        self.last: tuple[list, list] = ([], [])  # the last graph call's inputs and outputs
-        self.fresh: set[int] | None = None  # of those outputs, the ones sharing memory with nothing else (by id)
+        self.fresh: set[int] = set()  # the last graph call's outputs sharing memory with nothing else (by id)
         self.sends: list[tuple[dist.Work, Tensor]] = []
         self.wholes: dict[int, Tensor] = {}  # ZeRO stage 3: gathered parameters, by index, until the updates
         self.gathered: set[int] = set()
@@ -186,11 +196,18 @@ class RankRunner:
         outputs = part.run([self.feed(spec, None) for spec in part.inputs])
         self.wholes.update((role.index, value) for role, value in zip(part.outputs, outputs))
 
-    def _call(self, part: Part, mb: int, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
-        inputs = [given[s.kind][s.index] if s.kind in given else self._read(s, mb) for s in part.inputs]
-        outs = list(zip(part.outputs, part.run(inputs)))
-        self.last, self.fresh = (inputs, [v for _, v in outs]), None
-        return outs
+    def _call(self, part: Part, a: Action, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
+        """Run ``part`` for ``a`` on what it is ``given`` (by input kind) and reads of the state. The lists of the
+        kinds ``CONSUMED`` names are the rank's only hold on them: emptied, so that each tensor goes once the graph
+        has read it for the last time (an eager graph empties its input list as it reads it)."""
+        inputs = [given[s.kind][s.index] if s.kind in given else self._read(s, a.mb) for s in part.inputs]
+        first = any(r.kind == "grad_contribution" and (a.stage, r.name) not in self.sums for r in part.outputs)
+        roots = _roots(inputs) if first else None  # a first contribution's sum may be the contribution itself
+        for kind in CONSUMED.get(PART_OF[a.kind], ()):
+            given.get(kind, []).clear()
+        outputs = part.run(inputs)
+        self.fresh = set() if roots is None else _fresh(roots, outputs)
+        return list(zip(part.outputs, outputs))
 
     def _read(self, spec: GraphInput, mb: int) -> Tensor:
         whole = spec.kind == "param" and spec.layout == "full"
@@ -199,14 +216,14 @@ class RankRunner:
     def _forward(self, a: Action) -> None:
         part = self.stages[a.stage].forward
         received = self.inbox.pop(("F", a.stage, a.mb), [])
-        outs = self._call(part, a.mb, {"activation": received})
+        outs = self._call(part, a, {"activation": received})
         self._hand_on("F", a, [v for role, v in outs if role.kind == "activation"])
         self.saved[a.stage, a.mb] = [v for role, v in outs if role.kind == "saved"]
         self._collect(a, outs)
 
     def _backward(self, a: Action) -> None:
         given = {"saved": self.saved.pop((a.stage, a.mb)), "activation_grad": self.inbox.pop(("B", a.stage, a.mb), [])}
-        outs = self._call(self.stages[a.stage].backward, a.mb, given)
+        outs = self._call(self.stages[a.stage].backward, a, given)
         self._hand_on("B", a, [v for role, v in outs if role.kind == "activation_grad"])
         self._collect(a, outs)
 
@@ -214,7 +231,7 @@ class RankRunner:
         grads = self.inbox.pop(("B", a.stage, a.mb), [])
         self.kept[a.stage, a.mb] = grads
         given = {"saved": self.saved[a.stage, a.mb], "activation_grad": grads}
-        outs = self._call(self.stages[a.stage].input_grad, a.mb, given)
+        outs = self._call(self.stages[a.stage].input_grad, a, given)
         self._hand_on("B", a, [v for role, v in outs if role.kind == "activation_grad"])
         self.partial[a.stage, a.mb] = [v for role, v in outs if role.kind == "partial"]
         self._collect(a, outs)
@@ -222,7 +239,7 @@ class RankRunner:
     def _weight_grad(self, a: Action) -> None:
         key = (a.stage, a.mb)
         given = {"saved": self.saved.pop(key), "activation_grad": self.kept.pop(key), "partial": self.partial.pop(key)}
-        self._collect(a, self._call(self.stages[a.stage].weight_grad, a.mb, given))
+        self._collect(a, self._call(self.stages[a.stage].weight_grad, a, given))
 
     def _collect(self, a: Action, outs: list[tuple[GraphOutput, Tensor]]) -> None:
         """Sum gradient contributions; keep each micro-batch's results."""
@@ -233,7 +250,6 @@ class RankRunner:
                 self.results.counts[a.mb] = value
             elif role.kind == "user":
                 self.results.user.setdefault((a.stage, role.index), {})[a.mb] = value
-        self.last, self.fresh = ([], []), None
 
     def _accumulate(self, key: tuple[int, str], value: Tensor) -> None:
         """Add a micro-batch's contribution to ``key``'s sum, into the rank's own buffer: the first contribution
@@ -241,8 +257,6 @@ class RankRunner:
         never written) the second's sum, made out of place; the rest are added into it in place."""
         if key not in self.sums:
             self.sums[key] = value
-            if self.fresh is None:  # found once per call, where a first contribution needs it
-                self.fresh = _fresh(*self.last)
             if id(value) in self.fresh:
                 self.owned.add(key)
         elif key in self.owned:
@@ -352,7 +366,7 @@ class RankRunner:
                 inputs.append(self.handed[s][spec.index])
             else:
                 inputs.append(self.feed(spec, None))
-        return inputs, list(part.run(inputs))
+        return inputs, list(part.run(list(inputs)))  # ``inputs`` kept: what the outputs may alias
 
     def _stage_totals(self) -> dict[str, Tensor]:
         """Each value across stages (``zgraph.passes.stage_totals``: a global gradient norm's sum of powers, an
@@ -379,12 +393,14 @@ class RankRunner:
         return totals
 
 
-def _fresh(inputs: Sequence[object], outputs: Sequence[object]) -> set[int]:
-    """The ids of the tensors of ``outputs`` whose memory no input and no other output shares (by the tensor a view
-    is of): a graph made them afresh, so they may be written."""
-    roots: dict[int, int] = {}
-    for value in (*inputs, *outputs):
-        if isinstance(value, Tensor):
-            root = id(value._base if value._base is not None else value)
-            roots[root] = roots.get(root, 0) + 1
+def _roots(inputs: Sequence[object]) -> Counter[int]:
+    """How many of ``inputs`` are, or are views of, each tensor (by id)."""
+    return Counter(id(v._base if v._base is not None else v) for v in inputs if isinstance(v, Tensor))
+
+
+def _fresh(inputs: Counter[int], outputs: Sequence[object]) -> set[int]:
+    """The ids of the tensors of ``outputs`` whose memory no input (``inputs``: ``_roots`` of the graph's inputs,
+    taken before the call) and no other output shares (by the tensor a view is of): a graph made them afresh, so
+    they may be written."""
+    roots = inputs + _roots(outputs)
     return {id(v) for v in outputs if isinstance(v, Tensor) and roots[id(v._base if v._base is not None else v)] == 1}

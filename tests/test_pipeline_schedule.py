@@ -242,13 +242,13 @@ def test_a_rank_sums_gradient_contributions_without_writing_what_a_graph_returne
     the graph made it afresh (no input or other output shares its memory), which it then sums into."""
     import torch
 
-    from zgraph.runtime.pipeline_run import RankRunner, _fresh
+    from zgraph.runtime.pipeline_run import RankRunner, _fresh, _roots
 
     received = torch.ones(3)
     made, view_of_made = torch.full((3,), 2.0), torch.zeros(3, 1)
-    assert _fresh([received], [received, made, view_of_made.view(3), view_of_made]) == {id(made)}
+    assert _fresh(_roots([received]), [received, made, view_of_made.view(3), view_of_made]) == {id(made)}
     for first, owned in ((received, False), (made, True)):
-        runner = types.SimpleNamespace(sums={}, owned=set(), fresh=_fresh([received], [received, made]))
+        runner = types.SimpleNamespace(sums={}, owned=set(), fresh=_fresh(_roots([received]), [received, made]))
         before = first.clone()
         for value in (first, torch.full((3,), 3.0), torch.full((3,), 4.0)):
             RankRunner._accumulate(runner, (0, "g"), value)

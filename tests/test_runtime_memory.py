@@ -163,3 +163,41 @@ def test_keeping_freed_host_memory_stops_page_faults(how):
     if how == "mallopt":
         assert default > 10_000, f"64 MiB allocations should fault their pages in by default ({default})"
     assert kept < 100, f"with freed memory kept, allocating again should not fault ({kept} faults)"
+
+
+def test_an_input_the_caller_lets_go_is_freed_after_its_last_use():
+    """``run_consuming`` (a pipeline stage's graph on the eager backend) empties its input list as it reads it:
+    an input held nowhere else (a micro-batch's saved activations) is freed after the node that reads it last,
+    and ``liveness(consumed=...)`` predicts the bytes the run holds; the values are those of a plain call."""
+    from zgraph.runtime.executor import run_consuming
+
+    graph = fx.Graph()
+    saved, weight = graph.placeholder("saved"), graph.placeholder("weight")
+    scaled = graph.call_function(aten.mul.Tensor, (saved, 2.0))
+    summed = graph.call_function(aten.sum.dim_IntList, (scaled, [0]))
+    out = graph.call_function(aten.mul.Tensor, (summed, weight))
+    wide = graph.call_function(aten.expand.default, (out, [64, 256]))
+    big = graph.call_function(aten.mul.Tensor, (wide, 3.0))
+    graph.output((big,))
+    for node, shape in ((saved, (64, 256)), (weight, (256,)), (scaled, (64, 256)), (summed, (256,))):
+        node.meta["val"] = torch.empty(shape)
+    out.meta["val"], wide.meta["val"], big.meta["val"] = (
+        torch.empty(256),
+        torch.empty(256).expand(64, 256),
+        torch.empty(64, 256),
+    )
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    peaks = []
+    for consume in (False, True):
+        inputs = [torch.randn(64, 256, generator=torch.Generator().manual_seed(0)), torch.ones(256)]
+        tracker = LiveTensorBytes()
+        for t in inputs:
+            tracker.track(t)
+        with tracker:
+            (got,) = run_consuming(gm)(inputs) if consume else gm(*inputs)
+        assert inputs == [] if consume else len(inputs) == 2
+        peaks.append(tracker.peak)
+        want = (torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 2.0).sum(0) * 3.0
+        assert torch.equal(got, want.expand(64, 256))
+    assert peaks == [liveness(gm).peak_bytes, liveness(gm, consumed=[saved]).peak_bytes]
+    assert peaks[1] < peaks[0], "the saved input is gone before the last product is made"

@@ -39,7 +39,7 @@ from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
 from zgraph.passes.stage_totals import split_update
 from zgraph.runtime.consistency import describe_graph, digest
-from zgraph.runtime.executor import Executable
+from zgraph.runtime.executor import Executable, run_consuming
 from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
 from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
@@ -214,6 +214,8 @@ def _lowered(
     graphs[name] = final
     examples = [p.meta[VAL] for p in placeholders(final)]
     run, seconds, updated = executable.run, executable.compile_seconds, executable.updated_inputs
+    if executable.backend == "eager":
+        run = run_consuming(final)  # a stage's saved activations go as its backward reads them
     return Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend)
 
 

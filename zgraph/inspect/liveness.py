@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import sympy
@@ -186,11 +186,17 @@ def _waits(node: fx.Node, holding: tuple = _HOLD_INPUTS) -> list[fx.Node]:
     return [w for r in results for w in r.users if w.target is _WAIT]
 
 
-def liveness(gm: fx.GraphModule, device: str = "cpu", sizes: Mapping[str, int] | None = None) -> Liveness:
+def liveness(
+    gm: fx.GraphModule,
+    device: str = "cpu",
+    sizes: Mapping[str, int] | None = None,
+    consumed: Collection[fx.Node] = (),
+) -> Liveness:
     """Bytes alive after each node of ``gm`` and the peak (see the module docstring); ``device``: ``"cuda"``
     counts each storage as the CUDA caching allocator's block (``cuda_block_bytes``) and every collective as holding
     its inputs until its wait (NCCL's). ``sizes``: symbol name -> size, for a graph with symbolic sizes (others:
-    their hints)."""
+    their hints). ``consumed``: placeholders the caller holds nowhere else, alive until their last use (a pipeline
+    stage's saved activations, ``zgraph.runtime.pipeline_run.CONSUMED``)."""
     holding = _HOLD_INPUTS_NCCL if device == "cuda" else _HOLD_INPUTS
     nodes = list(gm.graph.nodes)
     of: dict[fx.Node, list[int]] = {}
@@ -206,7 +212,8 @@ def liveness(gm: fx.GraphModule, device: str = "cpu", sizes: Mapping[str, int] |
             if s < 0:
                 continue
             born.setdefault(s, 0 if node.op in ("placeholder", "get_attr") else i)
-            last[s] = end if node.op in ("placeholder", "get_attr") else max(last.get(s, i), i)
+            held = node.op in ("placeholder", "get_attr") and node not in consumed
+            last[s] = end if held else max(last.get(s, i), i)
         waited = max((index[w] for w in _waits(node, holding)), default=i)  # an all-gather's inputs: until its wait
         for arg in node.all_input_nodes:
             for s in of.get(arg, []):

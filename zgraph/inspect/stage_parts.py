@@ -24,11 +24,11 @@ from zgraph.compile.lower import lower
 from zgraph.graph import INPUT, OUTPUTS, STATE_KINDS, VAL, CostModel, output_node, placeholders, tensor_bytes
 from zgraph.inspect.liveness import Liveness, cuda_block_bytes, liveness
 from zgraph.passes import PassContext
+from zgraph.runtime.pipeline_run import CONSUMED, PART_OF
 from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
 from zgraph.runtime.timeline import CollectiveTotals, collective_totals
 from zgraph.runtime.timeline import estimate as timeline
 
-PART_OF = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad", Kind.W: "weight_grad"}
 PARTS = (*PART_OF.values(), "update")
 RESIDENT = (*STATE_KINDS, "input")  # graph inputs a rank holds all step anyway: model state and the batch
 _SENT = "sent, held until the step's end"
@@ -66,7 +66,9 @@ def measure(
     living in one, a weight's transpose a forward saves, is no memory of its own); ``crossing``: whether each
     group its collectives run on, by name, crosses nodes."""
     final = lower(gm, ctx, "eager", keep=False)[0][-1].gm
-    live = liveness(final, device)
+    kinds = CONSUMED.get(name.rsplit(".", 1)[-1], frozenset())  # the runner lets these go as the graph reads them
+    consumed = [p for p in placeholders(final) if p.meta[INPUT].kind in kinds and storage_of(p.meta[VAL]) not in held]
+    live = liveness(final, device, consumed=consumed)
     inputs = [(n.meta[INPUT].kind, n.meta[VAL]) for n in placeholders(final)]
     resident = sum(value_bytes(v, device) for kind, v in inputs if kind in RESIDENT or storage_of(v) in held)
     out = output_node(final)
