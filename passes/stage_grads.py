@@ -22,14 +22,18 @@ from zgraph.passes.pass_list import PassContext
 
 
 def stage_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Each ``grad_mean`` input of a stage's update graph read through a gradient marker of its parameter."""
+    """Each ``grad_mean`` input of a stage's update graph read through a gradient marker of its parameter, the
+    markers in input order after every input (as autograd's in a step's graph: a bucket of the collectives that
+    replace them, placed before the first use of any, then reads inputs made before it)."""
     mode = fake_mode(gm)
-    for node in placeholders(gm):
+    inputs = placeholders(gm)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node in inputs:
         spec = node.meta[INPUT]
         if spec.kind != "grad_mean":
             continue
         users = list(node.users)
-        marker = insert(gm, GRAD_CONTRIBUTION, (node, spec.index), after=node, phase=BACKWARD, mode=mode)
+        marker = insert(gm, GRAD_CONTRIBUTION, (node, spec.index), before=first, phase=BACKWARD, mode=mode)
         for user in users:
             user.replace_input_with(node, marker)
     return gm

@@ -38,6 +38,18 @@ def check_group_size(field: str, size: int | None, world_size: int) -> None:
         )
 
 
+def check_pipeline_groups(shard_group_size: int | None, pipeline_parallel: int, world: int | None) -> None:
+    """With pipelines, ``Config.shard_group_size`` (None: off) must divide the ``world / P`` ranks of each stage's
+    data-parallel group, whose ranks it counts (``ValueError`` naming both; nothing to check with ``world`` None)."""
+    data = world // pipeline_parallel if world is not None else 0
+    if shard_group_size is not None and data % shard_group_size:
+        raise ValueError(
+            f"Config.shard_group_size={shard_group_size} must divide the {data} ranks of each stage's data-parallel "
+            f"group (world size {world} / pipeline_parallel={pipeline_parallel}): with pipelines it counts ranks of "
+            f"that group, as FSDP2's HSDP shard dimension over the data-parallel dimension (use a divisor of {data})"
+        )
+
+
 def hybrid_group(
     parent: ProcessGroupInfo,
     *,

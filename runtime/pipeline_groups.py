@@ -10,10 +10,12 @@ ranks at the same place of every chain (``D x SP`` of them) run the same stages 
 group, over which their stages' gradients are reduced once per step. With ``SP = 1`` a chain is a pipeline of ``P``
 consecutive ranks; with ``SP = D = 1`` it is the step's group.
 
-ZeRO (stage 1 or 2) shards state within each place's data-parallel group: ``zero_within_stages`` makes that group
+ZeRO (stages 1 to 3) shards state within each place's data-parallel group: ``zero_within_stages`` makes that group
 the step group's shard axis, so the sharding plan (``zgraph.runtime.sharded_state``) cuts a stage's optimizer
-state (stage 2: its gradients) over the ``D`` ranks running it. With one pipeline there is nothing to shard over
-(``plan_stage``: the state is laid out as at stage 0).
+state (stage 2: its gradients, 3: its parameters) over the ``D`` ranks running it. With one pipeline there is
+nothing to shard over (``plan_stage``: the state is laid out as at stage 0). Hybrid sharding
+(``Config.shard_group_size=N``) cuts the data-parallel group as ``zgraph.runtime.hybrid`` cuts a step's group:
+shard groups of ``N`` consecutive members of ``data_ranks``, replicated across them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from zgraph.graph import Axis
+from zgraph.runtime.hybrid import hybrid_group
 from zgraph.runtime.process_group import ProcessGroupInfo, new_timed_group
 
 
@@ -83,17 +85,26 @@ def place_of(rank: int, pipeline_parallel: int, sequence: int | None) -> int:
 
 
 def zero_within_stages(
-    group: ProcessGroupInfo, pipeline_parallel: int | None, stage: int, timeout: float, sequence: int | None = None
+    group: ProcessGroupInfo,
+    pipeline_parallel: int | None,
+    stage: int,
+    timeout: float,
+    sequence: int | None = None,
+    shard_group_size: int | None = None,
 ) -> ProcessGroupInfo:
-    """``group`` with this rank's data-parallel group as its shard axis, where ZeRO shards state within each
-    stage's data-parallel group (``pipeline_parallel`` set, stage >= 1, several pipelines); else ``group``.
-    Collective as ``pipeline_groups`` (which makes the groups, once)."""
+    """``group`` with this rank's data-parallel group as ``data`` and its shard axis (hybrid sharding: the shard
+    and replicate groups ``hybrid_group`` makes within it), where ZeRO shards state within each stage's
+    data-parallel group (``pipeline_parallel`` set, stage >= 1, several pipelines); else ``group``. Collective as
+    ``pipeline_groups`` (which makes the groups, once) and ``hybrid_group``."""
     if pipeline_parallel is None or plan_stage(group, pipeline_parallel, stage) == 0:
         return group
     groups = pipeline_groups(group, pipeline_parallel, timeout, sequence)
     assert groups.data is not None
-    axis = Axis(size=len(groups.data_ranks), rank=groups.index, name=groups.data.group_name)
-    return dataclasses.replace(group, shard=axis)
+    data = ProcessGroupInfo(
+        groups.index, len(groups.data_ranks), groups.data.group_name, group.backend, ranks=groups.data_ranks
+    )
+    data = hybrid_group(data, shard_group_size=shard_group_size, secondary_group_size=None, timeout=timeout)
+    return dataclasses.replace(group, shard=data.shard_axis, replicate=data.replicate, data=data)
 
 
 def plan_stage(group: ProcessGroupInfo, pipeline_parallel: int | None, stage: int) -> int:

@@ -37,7 +37,9 @@ class ProcessGroupInfo:
     """The group a step's collectives run on (``group_name`` None: no group, one process).
 
     ``shard`` / ``replicate``: hybrid sharding's groups within it (``zgraph.runtime.hybrid``), ``secondary``:
-    hpZ's, ``sequence``: sequence parallelism's; None without them."""
+    hpZ's, ``sequence``: sequence parallelism's; None without them. ``data``: a pipelined step's at ZeRO >= 1, this
+    rank's stage data-parallel group (with its own ``shard`` / ``replicate``, which this group's are), within which
+    state is sharded (``zgraph.runtime.pipeline_groups.zero_within_stages``)."""
 
     rank: int
     world_size: int
@@ -48,6 +50,7 @@ class ProcessGroupInfo:
     replicate: Axis | None = None
     secondary: Axis | None = None
     sequence: Axis | None = None
+    data: ProcessGroupInfo | None = None
 
     @property
     def distributed(self) -> bool:
@@ -230,11 +233,12 @@ def device_mesh(device_type: str, world_size: int, subgroup: str | None = None) 
 
 
 def hybrid_mesh(device_type: str, group: ProcessGroupInfo) -> object:
-    """The 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of hybrid sharding over ``group``: its rows are the
-    shard groups. Its tensors are ``(Replicate(), Shard(0))`` DTensors, as FSDP2's HSDP makes them. Held weakly,
-    as ``device_mesh``'s."""
+    """The 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of hybrid sharding over ``group`` (a pipelined step's:
+    over its stage's data-parallel group, ``group.data``): its rows are the shard groups. Its tensors are
+    ``(Replicate(), Shard(0))`` DTensors, as FSDP2's HSDP makes them. Held weakly, as ``device_mesh``'s."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    group = group.data or group
     assert group.shard is not None and group.replicate is not None
     key = (device_type, group.world_size, group.shard.name, group.replicate.name)
     mesh = _MESHES.get(key)

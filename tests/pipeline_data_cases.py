@@ -28,9 +28,12 @@ P = 2
 SGD_LR = 0.1
 
 
-def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) -> dict:
-    """``steps`` steps of eager on the whole batch and of the pipelined step (ZeRO ``stage``) on this rank's
-    pipeline's rows; the sizes of the all-reduces the last step issued, the reduce-scatters its update graphs run."""
+def train(
+    rank: int, world: int, microbatches: int, steps: int, stage: int = 0, shard_group_size: int | None = None
+) -> dict:
+    """``steps`` steps of eager on the whole batch and of the pipelined step (ZeRO ``stage``, hybrid sharding's
+    ``shard_group_size``) on this rank's pipeline's rows; the sizes of the all-reduces the last step issued, the
+    reduce-scatters its update graphs run (stage 3 or hybrid: the functional collectives the last step ran)."""
     eager_model, tracker = Net(), LiveTensorBytes() if stage == 3 else contextlib.nullcontext()
     with tracker:  # stage 3: what the pipelined model's state and steps leave alive
         model = copy.deepcopy(eager_model)
@@ -43,13 +46,15 @@ def train(rank: int, world: int, microbatches: int, steps: int, stage: int = 0) 
         microbatches=microbatches,
         stage=stage,
         param_persistence_threshold=0,  # stage 3: every parameter of the tiny model sharded
+        shard_group_size=shard_group_size,
     )
     compiled = zgraph.distribute(config)(step)
     want, got, sizes, comm = [], [], [], FunctionalCollectives()
     for i, batch in enumerate(batches()[:steps]):
         want.append(step(eager_model, eager_opt, *batch))
         last = i == steps - 1
-        with tracker, counted(sizes if last else []), comm if last and stage == 3 else contextlib.nullcontext():
+        counts = last and (stage == 3 or shard_group_size is not None)
+        with tracker, counted(sizes if last else []), comm if counts else contextlib.nullcontext():
             loss = compiled(model, opt, *zgraph.pipeline_batch(batch, P))
         got.append(loss.clone())  # not counted as the pipelined model's
         del loss
@@ -164,6 +169,14 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
 def stage_three(rank: int, world: int) -> list[dict]:
     """ZeRO 3 within each stage's data-parallel group: 3 steps with 2 micro-batches, 2 with 4."""
     return all_gather_values([train(rank, world, 2, steps=3, stage=3), train(rank, world, 4, steps=2, stage=3)])
+
+
+def hybrid_degenerate(rank: int, world: int) -> list[dict]:
+    """Hybrid sharding within stages at its two ends (issue 42, item 2): ``shard_group_size=1`` at ZeRO 2 (shard
+    groups of one rank, the state replicated across the data-parallel group), 3 steps, and ``shard_group_size=2``
+    (the whole data-parallel group: plain ZeRO) at ZeRO 1, 2 steps."""
+    runs = [train(rank, world, 2, steps=3, stage=2, shard_group_size=1)]
+    return all_gather_values([*runs, train(rank, world, 2, steps=2, stage=1, shard_group_size=2)])
 
 
 def zero_clipped(rank: int, world: int) -> list[dict]:

@@ -23,7 +23,7 @@ def four_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
-    cases = ["two_by_two", "zero_within_stages", "stage_three", "zero_clipped", "reduced_in_bf16"]
+    cases = ["two_by_two", "zero_within_stages", "stage_three", "hybrid_degenerate", "zero_clipped", "reduced_in_bf16"]
     cases += ["pipeline_by_sequence", "pipeline_by_sequence_refused"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
@@ -157,6 +157,23 @@ def test_the_estimate_at_zero_3_gives_the_state_each_rank_holds_and_the_collecti
     top = int(estimate.peak_node.split()[1])  # "rank R of the pipeline: ..."
     gathered = dict(estimate.alive_at_peak)["whole parameters gathered for the rank's stages, held until the updates"]
     assert gathered == padded(runs[top]["owned"]) and "parameters gathered whole" in estimate.peak_node
+
+
+def test_hybrid_sharding_of_one_rank_replicates_and_of_the_whole_group_is_plain_zero(four_ranks):
+    """P=2 x D=2: ``shard_group_size=1`` (ZeRO 2) keeps each stage's whole optimizer state on its ranks, reduces
+    its gradients by a reduce-scatter over one rank and an all-reduce across the two; ``shard_group_size=2`` (ZeRO
+    1) shards it over the data-parallel group as without it (a quarter per rank, no all-reduce across groups); both
+    equal eager after the steps."""
+    for replicated, plain in four_ranks["hybrid_degenerate"]:
+        for r in (replicated, plain):
+            torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
+            assert r["distance"] < 1e-6 and r["whole"] < 1e-6 and r.get("loaded", 0.0) < 1e-6, r
+        whole_stage = replicated["eager_optimizer"] / 2
+        assert whole_stage * 0.9 < replicated["optimizer"] < whole_stage * 1.1, replicated
+        assert replicated["comm"] == {"all_to_all_single": 1, "all_reduce_": 1, "all_gather_into_tensor_coalesced": 1}
+        assert plain["optimizer"] < plain["eager_optimizer"] / 4 * 1.1, plain
+        assert "all_reduce_" not in plain["comm"] and plain["reduce_scatters"] == [1], plain
+        assert any(line.startswith("ZeRO within each stage: a stage's") for line in plain["sharding"]), plain
 
 
 def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(four_ranks):

@@ -237,6 +237,7 @@ def test_cli_prints_the_stage_3_figures(capsys):
         (["--microbatches", "4"], "--microbatches is a pipeline option: add --pipeline-parallel P"),
         (["--pipeline-parallel", "3"], "--pipeline-parallel 3 must be positive and divide --world 4"),
         (["--pipeline-parallel", "2", "--budget", "1GiB"], "does not combine with --budget yet"),
+        (["--pipeline-parallel", "2", "--shard-group-size", "2"], "does not combine with shard_group_size yet"),
     ],
 )
 def test_cli_bad_pipeline_input_is_one_line_and_status_1(capsys, argv, says):

@@ -79,16 +79,16 @@ class Config(DeprecatedNames):
     (all-gathered around their uses). Default 0."""
 
     shard_group_size: int | None = None
-    """Hybrid sharding (FSDP2's HSDP, a 2-D mesh): ranks per shard group. State is sharded, as the stage says,
-    within groups of this many consecutive ranks (a node's, typically) and replicated across the groups:
-    gradients are reduce-scattered within the group and their shards all-reduced across groups; parameters are
-    all-gathered within the group only. It must divide the world size. None (default): one group of every rank."""
+    """Hybrid sharding (FSDP2's HSDP): ranks per shard group. State is sharded, as the stage says, within groups of
+    this many consecutive ranks (a node's, typically), replicated across them: gradients reduce-scattered within a
+    group, their shards all-reduced across groups; parameters gathered within it. It must divide the world size; with
+    ``pipeline_parallel=P``, ``world / P``: it counts ranks of a stage's data-parallel group (ranks p, p+P, ...)."""
 
     secondary_shard_group_size: int | None = None
     """Stage 3: ZeRO++'s hierarchical partitioning (hpZ; DeepSpeed's ``zero_hpz_partition_size``). Parameters stay
     sharded across every rank; each forward all-gather leaves a secondary shard cut across groups of this many
     consecutive ranks, which the backward re-gathers within the group (the ``secondary_shards`` pass). It must
-    divide the world size; not with ``shard_group_size``. None (default): off."""
+    divide the world size; not with ``shard_group_size`` or pipelines (nothing re-gathers there). None: off."""
 
     cross_group_dtype: torch.dtype | None = field(default=None, metadata=_pass_option("cross_group_dtype"))
     """``torch.bfloat16`` or ``torch.float16``: collectives between groups run in it (ZeRO++'s qgZ / qwZ in spirit):

@@ -17,7 +17,7 @@ from torch import nn
 
 from zgraph.passes import Pass, PassContext
 from zgraph.passes.remat import POLICIES as REMAT_POLICIES
-from zgraph.runtime.hybrid import check_group_size
+from zgraph.runtime.hybrid import check_group_size, check_pipeline_groups
 from zgraph.runtime.pipeline_schedule import build_schedule
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -358,7 +358,7 @@ def check_pipeline(config: Any) -> None:
         )
     unsupported = {
         "stage": config.stage == 3 and config.sequence_parallel is not None,
-        "shard_group_size": config.shard_group_size is not None,
+        "shard_group_size": config.shard_group_size is not None and config.sequence_parallel is not None,
         "secondary_shard_group_size": config.secondary_shard_group_size is not None,
         "offload_optimizer": config.offload_optimizer is not None,
         "offload_params": config.offload_params is not None,
@@ -368,12 +368,13 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            "run at ZeRO stage 0 to 3 within each stage's data-parallel group (0 to 2 with sequence parallelism), "
-            "without hybrid sharding (hpZ included) or offload"
+            "run at ZeRO 0-3 within each stage's data-parallel group (0-2 with sequence parallelism; hybrid sharding "
+            "without it), without offload or hpZ (parameters are gathered once a step and kept: no re-gather to serve)"
         )
     world = known_world_size()
     if world is not None and world % (p * (config.sequence_parallel or 1)):
         raise ValueError(pipeline_world_error(p, world, config.sequence_parallel))
+    check_pipeline_groups(config.shard_group_size, p, world)
 
 
 def pipeline_world_error(p: int, world: int, sequence_parallel: int | None = None) -> str:

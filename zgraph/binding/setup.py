@@ -30,7 +30,7 @@ from zgraph.runtime.devices import allocation_device, check_served, served_backe
 from zgraph.runtime.host_memory import keep_freed_host_memory
 from zgraph.runtime.host_state import check_host_memory, check_overlap, home_device, host_parameters, move_to_host
 from zgraph.runtime.host_update import HostRunner
-from zgraph.runtime.hybrid import hybrid_group
+from zgraph.runtime.hybrid import check_pipeline_groups, hybrid_group
 from zgraph.runtime.meta_init import (
     MetaInitError,
     Routes,
@@ -162,19 +162,24 @@ def _first_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, config: 
 def step_groups(group: ProcessGroupInfo, config: Config) -> ProcessGroupInfo:
     """``group`` with the groups ``config`` asks for made (hybrid sharding's, hpZ's, sequence parallelism's, a
     pipelined step's at ZeRO stage >= 1): collective, on every rank of ``group`` at the same point (right after
-    ``timed_group``). A pipelined step's ``P x SP`` must divide the group (``ValueError``, before any group)."""
+    ``timed_group``). A pipelined step's ``P x SP`` must divide the group, and its hybrid sharding's group size
+    each stage's data-parallel group (``ValueError``, before any group): it makes its hybrid groups within that
+    group (``zero_within_stages``)."""
     p, sp = config.pipeline_parallel, config.sequence_parallel
     if p is not None and group.world_size % (p * (sp or 1)):
         raise ValueError(pipeline_world_error(p, group.world_size, sp))
+    if p is not None and group.distributed:
+        check_pipeline_groups(config.shard_group_size, p, group.world_size)
+    shard = config.shard_group_size if p is None else None
     group = hybrid_group(
         group,
-        shard_group_size=config.shard_group_size,
+        shard_group_size=shard,
         secondary_group_size=config.secondary_shard_group_size,
         timeout=config.collective_timeout,
         sequence_parallel=config.sequence_parallel,
     )
     timeout, sequence = config.collective_timeout, config.sequence_parallel
-    return zero_within_stages(group, config.pipeline_parallel, config.stage, timeout, sequence)
+    return zero_within_stages(group, p, config.stage, timeout, sequence, config.shard_group_size)
 
 
 def meta_source(binding: Binding, group: ProcessGroupInfo, channel: Channel | None) -> str | None:

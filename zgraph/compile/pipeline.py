@@ -88,6 +88,7 @@ def compile_pipeline(
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
     program.update_reduces = zero is not None
+    program.shard_ranks = _shard_ranks(binding.plan.group)
     program.totals = [
         (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
     ]
@@ -149,16 +150,26 @@ def _parts(stage: StageRun) -> list[Part]:
 
 def _zero_passes(config: Config, binding: Binding) -> tuple[PassContext, list[Pass]] | None:
     """At ZeRO stage >= 1 with several pipelines, what the update graphs run before lowering (``stage_grads``):
-    the context of this rank's stage's data-parallel group and the config's ZeRO passes (at stage 3
-    ``shard_params``: the update reads and writes the parameters' shards); else None."""
+    the context of this rank's stage's data-parallel group (with hybrid sharding's shard and replicate groups
+    within it) and the config's ZeRO passes (at stage 3 ``shard_params``: the update reads and writes the
+    parameters' shards); else None."""
     plan = binding.plan
-    if plan.stage == 0 or plan.group.shard is None:
+    data = plan.group.data
+    if plan.stage == 0 or data is None:
         return None
-    axis = plan.group.shard
     whole = pass_context(binding)
-    ctx = dataclasses.replace(whole, world_size=axis.size, rank=axis.rank, group_name=axis.name, shard_group=None)
+    group = dict(world_size=data.world_size, rank=data.rank, group_name=data.group_name)
+    ctx = dataclasses.replace(whole, **group, shard_group=data.shard, replicate_group=data.replicate)
     passes = [p for p in config.passes() if p.name in PASSES_ON_THE_UPDATE]
     return ctx, [Pass("stage_grads", stage_grads, requires={"phases"}), *passes]
+
+
+def _shard_ranks(group: ProcessGroupInfo) -> tuple[int, ...]:
+    """With hybrid sharding within stages, the global ranks of this rank's shard group; else ()."""
+    data = group.data
+    if data is None or data.replicate is None or data.shard is None:
+        return ()
+    return tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(data.shard.name)))
 
 
 def _compile_stage(

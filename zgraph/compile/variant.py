@@ -56,6 +56,7 @@ class PipelineCompiled:
     count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
+    shard_ranks: tuple[int, ...] = ()  # hybrid sharding within stages: this rank's shard group's global ranks
     totals: list[tuple[GraphInput, Tensor]] = field(default_factory=list)  # values across stages, with examples
     # the ``.grad`` and optimizer state other ranks' stages' updates write (``zero_grad(set_to_none=False)``, state
     # an optimizer makes in its first step, as SGD's momentum buffers), with their shapes and dtypes

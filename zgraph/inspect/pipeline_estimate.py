@@ -42,6 +42,7 @@ from zgraph.config import Config
 from zgraph.graph import INPUT, VAL, CostModel, placeholders, shard_rows
 from zgraph.inspect.liveness import cuda_block_bytes
 from zgraph.inspect.model_state import StatePiece, state_totals
+from zgraph.inspect.shadow import EstimateError
 from zgraph.inspect.stage_parts import PART_OF, PARTS, RESIDENT, StagePart, measure, storage_of, value_bytes, walk
 from zgraph.inspect.stage_zero import ZERO_GROUP, zero_context, zero_gather, zero_update
 from zgraph.passes import PassContext
@@ -140,6 +141,8 @@ def pipeline_figures(
 ) -> PipelineFigures:
     """The figures of a pipeline: ``cut``, the graph ``stage_cut`` stamped; ``every``, its stage graphs;
     ``pieces``, the step's model state (module docstring)."""
+    if config.shard_group_size is not None:  # a stage's data-parallel group is planned whole (``zero_context``)
+        raise EstimateError("step.estimate of a pipelined step does not combine with shard_group_size yet")
     plan: StagePlan = cut.meta[STAGE_PLAN]
     pipelines = planned.world // schedule.ranks
     sharded = {p.index for p in ctx.params if not p.persistent} if config.stage >= 3 else set()

@@ -64,6 +64,15 @@ def _sharding_lines(program: PipelineCompiled) -> list[str]:
         if spec.layout == "shard"
     }
     what = " and ".join(_SHARDED[k] for k in _SHARDED if k in kinds) or "nothing"
+    shard = program.shard_ranks
+    if shard:
+        return [
+            f"  ZeRO within each stage, hybrid: a stage's {what} sharded over the {len(shard)} ranks of its shard "
+            f"group (here global ranks {list(shard)}) and replicated across the {peers.pipelines // len(shard)} shard "
+            f"groups of its data-parallel group (global ranks {list(peers.data_ranks)}); its update graph "
+            "reduce-scatters the gradient sums within the shard group and all-reduces the shards across the groups "
+            "once per step (the lines `buckets of stageN.update`)"
+        ]
     return [
         f"  ZeRO within each stage: a stage's {what} sharded over the {peers.pipelines} ranks of its data-parallel "
         f"group (here global ranks {list(peers.data_ranks)}); its update graph reduce-scatters the gradient sums "
