@@ -229,13 +229,15 @@ def reduced_in_bf16(rank: int, world: int) -> list[dict]:
 
 def pipeline_by_sequence(rank: int, world: int) -> list[dict]:
     """P=2 x SP=2: sequence_cases' GPT (attention in each of its 2 blocks), 3 SGD steps on each rank's slice of the
-    global batch's sequences (``zgraph.pipeline_batch(..., sequence_parallel=2)``), 2 micro-batches, ZeRO 0 and
-    1, and at ZeRO 0 with labels shifted over the whole sequence, its last position ignored (``-100``: the slices
-    count different numbers of labels), against eager on the whole batch: the losses, the largest distance of the
-    parameters (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, and the
-    sequence all-to-alls in its stage graphs. SGD: linear in the gradients, so the float noise in the key bias's
-    gradient (zero in exact arithmetic: softmax ignores a shift of every key) stays small; Adam would scale it up."""
-    runs = [(0, "gpt"), (1, "gpt"), (0, "llama")]  # sequence_cases.batches: "llama" labels are shifted, -100 last
+    global batch's sequences (``zgraph.pipeline_batch(..., sequence_parallel=2)``), 2 micro-batches, ZeRO 0, 1
+    and 3, and at ZeRO 0 with labels shifted over the whole sequence, its last position ignored (``-100``: the
+    slices count different numbers of labels), against eager on the whole batch: the losses, the largest distance
+    of the parameters (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, the
+    sequence all-to-alls in its stage graphs, and (stage 3) the all-gathers in each stage graph, the functional
+    collectives the last step ran and the parameter bytes each rank holds. SGD: linear in the gradients, so the
+    float noise in the key bias's gradient (zero in exact arithmetic: softmax ignores a shift of every key) stays
+    small; Adam would scale it up."""
+    runs = [(0, "gpt"), (1, "gpt"), (0, "llama"), (3, "gpt")]  # sequence_cases.batches: "llama" labels are shifted
     return all_gather_values([_by_sequence(stage, labels) for stage, labels in runs])
 
 
@@ -244,17 +246,27 @@ def _by_sequence(stage: int, labels: str) -> dict:
     eager_opt = torch.optim.SGD(eager.parameters(), lr=SGD_LR)
     want = [float(sc.train_step(eager, eager_opt, *b)) for b in sc.batches(labels)]
     opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    config = zgraph.Config(backend="eager", pipeline_parallel=P, sequence_parallel=2, microbatches=2, stage=stage)
+    config = zgraph.Config(
+        backend="eager", pipeline_parallel=P, sequence_parallel=2, microbatches=2, stage=stage,
+        param_persistence_threshold=0,  # stage 3: every parameter of the tiny model sharded
+    )  # fmt: skip
     compiled = zgraph.distribute(config)(sc.train_step)
-    got = [float(compiled(model, opt, *zgraph.pipeline_batch(b, P, sequence_parallel=2))) for b in sc.batches(labels)]
+    got, comm, steps = [], FunctionalCollectives(), sc.batches(labels)
+    for i, b in enumerate(steps):
+        with comm if i == len(steps) - 1 else contextlib.nullcontext():  # the last step's
+            got.append(float(compiled(model, opt, *zgraph.pipeline_batch(b, P, sequence_parallel=2))))
     owned = [role.name for name, gm in compiled.graphs.items() if name.endswith(".update") for role in _params(gm)]
     sequence_ops = (torch.ops.zgraph.seq_to_heads.default, torch.ops.zgraph.heads_to_seq.default)
     exchanges = {name: sum(n.target in sequence_ops for n in gm.graph.nodes) for name, gm in compiled.graphs.items()}
     full = zgraph.full_state_dict(model)
     distance = max((full[k] - v).abs().max().item() for k, v in eager.state_dict().items())
-    explained = next(line for line in compiled.explain().splitlines() if line.startswith("pipeline:"))
+    lines = compiled.explain().splitlines()
+    explained = next(line for line in lines if line.startswith("pipeline:"))
+    sharding = "\n".join(line for line in lines if line.startswith("  ZeRO within"))
+    gathers = {n: _all_gathers(gm) for n, gm in compiled.graphs.items() if re.match(r"stage\d+\.", n)}
     return {"got": got, "want": want, "distance": distance, "owned": owned, "exchanges": exchanges,
-            "explained": explained}  # fmt: skip
+            "explained": explained, "sharding": sharding, "gathers": gathers, "comm": comm.counts,
+            "params": state_bytes(model)["params"], "eager_params": state_bytes(eager)["params"]}  # fmt: skip
 
 
 def pipeline_by_sequence_refused(rank: int, world: int) -> list[str]:

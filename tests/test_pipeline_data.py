@@ -220,14 +220,14 @@ def test_explain_and_the_estimate_give_the_state_sharded_within_each_stage(four_
     assert estimate.comm_bytes["reduce_scatter_tensor"] == padded(runs[0]["owned"])
 
 
-BY_SEQUENCE = {"stage 0": 0, "stage 1": 1, "stage 0, uneven labels per slice": 2}
+BY_SEQUENCE = {"stage 0": 0, "stage 1": 1, "stage 0, uneven labels per slice": 2, "stage 3": 3}
 
 
 @pytest.mark.parametrize("run", list(BY_SEQUENCE))
 def test_two_stages_of_two_sequence_parallel_ranks_equal_eager_on_the_whole_batch(four_ranks, run):
     """P=2 x SP=2 (ranks 0, 1: stage 0; ranks 2, 3: stage 1; ranks 0 and 2, 1 and 3 a chain of sends), a GPT on each
-    rank's slice of the sequences: losses and every parameter after 3 steps as eager's on the whole batch, at ZeRO 0
-    and 1 (over the stage's two sequence ranks), and with the last position's label ignored (the cross_entropy
+    rank's slice of the sequences: losses and every parameter after 3 steps as eager's on the whole batch, at ZeRO 0,
+    1 and 3 (over the stage's two sequence ranks), and with the last position's label ignored (the cross_entropy
     mean's count differs between slices); each stage's forward and backward run attention's all-to-alls."""
     runs = [rank[BY_SEQUENCE[run]] for rank in four_ranks["pipeline_by_sequence"]]
     for r in runs:
@@ -243,6 +243,24 @@ def test_two_stages_of_two_sequence_parallel_ranks_equal_eager_on_the_whole_batc
         assert r["explained"].endswith(
             f"this is rank {rank // 2} of the chain of global ranks {chain}, one of 2 (1 pipelines x 2 sequence slices)"
         ), r["explained"]
+
+
+def test_zero_3_with_sequence_parallelism_shards_over_the_stages_sequence_ranks_and_gathers_once_per_step(four_ranks):
+    """P=2 x SP=2 at ZeRO 3: a stage's parameters are sharded over its place's data-parallel group, the D x SP ranks
+    running it (here its 2 sequence ranks; as DeepSpeed's ZeRO-3 with Ulysses shards over data x sequence ranks), so
+    each rank holds a quarter (1 / (P x SP)) of the parameters between steps; each stage all-gathers them once per
+    step (its gather graph, one bucket; no other stage graph gathers) and reduce-scatters its gradient sums once
+    (on gloo an ``all_to_all_single``); attention's all-to-alls are ``zgraph`` ops, not counted here."""
+    runs = [rank[BY_SEQUENCE["stage 3"]] for rank in four_ranks["pipeline_by_sequence"]]
+    for rank, r in enumerate(runs):
+        assert r["params"] < r["eager_params"] / 4 * 1.1, (r["params"], r["eager_params"])
+        assert {n: c for n, c in r["gathers"].items() if c} == {f"stage{rank // 2}.gather": 1}, r["gathers"]
+        assert r["comm"] == {"all_gather_into_tensor_coalesced": 1, "all_to_all_single": 1}, r["comm"]
+        ranks = [rank - rank % 2, rank - rank % 2 + 1]
+        assert (
+            f"parameters sharded over the 2 ranks of its data-parallel group (here global ranks {ranks})"
+            in r["sharding"]
+        ), r["sharding"]
 
 
 def test_pipeline_by_sequence_that_does_not_divide_the_world_is_refused(four_ranks):

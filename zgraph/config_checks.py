@@ -357,7 +357,6 @@ def check_pipeline(config: Any) -> None:
             f"stages; got {len(config.pipeline_split)}"
         )
     unsupported = {
-        "stage": config.stage == 3 and config.sequence_parallel is not None,
         "shard_group_size": config.shard_group_size is not None and config.sequence_parallel is not None,
         "secondary_shard_group_size": config.secondary_shard_group_size is not None,
         "offload_optimizer": config.offload_optimizer is not None,
@@ -368,7 +367,7 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            "run at ZeRO 0-3 within each stage's data-parallel group (0-2 with sequence parallelism; hybrid sharding "
+            "run at ZeRO 0-3 within each stage's data-parallel group (sequence parallelism included; hybrid sharding "
             "without it), without offload or hpZ (parameters are gathered once a step and kept: no re-gather to serve)"
         )
     world = known_world_size()
