@@ -168,7 +168,12 @@ def measured_costs(ranks: list[dict[str, Any]], places: int) -> list[dict]:
     for place in range(places):
         spans = [Span(*s) for r in ranks if r["rank"] % places == place for step in r["spans"] for s in step]
         kinds = {s.kind for s in spans}
-        costs.append({Kind[k]: statistics.median(s.end - s.start for s in spans if s.kind == k) for k in kinds})
+        cost = {Kind[k]: statistics.median(s.end - s.start for s in spans if s.kind == k) for k in kinds}
+        if Kind.W in cost and Kind.I not in cost and Kind.B in cost:  # torch's zero bubble: its B is the I half
+            cost[Kind.I] = cost[Kind.B]
+        if Kind.I in cost and Kind.W in cost:
+            cost.setdefault(Kind.B, cost[Kind.I] + cost[Kind.W])
+        costs.append(cost)
     return costs
 
 

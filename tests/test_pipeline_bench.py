@@ -65,3 +65,7 @@ def test_measured_action_times_per_stage_place():
     costs = pipeline.measured_costs(ranks, 2)
     assert costs == [{Kind.F: 1.0, Kind.B: 3.0}, {Kind.F: 2.0, Kind.B: 4.0}]
     assert pipeline.predicted_bubble("1f1b", 2, 4, 1, costs) > pipeline.predicted_bubble("1f1b", 2, 4, 1)
+    # torch's zero bubble times its input-gradient half as its backward ("B"), then "W"
+    split = [{"rank": 0, "spans": [[["F", 0.0, 1.0, 0.0], ["B", 1.0, 2.0, 0.0], ["W", 2.0, 3.0, 0.0]]]}]
+    assert pipeline.measured_costs(split, 1) == [{Kind.F: 1.0, Kind.I: 1.0, Kind.W: 1.0, Kind.B: 1.0}]
+    assert pipeline.predicted_bubble("zb_h1", 1, 2, 1, pipeline.measured_costs(split, 1)) == 0.0
