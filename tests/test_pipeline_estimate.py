@@ -75,24 +75,24 @@ def test_pipelines_over_more_ranks_all_reduce_each_stages_gradients_once():
 
 
 def test_zero_3_within_stages_holds_shards_and_gathers_each_stage_once():
-    """P=2 x D=2 at ZeRO 3 (issue 42, item 4): each stage's parameters and AdamW state as their padded dim-0 shards
-    over its 2 data-parallel ranks (0-d ``step`` whole); per step, on each rank, one all-gather of its stage's
-    parameters (their padded whole) and one reduce-scatter of its gradient sums, whatever M is; its peak holds the
-    whole parameters from the gather to the update. With ``param_persistence_threshold`` over every parameter's
-    size no stage gathers and the parameters are held whole, as at stage 2."""
-    for m in (2, 4):
-        e, model = estimate(world=4, pipeline_parallel=2, microbatches=m, stage=3, param_persistence_threshold=0)
-        for s in e.stages:
-            params = stage_parameters(model, s, 2)
-            shards = sum(-(-q.shape[0] // 2) * q[0].numel() * 4 for q in params)
-            assert s.model_state_bytes["params"] == shards
-            assert s.model_state_bytes["optimizer"] == 2 * shards + 4 * len(params)
-        first = stage_parameters(model, e.stages[0], 2)  # the larger stage: rank 0 sends the most
-        whole = sum(-(-q.shape[0] // 2) * 2 * q[0].numel() * 4 for q in first)
-        assert e.comm_count == {"send": m, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
-        assert e.comm_bytes["all_gather_into_tensor"] == e.comm_bytes["reduce_scatter_tensor"] == whole
-        alive = dict(e.alive_at_peak)
-        assert "whole parameters gathered for the rank's stages, held until the updates" in alive, alive
+    """P=2 x D=2 at ZeRO 3 (issue 42, item 4), M=4: each stage's parameters and AdamW state as their padded dim-0
+    shards over its 2 data-parallel ranks (0-d ``step`` whole); per step, on each rank, one all-gather of its
+    stage's parameters (their padded whole) and one reduce-scatter of its gradient sums, not one per micro-batch
+    (the run's own at M=2 and 4: tests/test_pipeline_data.py); its peak holds the whole parameters from the gather
+    to the update. With ``param_persistence_threshold`` over every parameter's size no stage gathers and the
+    parameters are held whole, as at stage 2."""
+    e, model = estimate(world=4, pipeline_parallel=2, microbatches=4, stage=3, param_persistence_threshold=0)
+    for s in e.stages:
+        params = stage_parameters(model, s, 2)
+        shards = sum(-(-q.shape[0] // 2) * q[0].numel() * 4 for q in params)
+        assert s.model_state_bytes["params"] == shards
+        assert s.model_state_bytes["optimizer"] == 2 * shards + 4 * len(params)
+    first = stage_parameters(model, e.stages[0], 2)  # the larger stage: rank 0 sends the most
+    whole = sum(-(-q.shape[0] // 2) * 2 * q[0].numel() * 4 for q in first)
+    assert e.comm_count == {"send": 4, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+    assert e.comm_bytes["all_gather_into_tensor"] == e.comm_bytes["reduce_scatter_tensor"] == whole
+    alive = dict(e.alive_at_peak)
+    assert "whole parameters gathered for the rank's stages, held until the updates" in alive, alive
     two, _ = estimate(world=4, pipeline_parallel=2, microbatches=2, stage=2)
     with pytest.warns(RuntimeWarning, match="stage 3 shards no parameter"):
         kept, _ = estimate(world=4, pipeline_parallel=2, microbatches=2, stage=3)  # the default threshold: 100000

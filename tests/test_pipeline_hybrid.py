@@ -9,6 +9,7 @@ import pytest
 import torch
 from pipeline_cases import Net
 
+pytestmark = pytest.mark.eight_ranks  # outside the default suite (its groups have 2 and 4 ranks): .ci/run runs it
 PARAMS = [name for name, _ in Net().named_parameters()]
 P, N = 2, 2
 
