@@ -56,8 +56,9 @@ graph lets each go after its last use (``input_grad``'s stay: its ``weight_grad`
 
 @dataclass
 class Part:
-    """One compiled stage graph: ``run(inputs) -> outputs`` (the eager backend's empties the list ``inputs`` as it
-    reads them: each input goes after its last use), what each input and output is, the inputs' example
+    """One compiled stage graph: ``run(inputs) -> outputs`` (on the eager backend, that of a graph ``CONSUMED``
+    names empties the list ``inputs`` as it reads them: each input goes after its last use), what each input and
+    output is, the inputs' example
     values (shapes and dtypes of what is received), the outputs that are their own input updated in place, the
     time it took to compile, and the backend that compiled it."""
 
@@ -366,7 +367,7 @@ class RankRunner:
                 inputs.append(self.handed[s][spec.index])
             else:
                 inputs.append(self.feed(spec, None))
-        return inputs, list(part.run(list(inputs)))  # ``inputs`` kept: what the outputs may alias
+        return inputs, list(part.run(inputs))
 
     def _stage_totals(self) -> dict[str, Tensor]:
         """Each value across stages (``zgraph.passes.stage_totals``: a global gradient norm's sum of powers, an

@@ -41,7 +41,7 @@ from zgraph.passes.stage_totals import split_update
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable, run_consuming
 from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
-from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
+from zgraph.runtime.pipeline_run import CONSUMED, Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import release_other_stages, released_state
@@ -225,7 +225,7 @@ def _lowered(
     graphs[name] = final
     examples = [p.meta[VAL] for p in placeholders(final)]
     run, seconds, updated = executable.run, executable.compile_seconds, executable.updated_inputs
-    if executable.backend == "eager":
+    if executable.backend == "eager" and name.rsplit(".", 1)[-1] in CONSUMED:
         run = run_consuming(final)  # a stage's saved activations go as its backward reads them
     return Part(run, input_specs(final), output_roles(final), examples, updated, seconds, executable.backend)
 
