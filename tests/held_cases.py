@@ -139,7 +139,9 @@ def measure(stage: int, recipe: str, grads: str, model_name: str, rank: int) -> 
         _track_new(tracker, before)  # everything held now that the case made, the batch included
         with tracker:
             _call(step, model, opt, idx, tgt, split)
+        tensors: dict[int, Tensor] = {}
         for pause in SETTLE:
+            tensors.clear()  # the last count's tensors, else found again by this one: a buffer let go since is kept
             time.sleep(pause)
             tensors = live_tensors()  # after a gc.collect(): one scan of the objects for all that follows
             meshes = _meshes()
@@ -161,7 +163,7 @@ def measure(stage: int, recipe: str, grads: str, model_name: str, rank: int) -> 
             "largest_live": sorted(live.values(), reverse=True)[:8],
             "unknown": _unknown(live, tensors, model, opt),
         }
-        del model, opt, step, tracker, tensors
+        del model, opt, step, tracker, tensors, args
         gc.collect()  # an offload store is dropped while its files are there
     return result
 

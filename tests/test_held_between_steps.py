@@ -63,6 +63,31 @@ def test_one_extra_tensor_held_between_steps_is_seen(monkeypatch):
     assert any("(1,), 4 bytes, held by list" in line for line in case["unknown"]), case["unknown"]
 
 
+def test_a_tensor_let_go_after_the_first_count_is_not_held(monkeypatch):
+    """A buffer another thread lets go a moment after the step returned (as gloo's worker thread drops a collective's
+    work) is not counted as held: each count must not keep what the count before it found (it did, through its
+    dict of the tensors it saw: the first count's find then stayed alive through every later one). One process."""
+    import threading
+
+    import held_cases
+    import torch
+
+    call = held_cases._call
+    calls = []
+
+    def lingering_call(*args):
+        call(*args)
+        calls.append(None)
+        if len(calls) == held_cases.STEPS + 1:  # the measured call: a thread holds a buffer until after the first count
+            buffer = [torch.zeros(64)]
+            threading.Timer(0.1, buffer.clear).start()
+
+    monkeypatch.setattr(held_cases, "_call", lingering_call)
+    with held_cases._frozen():
+        case = held_cases.measure(0, "fp32", "none", "mlp", rank=0)
+    assert case["live"] == case["estimated"]["total"] == case["tracked"], case
+
+
 def test_nvme_write_back_copy_is_freed_when_its_write_is_done(tmp_path, monkeypatch):
     """The NVMe tier's I/O thread writes a copy of each updated state; its pool's worker keeps a task's arguments a
     moment after the task's future is done, so under load a copy was still alive after the step had returned (the
