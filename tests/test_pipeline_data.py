@@ -174,6 +174,8 @@ def test_hybrid_sharding_of_one_rank_replicates_and_of_the_whole_group_is_plain_
         assert plain["optimizer"] < plain["eager_optimizer"] / 4 * 1.1, plain
         assert "all_reduce_" not in plain["comm"] and plain["reduce_scatters"] == [1], plain
         assert any(line.startswith("ZeRO within each stage: a stage's") for line in plain["sharding"]), plain
+        hybrid = next(line for line in replicated["sharding"] if line.startswith("ZeRO within each stage, hybrid"))
+        assert "over the 1 rank of its shard group" in hybrid and "across the 2 shard groups" in hybrid, hybrid
 
 
 def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(four_ranks):

@@ -51,6 +51,11 @@ def pipeline_lines(compiled: CompiledStep) -> list[str]:
 _SHARDED = {"param": "parameters", "grad": "gradients", "opt_state": "optimizer state"}
 
 
+def _the(n: int, noun: str) -> str:
+    """``the 1 rank``, ``the 4 ranks``."""
+    return f"the {n} {noun}" + ("" if n == 1 else "s")
+
+
 def _sharding_lines(program: PipelineCompiled) -> list[str]:
     """Where the update graphs shard state within each stage's data-parallel group (ZeRO >= 1, several
     pipelines): what they read sharded, over which ranks."""
@@ -66,15 +71,16 @@ def _sharding_lines(program: PipelineCompiled) -> list[str]:
     what = " and ".join(_SHARDED[k] for k in _SHARDED if k in kinds) or "nothing"
     shard = program.shard_ranks
     if shard:
+        groups = _the(peers.pipelines // len(shard), "shard group")
         return [
-            f"  ZeRO within each stage, hybrid: a stage's {what} sharded over the {len(shard)} ranks of its shard "
-            f"group (here global ranks {list(shard)}) and replicated across the {peers.pipelines // len(shard)} shard "
-            f"groups of its data-parallel group (global ranks {list(peers.data_ranks)}); its update graph "
+            f"  ZeRO within each stage, hybrid: a stage's {what} sharded over {_the(len(shard), 'rank')} of its "
+            f"shard group (here global ranks {list(shard)}) and replicated across {groups} "
+            f"of its data-parallel group (global ranks {list(peers.data_ranks)}); its update graph "
             "reduce-scatters the gradient sums within the shard group and all-reduces the shards across the groups "
             "once per step (the lines `buckets of stageN.update`)"
         ]
     return [
-        f"  ZeRO within each stage: a stage's {what} sharded over the {peers.pipelines} ranks of its data-parallel "
+        f"  ZeRO within each stage: a stage's {what} sharded over {_the(peers.pipelines, 'rank')} of its data-parallel "
         f"group (here global ranks {list(peers.data_ranks)}); its update graph reduce-scatters the gradient sums "
         "over that group once per step (the lines `buckets of stageN.update`)"
     ]
