@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zgraph
 from zgraph.runtime.memory import LiveTensorBytes, state_bytes
+from zgraph.runtime.pipeline_run import RankRunner
 
 P = 2
 SGD_LR = 0.1
@@ -183,7 +184,8 @@ def zero_clipped(rank: int, world: int) -> list[dict]:
     """``Config.max_grad_norm`` at ZeRO 2 within each stage's data-parallel group (issue 42, item 2): the norm over
     every stage and every shard (each rank's shard's squares, over its data-parallel group, then the pipeline)
     against ``clip_grad_norm_`` on the whole batch, SGD; the reduce-scatters of its update graphs (the part
-    before the total, and the update)."""
+    before the total, and the update); the all-reduces of the last step: the graphs' (over the data-parallel
+    group) and the sizes of those combining the totals (``RankRunner._stage_totals``, over the pipeline)."""
     eager_model = Net()
     model = copy.deepcopy(eager_model)
     eager_opt, opt = SGD(eager_model.parameters()), SGD(model.parameters())
@@ -193,14 +195,34 @@ def zero_clipped(rank: int, world: int) -> list[dict]:
     compiled = zgraph.distribute(config)(step)
     norms: list[float] = []
     want, got = [], []
-    for batch in batches():
+    sizes: list[int] = []
+    for i, batch in enumerate(batches()):
         want.append(clipping_step(norms)(eager_model, eager_opt, *batch))
-        got.append(compiled(model, opt, *zgraph.pipeline_batch(batch, P)))
+        with _totals_counted(sizes if i == len(batches()) - 1 else []):
+            got.append(compiled(model, opt, *zgraph.pipeline_batch(batch, P)))
     full = zgraph.full_state_dict(model)
     whole = max((full[k] - v).abs().max().item() for k, v in eager_model.state_dict().items())
-    names = [n for n in compiled.graphs if n.endswith((".totals", ".update"))]
-    scatters = sum(_reduce_scatters(compiled.graphs[n]) for n in names)
-    return all_gather_values({"want": want, "got": got, "whole": whole, "norms": norms, "reduce_scatters": scatters})
+    graphs = [gm for n, gm in compiled.graphs.items() if n.endswith((".totals", ".update"))]
+    scatters = sum(_reduce_scatters(gm) for gm in graphs)
+    reduces = sum(n.target is torch.ops._c10d_functional.all_reduce_.default for gm in graphs for n in gm.graph.nodes)
+    out = {"want": want, "got": got, "whole": whole, "norms": norms, "reduce_scatters": scatters}
+    return all_gather_values({**out, "graph_all_reduces": reduces, "totals_all_reduced": sizes})
+
+
+@contextlib.contextmanager
+def _totals_counted(sizes: list[int]) -> Iterator[None]:
+    """The sizes of the all-reduces ``RankRunner._stage_totals`` makes inside, appended to ``sizes``."""
+    real = RankRunner._stage_totals
+
+    def counting(self: RankRunner) -> dict[str, torch.Tensor]:
+        with counted(sizes):
+            return real(self)
+
+    RankRunner._stage_totals = counting
+    try:
+        yield
+    finally:
+        RankRunner._stage_totals = real
 
 
 def reduced_in_bf16(rank: int, world: int) -> list[dict]:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from pipeline_cases import CLIP, LR, Net, batches, step
+from pipeline_cases import CLIP, LR, SGD, Net, batches, step
 
 import zgraph
 
@@ -186,6 +186,14 @@ def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(fo
         torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
         assert r["whole"] < 1e-6 and min(r["norms"]) > CLIP, r
         assert r["reduce_scatters"] == 1, r["reduce_scatters"]
+        assert r["totals_all_reduced"] == [1], "the norm's partial sums over the pipeline: one fp32 scalar"
+    config = zgraph.Config(
+        backend="eager", pipeline_parallel=2, schedule="1f1b", microbatches=2, stage=2, max_grad_norm=CLIP
+    )
+    model = Net()
+    e = zgraph.distribute(config)(step).estimate(model, SGD(model.parameters()), *batches()[0], world_size=4)
+    ran = four_ranks["zero_clipped"][0]
+    assert e.comm_count["all_reduce"] == ran["graph_all_reduces"] + len(ran["totals_all_reduced"]) == 2, e.comm_count
 
 
 def test_reduce_dtype_is_what_each_stages_gradients_cross_the_pipelines_in(four_ranks):

@@ -74,6 +74,16 @@ def test_pipelines_over_more_ranks_all_reduce_each_stages_gradients_once():
     assert e.to_json()["stages"][0]["model_state_bytes"] == dict(first.model_state_bytes)
 
 
+def test_a_global_gradient_norm_all_reduces_its_partials_over_the_pipeline():
+    """``max_grad_norm`` with one pipeline of 2 (ZeRO 0): each rank all-reduces its stages' partial sum of squares
+    (one fp32 scalar) over the pipeline, as ``RankRunner._stage_totals`` does (counted against the run at ZeRO 2 in
+    tests/test_pipeline_data.py); without it, no all-reduce."""
+    e, _ = estimate(world=2, pipeline_parallel=2, microbatches=2, max_grad_norm=1.0)
+    assert e.comm_ops == {"isend": 2, "all_reduce": 1} and e.comm_bytes["all_reduce"] == 4, e.comm_ops
+    plain, _ = estimate(world=2, pipeline_parallel=2, microbatches=2)
+    assert plain.comm_ops == {"isend": 2}, plain.comm_ops
+
+
 def test_zero_3_within_stages_holds_shards_and_gathers_each_stage_once():
     """P=2 x D=2 at ZeRO 3 (issue 42, item 4), M=4: each stage's parameters and AdamW state as their padded dim-0
     shards over its 2 data-parallel ranks (0-d ``step`` whole); per step, on each rank, one all-gather of its

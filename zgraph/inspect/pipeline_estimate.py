@@ -22,7 +22,10 @@ actions run, lowered as the eager backend runs them) and its schedule's action l
   dtype of its gradient sums over the pipelines; at stage >= 1 the collectives of each stage's update graph as its
   data-parallel group runs it (a reduce-scatter of the gradient sums per bucket; at stages 1 and 2 the new
   parameters all-gathered) and at stage 3 of its gather graph (its parameters all-gathered once per step, per
-  bucket), both made by the step's own passes (``zgraph.inspect.stage_zero``);
+  bucket), both made by the step's own passes (``zgraph.inspect.stage_zero``); with ``P > 1``, one ``all_reduce``
+  over the pipeline per value combined across stages (a global gradient norm's partial sums, an fp16 overflow flag:
+  ``zgraph.passes.stage_totals``), on every rank. Not counted: the step's scalars (a token mean's count, the
+  returned loss) broadcast along the pipeline and all-reduced over the pipelines, a few bytes each;
 - the bubble: ``zgraph.runtime.pipeline_simulate`` with unit costs (as ``explain()``); the step's seconds: the same
   schedule simulated with each kind's cost from the cost model's timeline of the costliest stage's graph, plus the
   updates, the gathers and the all-reduces.
@@ -157,7 +160,12 @@ def pipeline_figures(
     )
     units = simulate(schedule)
     idle = [_idle(row, units.step_time) for row in units.spans]
-    ranked = [_rank(place, schedule, parts, pieces, plan, config, planned, batch) for place in range(schedule.ranks)]
+    totals = [
+        value_bytes(n.meta[VAL], planned.device) for n in placeholders(cut) if n.meta[INPUT].kind == "stage_total"
+    ]
+    ranked = [
+        _rank(place, schedule, parts, pieces, plan, config, planned, batch, totals) for place in range(schedule.ranks)
+    ]
     ranks = [figures for figures, _ in ranked]
     stages = []
     for g in every:
@@ -273,8 +281,10 @@ def _rank(
     config: Config,
     planned: Planned,
     batch: int,
+    totals: Sequence[int],
 ) -> tuple[RankFigures, Counter]:
-    """A rank's figures, and the most micro-batches in flight per stage it runs (``stage_parts.walk``)."""
+    """A rank's figures, and the most micro-batches in flight per stage it runs (``stage_parts.walk``); ``totals``:
+    the bytes of each value combined across stages (``stage_totals``), all-reduced over the rank's chain."""
     mine = [s for s in range(schedule.stages) if schedule.rank_of(s) == place]
     held = [p for p in pieces if _owner(p, plan, buffers_everywhere=True) in (None, *mine)]
     pipelines = planned.world // schedule.ranks
@@ -298,6 +308,21 @@ def _rank(
         for name in ("update", "gather"):  # ZeRO within stages: their collectives over the data-parallel group
             if name in parts[s]:
                 _add_totals(comm_bytes, comm_count, comm_seconds, links, comm_ops, parts[s][name].collectives)
+    if schedule.ranks > 1:  # every rank, whether its stages have a partial or not (``RankRunner._stage_totals``)
+        chain = [k * (config.sequence_parallel or 1) for k in range(schedule.ranks)]
+        for nbytes in totals:
+            _add(
+                comm_bytes,
+                comm_count,
+                comm_seconds,
+                links,
+                "all_reduce",
+                nbytes,
+                1,
+                crosses_nodes(chain, planned.ranks_per_node),
+                planned,
+            )
+            comm_ops["all_reduce"] = comm_ops.get("all_reduce", 0) + 1
     state = state_totals(held, config)
     walked = walk(place, schedule, parts, state["total"] + batch)
     figures = RankFigures(
