@@ -134,9 +134,11 @@ class RankRunner:
         divisor: Divisor,
         update_reduces: bool = False,
         totals: Sequence[tuple[GraphInput, Tensor]] = (),
+        regather: bool = False,
     ):
         self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
         self.divisor, self.update_reduces, self.totals = divisor, update_reduces, list(totals)
+        self.regather = regather  # ZeRO 3: gather a stage's parameters for each action (``Config.pipeline_regather``)
         self.grad_means: dict[tuple[int, str], Tensor] = {}
         self.handed: dict[int, list[Tensor]] = {}
         self.scale: Tensor | float = 1.0  # what the summed gradients the update reads are divided by
@@ -173,6 +175,8 @@ class RankRunner:
                 self._post_next_receives(actions[i + 1 :])
                 self._arrived(action)
             handlers[action.kind](action)
+            if self.regather and action.kind in COMPUTE:
+                self._let_go(action.stage)
             self._drop_delivered()
         for work, _ in self.sends:
             work.wait()
@@ -189,13 +193,21 @@ class RankRunner:
 
     def _gather(self, s: int) -> None:
         """Before stage ``s``'s first action of the step, its gather (ZeRO stage 3): the whole parameters, kept
-        for every micro-batch's graphs until the updates."""
+        for every micro-batch's graphs until the updates; with ``regather``, before each of its actions."""
         part = self.stages[s].gather
         if s in self.gathered or part is None:
             return
         self.gathered.add(s)
         outputs = part.run([self.feed(spec, None) for spec in part.inputs])
         self.wholes.update((role.index, value) for role, value in zip(part.outputs, outputs))
+
+    def _let_go(self, s: int) -> None:
+        """After an action of stage ``s`` (``regather``): its whole parameters go, gathered again for its next."""
+        part = self.stages[s].gather
+        if part is not None:
+            self.gathered.discard(s)
+            for role in part.outputs:
+                self.wholes.pop(role.index, None)
 
     def _call(self, part: Part, a: Action, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
         """Run ``part`` for ``a`` on what it is ``given`` (by input kind) and reads of the state. The lists of the

@@ -30,11 +30,18 @@ SGD_LR = 0.1
 
 
 def train(
-    rank: int, world: int, microbatches: int, steps: int, stage: int = 0, shard_group_size: int | None = None
+    rank: int,
+    world: int,
+    microbatches: int,
+    steps: int,
+    stage: int = 0,
+    shard_group_size: int | None = None,
+    **options: object,
 ) -> dict:
     """``steps`` steps of eager on the whole batch and of the pipelined step (ZeRO ``stage``, hybrid sharding's
-    ``shard_group_size``) on this rank's pipeline's rows; the sizes of the all-reduces the last step issued, the
-    reduce-scatters its update graphs run (stage 3 or hybrid: the functional collectives the last step ran)."""
+    ``shard_group_size``, other Config ``options``) on this rank's pipeline's rows; the sizes of the all-reduces the
+    last step issued, the reduce-scatters its update graphs run (stage 3 or hybrid: the functional collectives the
+    last step ran)."""
     eager_model, tracker = Net(), LiveTensorBytes() if stage == 3 else contextlib.nullcontext()
     with tracker:  # stage 3: what the pipelined model's state and steps leave alive
         model = copy.deepcopy(eager_model)
@@ -43,11 +50,11 @@ def train(
     config = zgraph.Config(
         backend="eager",
         pipeline_parallel=P,
-        schedule="1f1b",
         microbatches=microbatches,
         stage=stage,
         param_persistence_threshold=0,  # stage 3: every parameter of the tiny model sharded
         shard_group_size=shard_group_size,
+        **{"schedule": "1f1b", **options},
     )
     compiled = zgraph.distribute(config)(step)
     want, got, sizes, comm = [], [], [], FunctionalCollectives()
@@ -69,7 +76,7 @@ def train(
     numel = sum(eager[n].numel() for n in owned)
     lines = compiled.explain().splitlines()
     explained = next(line for line in lines if line.startswith("pipeline:"))
-    sharding = [line.strip() for line in lines if line.startswith(("buckets of", "  ZeRO within"))]
+    sharding = [line.strip() for line in lines if line.startswith(("buckets of", "  ZeRO within", "  ZeRO 3:"))]
     updates = [gm for name, gm in compiled.graphs.items() if name.endswith(".update")]
     out = {"want": want, "got": got, "owned": owned, "distance": distance, "whole": whole, "sizes": sizes,
            "stage_numel": numel, "explained": explained, "sharding": sharding,
@@ -170,6 +177,13 @@ def zero_within_stages(rank: int, world: int) -> list[dict]:
 def stage_three(rank: int, world: int) -> list[dict]:
     """ZeRO 3 within each stage's data-parallel group: 3 steps with 2 micro-batches, 2 with 4."""
     return all_gather_values([train(rank, world, 2, steps=3, stage=3), train(rank, world, 4, steps=2, stage=3)])
+
+
+def stage_three_regathered(rank: int, world: int) -> list[dict]:
+    """ZeRO 3 within each stage with ``Config.pipeline_regather``, interleaved (2 stages per rank, one block each),
+    2 micro-batches, 2 steps: each stage's parameters gathered before each of its actions."""
+    options = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "pipeline_regather": True}
+    return all_gather_values(train(rank, world, 2, steps=2, stage=3, **options))
 
 
 def hybrid_degenerate(rank: int, world: int) -> list[dict]:

@@ -195,6 +195,12 @@ def test_bad_input_is_refused_before_anything_changes(config, error, message):
         ({"pipeline_parallel": 2, "pipeline_virtual_stages": 2}, "'1f1b' runs one stage per rank"),
         ({"pipeline_parallel": 2, "pipeline_split": ("a", "b")}, "after the first, 1 for 2 x 1 stages; got 2"),
         ({"pipeline_parallel": 0}, "Config.pipeline_parallel must be a positive int; got 0"),
+        ({"pipeline_regather": True}, "Config.pipeline_regather is a pipeline parallelism option"),
+        (
+            {"pipeline_parallel": 2, "stage": 2, "pipeline_regather": True},
+            r"ZeRO 3's parameter shards: set stage=3 \(got 2\)",
+        ),
+        ({"pipeline_parallel": 2, "stage": 3, "pipeline_regather": 1}, "pipeline_regather must be"),
     ],
 )
 def test_bad_options_are_refused_by_the_config(config, message):

@@ -23,7 +23,8 @@ def four_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
-    cases = ["two_by_two", "zero_within_stages", "stage_three", "hybrid_degenerate", "zero_clipped", "reduced_in_bf16"]
+    cases = ["two_by_two", "zero_within_stages", "stage_three", "stage_three_regathered", "hybrid_degenerate"]
+    cases += ["zero_clipped", "reduced_in_bf16"]
     cases += ["pipeline_by_sequence", "pipeline_by_sequence_refused"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
@@ -130,6 +131,34 @@ def test_zero_3_gathers_and_reduces_each_stage_bucket_once_per_step_whatever_the
             assert sum(stage.values()) == 1 and r["reduce_scatters"] == [1], r
             # on gloo a reduce-scatter runs as an all_to_all_single (zgraph.graph.reduce_scatter_by_all_to_all)
             assert r["comm"] == {"all_gather_into_tensor_coalesced": 1, "all_to_all_single": 1}, r["comm"]
+
+
+def test_zero_3_regathered_gathers_before_each_action_and_equals_eager(four_ranks):
+    """``Config.pipeline_regather`` (P=2 x D=2, interleaved: 2 stages per rank, 2 micro-batches): the parameters,
+    the whole model and optimizer state equal eager's after the steps, a quarter of the state per rank and nothing
+    else alive between steps; in the last step each stage's gather ran before each of its actions (2 stages x 2
+    micro-batches x F and B: 8 all-gathers per rank), its gradients still reduce-scattered once; ``explain()`` and
+    ``step.estimate`` say so."""
+    for r in four_ranks["stage_three_regathered"]:
+        torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["distance"] < 1e-6 and r["whole"] < 1e-6 and r["whole_optim"] < 1e-6 and r["loaded"] < 1e-6, r
+        assert r["params"] < r["eager_params"] / 4 * 1.1 and r["state"] <= r["live"] <= r["state"] + 64, r
+        assert r["comm"] == {"all_gather_into_tensor_coalesced": 8, "all_to_all_single": 2}, r["comm"]
+        assert any("before each of its actions" in line for line in r["sharding"]), r["sharding"]
+    model = Net()
+    config = zgraph.Config(
+        backend="eager",
+        pipeline_parallel=2,
+        schedule="interleaved_1f1b",
+        pipeline_virtual_stages=2,
+        microbatches=2,
+        stage=3,
+        param_persistence_threshold=0,
+        pipeline_regather=True,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    e = zgraph.distribute(config)(step).estimate(model, opt, *batches()[0], world_size=4)
+    assert e.comm_count["all_gather_into_tensor"] == 8, e.comm_count
 
 
 @pytest.mark.parametrize("run", list(STAGE_THREE_RUNS))

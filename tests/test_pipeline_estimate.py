@@ -186,6 +186,41 @@ def test_a_memory_budget_gives_each_rank_the_lightest_remat_that_fits(zero):
     assert plan.chosen.estimate.stages[1].saved_bytes == none.stages[1].saved_bytes
 
 
+def test_regathering_for_each_action_holds_one_stage_of_parameters_at_a_time():
+    """ZeRO 3 within stages (P=2 x D=2), interleaved with 2 stages per rank, 4 micro-batches: with
+    ``pipeline_regather`` each stage's gather runs before each of its actions (2 stages x 4 micro-batches x F and B:
+    16 all-gathers per rank, against 2), and a rank holds one stage's whole parameters at its peak instead of both
+    stages'. A budget below the peak with them kept, under every remat policy, is met by re-gathering: the plan
+    turns it on (with the lightest remat that fits then)."""
+    pipeline = {"pipeline_parallel": 2, "microbatches": 4, "schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2}
+    pipeline.update(stage=3, param_persistence_threshold=0)
+    kept, regathered = (estimate(world=4, pipeline_regather=r, **pipeline)[0] for r in (False, True))
+    assert (kept.comm_count["all_gather_into_tensor"], regathered.comm_count["all_gather_into_tensor"]) == (2, 16)
+    assert regathered.comm_count["reduce_scatter_tensor"] == kept.comm_count["reduce_scatter_tensor"] == 2
+    assert regathered.peak_bytes < kept.peak_bytes, (regathered.peak_bytes, kept.peak_bytes)
+    alive = dict(regathered.alive_at_peak)
+    assert (
+        alive["whole parameters gathered for this action (Config.pipeline_regather)"]
+        < dict(kept.alive_at_peak)["whole parameters gathered for the rank's stages, held until the updates"]
+    )
+    full = estimate(world=4, remat="full", **pipeline)[0]
+    selective = estimate(world=4, remat="selective", pipeline_regather=True, **pipeline)[0]
+    budget = (full.peak_bytes + selective.peak_bytes) // 2
+    assert selective.peak_bytes <= budget < full.peak_bytes, "no remat fits with the parameters kept"
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **pipeline))(step)
+    plan = compiled.estimate(model, opt, *batches()[0], world_size=4, memory_budget=budget)
+    assert plan.chosen.changes["pipeline_regather"] is True, plan.chosen.changes
+    assert plan.chosen.changes["remat"] in (
+        "selective",
+        {"model.blocks.0": "selective", "model.blocks.1": None, "model.blocks.2": "selective", "model.blocks.3": None},
+    )
+    assert plan.chosen.estimate.peak_bytes <= budget
+    with pytest.raises(zgraph.MemoryBudgetError, match="pipeline_regather"):
+        compiled.estimate(model, opt, *batches()[0], world_size=4, memory_budget=budget // 4)
+
+
 def test_a_memory_budget_runs_as_planned_and_equals_eager():
     """Stages on one process under ``Config.memory_budget``: the plan recomputes, the run equals eager, and the
     measured peak is within the budget (and the estimate's 3 %)."""

@@ -47,14 +47,8 @@ from zgraph.runtime.agreement import DEFAULT_COLLECTIVE_TIMEOUT
 
 _BACKENDS = ("inductor", "eager")
 _STAGES = (0, 1, 2, 3)
-# Normalization layers: their statistics lose too much in 16 bits, and their kernels take a 16-bit input with
-# fp32 weights (and fp32 running statistics). _NormBase is every BatchNorm, SyncBatchNorm and InstanceNorm.
-NORM_MODULES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-)
+# Kept in fp32: their statistics lose too much in 16 bits (_NormBase: every BatchNorm, SyncBatchNorm, InstanceNorm)
+NORM_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 PASS_OPTION = "pass_option"
 """Field metadata key: the keyword argument of ``zgraph.passes.default_passes`` the field's value is passed as."""
@@ -125,6 +119,12 @@ class Config(DeprecatedNames):
     """Pipeline parallelism: the first block of each stage after the first (``P * v - 1`` block names, as
     ``explain()`` lists them, or without the step argument's name: ``"layers.16"``). Empty (default): blocks are
     grouped into stages of balanced forward cost."""
+
+    pipeline_regather: bool = False
+    """Pipeline parallelism at ZeRO stage 3: a stage gathers its parameters before each of its actions (forward,
+    backward, input or weight gradient) and lets them go after it, instead of once per step, kept across the
+    micro-batches (False, default; torchtitan's ``reshard_after_forward="never"`` under pipelines): less memory, an
+    all-gather per action. ``memory_budget`` turns it on where no remat policy fits without it."""
 
     backend: str = "inductor"
     """``"inductor"`` compiles the transformed graph with inductor; ``"eager"`` runs the transformed FX GraphModule
@@ -343,7 +343,7 @@ class Config(DeprecatedNames):
             autocast_dtype=self.autocast_dtype,
             loss_scale=self.loss_scale,
         )
-        for name in ("measure_collectives", "keep_host_memory"):
+        for name in ("measure_collectives", "keep_host_memory", "pipeline_regather"):
             check_bool(name, getattr(self, name))
         check_timeout(self.collective_timeout)
         check_offload(

@@ -331,16 +331,8 @@ def check_pipeline(config: Any) -> None:
     checks it against them), the split's length, and what pipelines do not combine with yet."""
     p, v = config.pipeline_parallel, config.pipeline_virtual_stages
     if p is None:
-        changed = [
-            n
-            for n, d in (
-                ("microbatches", None),
-                ("schedule", "1f1b"),
-                ("pipeline_virtual_stages", 1),
-                ("pipeline_split", ()),
-            )
-            if getattr(config, n) != d
-        ]
+        defaults = {"microbatches": None, "schedule": "1f1b", "pipeline_virtual_stages": 1, "pipeline_split": ()}
+        changed = [n for n, d in {**defaults, "pipeline_regather": False}.items() if getattr(config, n) != d]
         if changed:
             raise ValueError(f"Config.{changed[0]} is a pipeline parallelism option: set Config.pipeline_parallel")
         return
@@ -369,6 +361,10 @@ def check_pipeline(config: Any) -> None:
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
             "run at ZeRO 0-3 within each stage's data-parallel group (sequence parallelism included; hybrid sharding "
             "without it), without offload or hpZ (parameters are gathered once a step and kept: no re-gather to serve)"
+        )
+    if config.pipeline_regather and config.stage != 3:
+        raise ValueError(
+            f"Config.pipeline_regather re-gathers ZeRO 3's parameter shards: set stage=3 (got {config.stage})"
         )
     world = known_world_size()
     if world is not None and world % (p * (config.sequence_parallel or 1)):

@@ -88,6 +88,7 @@ def compile_pipeline(
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
     program.update_reduces = zero is not None
+    program.regather = config.pipeline_regather
     program.shard_ranks = _shard_ranks(binding.plan.group)
     program.totals = [
         (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
@@ -277,7 +278,15 @@ def run_pipeline(
     pending: list[tuple[dist.Work, Tensor]] = []  # the token count's broadcast from its rank, in flight
     divisor = functools.partial(_divisor, program, peers, pending)
     runner = RankRunner(
-        program.schedule, program.rank, program.stages, feed, peers, divisor, program.update_reduces, program.totals
+        program.schedule,
+        program.rank,
+        program.stages,
+        feed,
+        peers,
+        divisor,
+        program.update_reduces,
+        program.totals,
+        program.regather,
     )
     results = runner.run()
     user: dict[int, Tensor] = {}

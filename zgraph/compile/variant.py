@@ -58,6 +58,7 @@ class PipelineCompiled:
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
     shard_ranks: tuple[int, ...] = ()  # hybrid sharding within stages: this rank's shard group's global ranks
     totals: list[tuple[GraphInput, Tensor]] = field(default_factory=list)  # values across stages, with examples
+    regather: bool = False  # ZeRO 3: a stage's parameters gathered for each action (``Config.pipeline_regather``)
     # the ``.grad`` and optimizer state other ranks' stages' updates write (``zero_grad(set_to_none=False)``, state
     # an optimizer makes in its first step, as SGD's momentum buffers), with their shapes and dtypes
     state_elsewhere: tuple[tuple[GraphOutput, torch.Size, torch.dtype], ...] = ()

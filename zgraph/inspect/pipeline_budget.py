@@ -1,5 +1,7 @@
 """``Config.memory_budget`` of a pipelined step (``Config.pipeline_parallel``): a remat policy per rank of the
-pipeline, each rank's the lightest whose peak fits the budget.
+pipeline, each rank's the lightest whose peak fits the budget; at ZeRO stage 3, where none fits, the same with each
+stage's parameters gathered for each of its actions (``Config.pipeline_regather``: a rank running several stages,
+interleaved, then holds one stage's whole parameters at a time instead of all of theirs).
 
 A rank's peak is its own: its stages' model state, the activations its schedule holds for them, its actions'
 working memory (``zgraph.inspect.pipeline_estimate``). So the step is estimated with each policy the planner may
@@ -35,7 +37,28 @@ def plan_pipeline(
     free: Callable[[torch.device], int],
 ) -> tuple[int, dict[str, object], Estimate, int]:
     """The plan for a pipelined step under ``budget`` (bytes per rank, or ``"auto"``: ``free(device)``): the
-    budget in bytes, the ``Config`` fields it changes, the estimate with them, and how many estimates it took."""
+    budget in bytes, the ``Config`` fields it changes, the estimate with them, and how many estimates it took. At
+    ZeRO stage 3, where no remat fits with each stage's parameters gathered once per step, the same search with
+    them gathered for each action (``Config.pipeline_regather``)."""
+    try:
+        return _plan(call, config, budget, world_size, device, free)
+    except MemoryBudgetError:
+        if config.stage != 3 or config.pipeline_regather:
+            raise
+    regathered = dataclasses.replace(config, pipeline_regather=True)
+    nbytes, changes, estimate, considered = _plan(call, regathered, budget, world_size, device, free)
+    return nbytes, {**changes, "pipeline_regather": True}, estimate, considered
+
+
+def _plan(
+    call: StepCall,
+    config: Config,
+    budget: int | str,
+    world_size: int | None,
+    device: str | torch.device | None,
+    free: Callable[[torch.device], int],
+) -> tuple[int, dict[str, object], Estimate, int]:
+    """``plan_pipeline`` at ``config``'s ``pipeline_regather``."""
     policies = _POLICIES if config.remat in (None, "auto") else (config.remat,)
     estimates = {p: _estimate(call, config, p, world_size, device) for p in policies}
     first = next(iter(estimates.values()))
@@ -44,7 +67,7 @@ def plan_pipeline(
     for s in first.stages:
         fitting = [p for p, e in estimates.items() if e.stages[s.stage].peak_bytes <= nbytes]
         if not fitting:
-            raise _impossible(nbytes, estimates)
+            raise _impossible(nbytes, estimates, config.pipeline_regather)
         chosen[s.rank] = fitting[0]
     if len(set(chosen.values())) == 1:
         policy = next(iter(chosen.values()))
@@ -55,7 +78,7 @@ def plan_pipeline(
         return nbytes, {"remat": mapping}, planned, len(estimates) + 1
     policy = next((p for p, e in estimates.items() if e.peak_bytes <= nbytes), None)
     if policy is None:
-        raise _impossible(nbytes, estimates)
+        raise _impossible(nbytes, estimates, config.pipeline_regather)
     return nbytes, {"remat": policy}, estimates[policy], len(estimates) + 1
 
 
@@ -66,7 +89,7 @@ def _estimate(
     return estimate_step(call, variant, world_size, device=device)
 
 
-def _impossible(nbytes: int, estimates: dict[Policy, Estimate]) -> MemoryBudgetError:
+def _impossible(nbytes: int, estimates: dict[Policy, Estimate], regather: bool) -> MemoryBudgetError:
     """The error for a budget some rank fits under no policy: each rank's smallest peak and under which."""
     first = next(iter(estimates.values()))
     ranks = sorted({s.rank for s in first.stages})
@@ -74,7 +97,9 @@ def _impossible(nbytes: int, estimates: dict[Policy, Estimate]) -> MemoryBudgetE
     for rank in ranks:
         peaks = {p: next(s.peak_bytes for s in e.stages if s.rank == rank) for p, e in estimates.items()}
         policy = min(peaks, key=peaks.__getitem__)
-        least.append(f"rank {rank} {_size(peaks[policy])} (remat={policy!r})")
+        least.append(
+            f"rank {rank} {_size(peaks[policy])} (remat={policy!r}{', pipeline_regather' if regather else ''})"
+        )
     return MemoryBudgetError(
         f"Config.memory_budget={_size(nbytes)} per rank cannot be met by the pipeline: the smallest estimated peak of "
         f"each of its ranks: {', '.join(least)}. Raise the budget, cut the model into more stages "

@@ -22,7 +22,8 @@ actions run, lowered as the eager backend runs them) and its schedule's action l
   dtype of its gradient sums over the pipelines; at stage >= 1 the collectives of each stage's update graph as its
   data-parallel group runs it (a reduce-scatter of the gradient sums per bucket; at stages 1 and 2 the new
   parameters all-gathered) and at stage 3 of its gather graph (its parameters all-gathered once per step, per
-  bucket), both made by the step's own passes (``zgraph.inspect.stage_zero``); with ``P > 1``, one ``all_reduce``
+  bucket; with ``Config.pipeline_regather`` before each of the stage's actions), both made by the step's own
+  passes (``zgraph.inspect.stage_zero``); with ``P > 1``, one ``all_reduce``
   over the pipeline per value combined across stages (a global gradient norm's partial sums, an fp16 overflow flag:
   ``zgraph.passes.stage_totals``), on every rank. Not counted: the step's scalars (a token mean's count, the
   returned loss) broadcast along the pipeline and all-reduced over the pipelines, a few bytes each;
@@ -36,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -47,7 +48,7 @@ from zgraph.inspect.liveness import cuda_block_bytes
 from zgraph.inspect.model_state import StatePiece, state_totals
 from zgraph.inspect.shadow import EstimateError
 from zgraph.inspect.stage_parts import PART_OF, PARTS, RESIDENT, StagePart, measure, storage_of, value_bytes, walk
-from zgraph.inspect.stage_zero import ZERO_GROUP, zero_context, zero_gather, zero_update
+from zgraph.inspect.stage_zero import ZERO_GROUP, gathers_per_step, zero_context, zero_gather, zero_update
 from zgraph.passes import PassContext
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan
 from zgraph.passes.stage_graphs import StageGraphs
@@ -187,7 +188,7 @@ def pipeline_figures(
                 forward_flops=plan.flops[g.stage],
             )
         )
-    seconds = _step_seconds(schedule, parts, ranks)
+    seconds = _step_seconds(schedule, parts, ranks, config)
     nodes = sum(p.nodes for stage in parts for p in stage.values())
     return PipelineFigures(tuple(stages), tuple(ranks), units.bubble, seconds, nodes)
 
@@ -288,43 +289,24 @@ def _rank(
     mine = [s for s in range(schedule.stages) if schedule.rank_of(s) == place]
     held = [p for p in pieces if _owner(p, plan, buffers_everywhere=True) in (None, *mine)]
     pipelines = planned.world // schedule.ranks
-    comm_bytes: dict[str, int] = {}
-    comm_count: dict[str, int] = {}
-    comm_seconds: dict[str, float] = {}
-    comm_ops: dict[str, int] = {}
-    links = {"intra_node": 0, "inter_node": 0}
+    comm = _Comm(planned)
     for s in mine:
         nbytes, count = _sends(s, schedule, parts)
         if count:
             neighbours = [r for r in (s - 1, s + 1) if 0 <= r < schedule.stages]
-            crossing = crosses_nodes([place, *(schedule.rank_of(r) for r in neighbours)], planned.ranks_per_node)
-            _add(comm_bytes, comm_count, comm_seconds, links, "send", nbytes, count, crossing, planned)
-            comm_ops["isend"] = comm_ops.get("isend", 0) + count
+            comm.add("send", nbytes, count, [place, *(schedule.rank_of(r) for r in neighbours)], "isend")
         if pipelines > 1 and config.stage == 0:
-            crossing = crosses_nodes([place + k * schedule.ranks for k in range(pipelines)], planned.ranks_per_node)
             for nbytes in parts[s]["backward"].by_dtype.values():
-                _add(comm_bytes, comm_count, comm_seconds, links, "all_reduce", nbytes, 1, crossing, planned)
-                comm_ops["all_reduce"] = comm_ops.get("all_reduce", 0) + 1
+                comm.add("all_reduce", nbytes, 1, [place + k * schedule.ranks for k in range(pipelines)])
         for name in ("update", "gather"):  # ZeRO within stages: their collectives over the data-parallel group
             if name in parts[s]:
-                _add_totals(comm_bytes, comm_count, comm_seconds, links, comm_ops, parts[s][name].collectives)
+                times = gathers_per_step(schedule, s, config.pipeline_regather) if name == "gather" else 1
+                comm.add_totals(parts[s][name].collectives, times)
     if schedule.ranks > 1:  # every rank, whether its stages have a partial or not (``RankRunner._stage_totals``)
-        chain = [k * (config.sequence_parallel or 1) for k in range(schedule.ranks)]
         for nbytes in totals:
-            _add(
-                comm_bytes,
-                comm_count,
-                comm_seconds,
-                links,
-                "all_reduce",
-                nbytes,
-                1,
-                crosses_nodes(chain, planned.ranks_per_node),
-                planned,
-            )
-            comm_ops["all_reduce"] = comm_ops.get("all_reduce", 0) + 1
+            comm.add("all_reduce", nbytes, 1, [k * (config.sequence_parallel or 1) for k in range(schedule.ranks)])
     state = state_totals(held, config)
-    walked = walk(place, schedule, parts, state["total"] + batch)
+    walked = walk(place, schedule, parts, state["total"] + batch, config.pipeline_regather)
     figures = RankFigures(
         place,
         state,
@@ -332,62 +314,65 @@ def _rank(
         walked.where,
         walked.alive,
         walked.activations,
-        comm_bytes,
-        comm_count,
-        comm_seconds,
-        links,
-        comm_ops,
+        comm.bytes,
+        comm.count,
+        comm.seconds,
+        comm.links,
+        comm.ops,
     )
     return figures, walked.in_flight
 
 
-def _add(
-    comm_bytes: dict[str, int],
-    comm_count: dict[str, int],
-    comm_seconds: dict[str, float],
-    links: dict[str, int],
-    kind: str,
-    nbytes: int,
-    count: int,
-    crossing: bool,
-    planned: Planned,
-) -> None:
-    """``count`` messages of ``nbytes`` in all, of ``kind``, counted and priced (a send as an all-gather)."""
-    priced = "all_gather_into_tensor" if kind == "send" else kind
-    comm_bytes[kind] = comm_bytes.get(kind, 0) + nbytes
-    comm_count[kind] = comm_count.get(kind, 0) + count
-    seconds = count * link_seconds(planned.cost_model, priced, nbytes // count, crossing)
-    comm_seconds[kind] = comm_seconds.get(kind, 0.0) + seconds
-    links["inter_node" if crossing else "intra_node"] += nbytes
+@dataclass
+class _Comm:
+    """A rank's communication per step, added up: bytes, messages, seconds and ops by kind, bytes by link."""
+
+    planned: Planned
+    bytes: dict[str, int] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)
+    links: dict[str, int] = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0})
+
+    def add(self, kind: str, nbytes: int, count: int, ranks: list[int], op: str | None = None) -> None:
+        """``count`` messages of ``nbytes`` in all, of ``kind``, among ``ranks`` (whether they cross nodes), counted
+        and priced (a send as an all-gather), as ``count`` ops ``op`` (default: ``kind``)."""
+        crossing = crosses_nodes(ranks, self.planned.ranks_per_node)
+        priced = "all_gather_into_tensor" if kind == "send" else kind
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        self.count[kind] = self.count.get(kind, 0) + count
+        seconds = count * link_seconds(self.planned.cost_model, priced, nbytes // count, crossing)
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.links["inter_node" if crossing else "intra_node"] += nbytes
+        self.ops[op or kind] = self.ops.get(op or kind, 0) + count
+
+    def add_totals(self, totals: CollectiveTotals, times: int = 1) -> None:
+        """A stage graph's collectives (``totals``), run ``times`` per step."""
+        for kind, count in totals.counts.items():
+            self.count[kind] = self.count.get(kind, 0) + count * times
+            self.bytes[kind] = self.bytes.get(kind, 0) + totals.sent[kind] * times
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + totals.seconds[kind] * times
+        for op, count in totals.ops.items():
+            self.ops[op] = self.ops.get(op, 0) + count * times
+        for link, nbytes in totals.link_bytes.items():
+            self.links[link] += nbytes * times
 
 
-def _add_totals(
-    comm_bytes: dict[str, int],
-    comm_count: dict[str, int],
-    comm_seconds: dict[str, float],
-    links: dict[str, int],
-    comm_ops: dict[str, int],
-    totals: CollectiveTotals,
-) -> None:
-    """A stage graph's collectives (``totals``) added to its rank's."""
-    for kind, count in totals.counts.items():
-        comm_count[kind] = comm_count.get(kind, 0) + count
-        comm_bytes[kind] = comm_bytes.get(kind, 0) + totals.sent[kind]
-        comm_seconds[kind] = comm_seconds.get(kind, 0.0) + totals.seconds[kind]
-    for op, count in totals.ops.items():
-        comm_ops[op] = comm_ops.get(op, 0) + count
-    for link, nbytes in totals.link_bytes.items():
-        links[link] += nbytes
-
-
-def _step_seconds(schedule: Schedule, parts: list[dict[str, StagePart]], ranks: Sequence[RankFigures]) -> float:
+def _step_seconds(
+    schedule: Schedule, parts: list[dict[str, StagePart]], ranks: Sequence[RankFigures], config: Config
+) -> float:
     """The schedule simulated with each compute kind's cost the costliest stage's (cost model timelines), plus the
     slowest rank's updates, gathers (ZeRO stage 3) and all-reduces (ZeRO stage 0)."""
     costs = {kind: max(stage[name].seconds for stage in parts) for kind, name in PART_OF.items()}
     pipelined = simulate(schedule, costs).step_time
     after = 0.0
     for r in ranks:
-        mine = [parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == r.rank]
-        own = sum(p["update"].seconds + (p["gather"].seconds if "gather" in p else 0.0) for p in mine)
+        mine = [s for s in range(schedule.stages) if schedule.rank_of(s) == r.rank]
+        gathers = sum(
+            parts[s]["gather"].seconds * gathers_per_step(schedule, s, config.pipeline_regather)
+            for s in mine
+            if "gather" in parts[s]
+        )
+        own = gathers + sum(parts[s]["update"].seconds for s in mine)
         after = max(after, own + r.comm_seconds.get("all_reduce", 0.0))
     return pipelined + after

@@ -41,7 +41,7 @@ def pipeline_lines(compiled: CompiledStep) -> list[str]:
             f"  stage {stage} (rank {schedule.rank_of(stage)}): {len(blocks)} blocks ({shown}), "
             f"{plan.flops[stage]:.3g} forward flops per micro-batch"
         )
-    lines += _sharding_lines(program)
+    lines += _sharding_lines(program) + _gather_lines(program)
     if simulation.step_time <= _WIDEST_TIMELINE:
         lines.append("  timeline (one column per forward's time; '.': idle):")
         lines += [f"    {line}" for line in simulation.timeline().splitlines()]
@@ -83,4 +83,19 @@ def _sharding_lines(program: PipelineCompiled) -> list[str]:
         f"  ZeRO within each stage: a stage's {what} sharded over {_the(peers.pipelines, 'rank')} of its data-parallel "
         f"group (here global ranks {list(peers.data_ranks)}); its update graph reduce-scatters the gradient sums "
         "over that group once per step (the lines `buckets of stageN.update`)"
+    ]
+
+
+def _gather_lines(program: PipelineCompiled) -> list[str]:
+    """At ZeRO stage 3: when each stage all-gathers its parameters (the graphs ``stageN.gather``)."""
+    if not any(stage.gather is not None for stage in program.stages.values()):
+        return []
+    if program.regather:
+        return [
+            "  ZeRO 3: each stage all-gathers its parameters before each of its actions and lets them go after it "
+            "(Config.pipeline_regather; the graphs `stageN.gather`)"
+        ]
+    return [
+        "  ZeRO 3: each stage all-gathers its parameters once per step, before its first action, and keeps them "
+        "across the micro-batches until its update (the graphs `stageN.gather`)"
     ]

@@ -6,7 +6,8 @@ outputs by kind (storages counted once, none of the model state's or the batch's
 model's timeline. ``walk``: a rank's compute actions as ``zgraph.runtime.pipeline_run`` runs them, holding a
 micro-batch's saved values from its F to its B (or W; from I to W also the split backward's partial values and
 received gradients), a stage's gradient sums from its first backward to its update, at ZeRO stage 3 a stage's
-parameters gathered whole from its gather (before its first action) until the updates, and everything the rank sends
+parameters gathered whole from its gather (before its first action) until the updates (``Config.pipeline_regather``:
+from a gather before each of its actions to the action's end), and everything the rank sends
 until the step's end (an upper bound: the runtime lets a send go once its peer has received it); its peak is the
 most, over the actions, gathers and updates, of what is held plus the action's working memory."""
 
@@ -33,6 +34,7 @@ PARTS = (*PART_OF.values(), "update")
 RESIDENT = (*STATE_KINDS, "input")  # graph inputs a rank holds all step anyway: model state and the batch
 _SENT = "sent, held until the step's end"
 _GATHERED = "whole parameters gathered for the rank's stages, held until the updates"
+_REGATHERED = "whole parameters gathered for this action (Config.pipeline_regather)"
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,16 @@ class Walk:
             self.alive = tuple(sorted(alive, key=lambda item: -item[1]))
 
 
-def walk(place: int, schedule: Schedule, parts: list[dict[str, StagePart]], resident: int) -> Walk:
+def walk(
+    place: int, schedule: Schedule, parts: list[dict[str, StagePart]], resident: int, regather: bool = False
+) -> Walk:
     """Rank ``place``'s actions in order, then its updates (module docstring); ``resident``: its model state and
-    the batch."""
+    the batch; ``regather``: a stage's parameters gathered before each of its actions and let go after it."""
     out = Walk()
     saved: dict[tuple[int, int], int] = {}  # by (stage, micro-batch): its saved values (and a split backward's)
     summed: set[int] = set()
     gathered: dict[int, int] = {}  # ZeRO stage 3: by stage, its whole parameters, from its gather to the updates
+    label = _REGATHERED if regather else _GATHERED
     sent = 0
     for a in schedule.compute(place):
         part = parts[a.stage][PART_OF[a.kind]]
@@ -154,13 +159,15 @@ def walk(place: int, schedule: Schedule, parts: list[dict[str, StagePart]], resi
         held = {"saved values of other micro-batches": others, "gradient sums": sums, _SENT: sent}
         gather = parts[a.stage].get("gather")
         if gather is not None and a.stage not in gathered:
-            held[_GATHERED] = sum(gathered.values())
-            out.at(resident + others + sums + sent + held[_GATHERED] + gather.working, f"stage {a.stage}'s gather",
+            held[label] = sum(gathered.values())
+            out.at(resident + others + sums + sent + held[label] + gather.working, f"stage {a.stage}'s gather",
                    gather, held)  # fmt: skip
             gathered[a.stage] = gather.outputs.get("param", 0)
-        held[_GATHERED] = sum(gathered.values())
-        where = f"{a}, its stages' parameters gathered whole" if held[_GATHERED] else str(a)
-        out.at(resident + others + sums + sent + held[_GATHERED] + part.working, where, part, held)
+        held[label] = sum(gathered.values())
+        where = f"{a}, its stages' parameters gathered whole" if held[label] else str(a)
+        out.at(resident + others + sums + sent + held[label] + part.working, where, part, held)
+        if regather:
+            gathered.pop(a.stage, None)
         sent += _sent_by(a, schedule, parts)
         if a.kind is Kind.F:
             saved[a.stage, a.mb] = parts[a.stage]["forward"].outputs.get("saved", 0)

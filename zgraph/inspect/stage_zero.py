@@ -21,6 +21,7 @@ from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs
+from zgraph.runtime.pipeline_schedule import Schedule
 
 ZERO_GROUP = "zgraph-estimate-stage-data"  # the stand-in name of a stage's data-parallel group
 
@@ -50,3 +51,9 @@ def zero_gather(g: StageGraphs, ctx: PassContext, config: Config) -> fx.GraphMod
         return None
     passes = [p for p in config.passes() if p.name in PASSES_ON_THE_GATHER]
     return run_passes(gm, ctx, passes, check_input=False, keep=False)[-1].gm
+
+
+def gathers_per_step(schedule: Schedule, stage: int, regather: bool) -> int:
+    """How often a step runs ``stage``'s gather (ZeRO 3): once, or before each of its actions (``regather``:
+    ``Config.pipeline_regather``)."""
+    return sum(a.stage == stage for a in schedule.compute(schedule.rank_of(stage))) if regather else 1
