@@ -63,11 +63,13 @@ def _multimodal(tmp_path, launcher: str, python: str = sys.executable, extra: tu
     return out
 
 
+@pytest.mark.extended  # about 50 s on 2 cores: run by .ci/run after the README's suite
 def test_multimodal_demo_two_subgroups_matches_eager(tmp_path):
     out = _multimodal(tmp_path, "processes")
     assert "one world in two subgroups" in out
 
 
+@pytest.mark.extended  # about 40 s on 2 cores: run by .ci/run after the README's suite
 def test_multimodal_demo_with_sequence_parallel_lm_matches_eager(tmp_path):
     """Issue 31: the LM side's two ranks share each joined sequence (Ulysses), the image prefix on one rank's slice
     and the caption on both; the losses still match eager on the global batch."""
