@@ -40,27 +40,31 @@ def plan_pipeline(
     budget in bytes, the ``Config`` fields it changes, the estimate with them, and how many estimates it took. At
     ZeRO stage 3, where no remat fits with each stage's parameters gathered once per step, the same search with
     them gathered for each action (``Config.pipeline_regather``)."""
+
+    def estimate(variant: Config, remat: object) -> Estimate:
+        changed = dataclasses.replace(variant, memory_budget=None, remat=remat)
+        return estimate_step(call, changed, world_size, device=device)
+
     try:
-        return _plan(call, config, budget, world_size, device, free)
+        return _plan(config, estimate, budget, free)
     except MemoryBudgetError:
         if config.stage != 3 or config.pipeline_regather:
             raise
     regathered = dataclasses.replace(config, pipeline_regather=True)
-    nbytes, changes, estimate, considered = _plan(call, regathered, budget, world_size, device, free)
-    return nbytes, {**changes, "pipeline_regather": True}, estimate, considered
+    nbytes, changes, planned, considered = _plan(regathered, estimate, budget, free)
+    return nbytes, {**changes, "pipeline_regather": True}, planned, considered
 
 
 def _plan(
-    call: StepCall,
     config: Config,
+    estimate: Callable[[Config, object], Estimate],
     budget: int | str,
-    world_size: int | None,
-    device: str | torch.device | None,
     free: Callable[[torch.device], int],
 ) -> tuple[int, dict[str, object], Estimate, int]:
-    """``plan_pipeline`` at ``config``'s ``pipeline_regather``."""
+    """``plan_pipeline`` at ``config``'s ``pipeline_regather`` (``estimate(config, remat)``: the step's estimate
+    with that remat)."""
     policies = _POLICIES if config.remat in (None, "auto") else (config.remat,)
-    estimates = {p: _estimate(call, config, p, world_size, device) for p in policies}
+    estimates = {p: estimate(config, p) for p in policies}
     first = next(iter(estimates.values()))
     nbytes = free(torch.device(first.device)) if budget == "auto" else int(budget)
     chosen = {}
@@ -73,20 +77,13 @@ def _plan(
         policy = next(iter(chosen.values()))
         return nbytes, {"remat": policy}, estimates[policy], len(estimates)
     mapping = {block: chosen[s.rank] for s in first.stages for block in s.blocks}
-    planned = _estimate(call, config, mapping, world_size, device)
+    planned = estimate(config, mapping)
     if planned.peak_bytes <= nbytes:
         return nbytes, {"remat": mapping}, planned, len(estimates) + 1
     policy = next((p for p, e in estimates.items() if e.peak_bytes <= nbytes), None)
     if policy is None:
         raise _impossible(nbytes, estimates, config.pipeline_regather)
     return nbytes, {"remat": policy}, estimates[policy], len(estimates) + 1
-
-
-def _estimate(
-    call: StepCall, config: Config, remat: object, world_size: int | None, device: str | torch.device | None
-) -> Estimate:
-    variant = dataclasses.replace(config, memory_budget=None, remat=remat)
-    return estimate_step(call, variant, world_size, device=device)
 
 
 def _impossible(nbytes: int, estimates: dict[Policy, Estimate], regather: bool) -> MemoryBudgetError:
