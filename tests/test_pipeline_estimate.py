@@ -274,6 +274,15 @@ def test_cli_prints_the_stage_3_figures(capsys):
     table = cli_runner.here(capsys, *argv).stdout
     assert "all_gather_into_tensor" in table and "reduce_scatter_tensor" in table
     assert "whole parameters gathered for the rank's stages" in table
+    again = json.loads(cli_runner.here(capsys, *argv, "--pipeline-regather", "--json").stdout)  # M = P = 2
+    # the stage's gather before each of its 2 forwards and 2 backwards: 3 more than once per step (the update's
+    # all-gather of the parameters kept whole runs once either way)
+    count, nbytes = ([d[k]["all_gather_into_tensor"] for d in (out, again)] for k in ("comm_count", "comm_bytes"))
+    assert count[1] == count[0] + 3, count
+    extra = nbytes[1] - nbytes[0]
+    assert extra % 3 == 0 and 0.8 * nbytes[0] < extra / 3 < nbytes[0], nbytes
+    assert again["comm_bytes"]["reduce_scatter_tensor"] == out["comm_bytes"]["reduce_scatter_tensor"]
+    assert "re-gathered per action" in cli_runner.here(capsys, *argv, "--pipeline-regather").stdout
 
 
 @pytest.mark.parametrize(
@@ -283,6 +292,8 @@ def test_cli_prints_the_stage_3_figures(capsys):
         (["--pipeline-parallel", "3"], "--pipeline-parallel 3 must be positive and divide --world 4"),
         (["--pipeline-parallel", "2", "--budget", "1GiB"], "does not combine with --budget yet"),
         (["--pipeline-parallel", "2", "--shard-group-size", "2"], "does not combine with shard_group_size yet"),
+        (["--pipeline-regather"], "--pipeline-regather is a pipeline option: add --pipeline-parallel P"),
+        (["--pipeline-parallel", "2", "--pipeline-regather"], "Config.pipeline_regather re-gathers ZeRO 3's"),
     ],
 )
 def test_cli_bad_pipeline_input_is_one_line_and_status_1(capsys, argv, says):

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from zgraph.binding.arguments import StepCall
+from zgraph.cli.estimate_pipeline import PipelineFlags, describe_pipeline, pipeline_fields, pipeline_of, stage_rows
 from zgraph.cli.estimate_pipeline import add_arguments as add_pipeline_arguments
-from zgraph.cli.estimate_pipeline import describe_pipeline, pipeline_fields, pipeline_of, stage_rows
 from zgraph.cli.units import EstimateInputError, gib, parse_bytes
 from zgraph.config import Config
 from zgraph.demos.llama import LLAMA_7B, LLAMA_13B, LLAMA_70B, Llama, LlamaConfig
@@ -121,7 +121,7 @@ class Setting:
     ranks_per_node: int | None = None
     inter_node: tuple[float | None, float | None] = (None, None)  # Gbit/s, seconds of latency
     sequence_parallel: int | None = None  # each rank traces its slice of every sequence
-    pipeline: tuple[int, int, str, int] | None = None  # P, M, schedule, virtual stages
+    pipeline: PipelineFlags | None = None
 
     def config(self) -> Config:
         d = {k: (DTYPES[v] if v else None) for k, v in self.dtypes}
@@ -160,7 +160,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Tensor, targe
 def _meta_call(setting: Setting, micro_batch: int) -> StepCall:
     """A call of the plain AdamW step on the setting's model built on the meta device, at ``micro_batch``."""
     build, _, _ = MODELS[setting.model]
-    batch = micro_batch * (setting.pipeline[1] if setting.pipeline else 1)  # a pipeline's call: M micro-batches
+    batch = micro_batch * (setting.pipeline.microbatches if setting.pipeline else 1)  # a pipeline's call: M of them
     with torch.device("meta"):
         model = build(setting.seq)
         idx = torch.zeros(batch, setting.seq // (setting.sequence_parallel or 1), dtype=torch.long)

@@ -1,13 +1,15 @@
-"""``zgraph estimate --pipeline-parallel P`` (with ``--microbatches M``, ``--schedule``, ``--virtual-stages v``): the
-step cut into a pipeline (``Config.pipeline_parallel``; ``--stage`` 0 by default, 1 to 3 within each stage's
-data-parallel group of ``world / P`` ranks), each call taking M micro-batches of ``--micro-batch`` sequences per
-pipeline (``world / P`` pipelines). The table gets the predicted bubble and a row per stage: its model state, the
-activations the schedule holds, what it sends, its rank's peak and idle share (``zgraph.inspect.pipeline_estimate``).
+"""``zgraph estimate --pipeline-parallel P`` (with ``--microbatches M``, ``--schedule``, ``--virtual-stages v``,
+``--pipeline-regather``): the step cut into a pipeline (``Config.pipeline_parallel``; ``--stage`` 0 by default, 1 to
+3 within each stage's data-parallel group of ``world / P`` ranks), each call taking M micro-batches of
+``--micro-batch`` sequences per pipeline (``world / P`` pipelines). The table gets the predicted bubble and a row per
+stage: its model state, the activations the schedule holds, what it sends, its rank's peak and idle share
+(``zgraph.inspect.pipeline_estimate``).
 ``--budget``, ``--plan`` and ``--seq-lens`` do not combine with it yet."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from zgraph.cli.units import EstimateInputError, gib
 from zgraph.inspect.estimate import Estimate
@@ -26,9 +28,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--virtual-stages", type=int, default=1, help="with --pipeline-parallel: stages per rank (interleaved_1f1b)"
     )
+    parser.add_argument(
+        "--pipeline-regather",
+        action="store_true",
+        help="with --pipeline-parallel and --stage 3: Config.pipeline_regather, parameters gathered for each action",
+    )
 
 
-def pipeline_of(args: argparse.Namespace) -> tuple[int, int, str, int] | None:
+@dataclass(frozen=True, kw_only=True)
+class PipelineFlags:
+    """A pipelined estimate's flags, as ``Config`` fields."""
+
+    parallel: int
+    """``Config.pipeline_parallel``: ranks per pipeline."""
+    microbatches: int
+    """``Config.microbatches``."""
+    schedule: str
+    """``Config.schedule``."""
+    virtual: int = 1
+    """``Config.pipeline_virtual_stages``."""
+    regather: bool = False
+    """``Config.pipeline_regather``."""
+
+
+def pipeline_of(args: argparse.Namespace) -> PipelineFlags | None:
     """``Setting.pipeline`` from the flags; the flags of a pipeline without ``--pipeline-parallel``, or with what it
     does not combine with yet, are refused."""
     p = args.pipeline_parallel
@@ -43,13 +66,20 @@ def pipeline_of(args: argparse.Namespace) -> tuple[int, int, str, int] | None:
     other = [f for f, used in flags if used]
     if other:
         raise EstimateInputError(f"--pipeline-parallel does not combine with {other[0]} yet: read each stage's peak")
-    return p, args.microbatches or p, args.schedule, args.virtual_stages
+    return PipelineFlags(
+        parallel=p,
+        microbatches=args.microbatches or p,
+        schedule=args.schedule,
+        virtual=args.virtual_stages,
+        regather=args.pipeline_regather,
+    )
 
 
 _PIPELINE_FLAGS = (  # flag, argument name, default
     ("--microbatches", "microbatches", None),
     ("--schedule", "schedule", "1f1b"),
     ("--virtual-stages", "virtual_stages", 1),
+    ("--pipeline-regather", "pipeline_regather", False),
 )
 
 
@@ -75,17 +105,19 @@ def stage_rows(e: Estimate) -> list[str]:
     return rows
 
 
-def pipeline_fields(pipeline: tuple[int, int, str, int] | None) -> dict[str, object]:
-    """The ``Config`` fields of ``Setting.pipeline`` (P, M, schedule, virtual stages); none without one."""
+def pipeline_fields(pipeline: PipelineFlags | None) -> dict[str, object]:
+    """The ``Config`` fields of ``Setting.pipeline``; none without one."""
     if pipeline is None:
         return {}
-    p, m, schedule, virtual = pipeline
-    return {"pipeline_parallel": p, "microbatches": m, "schedule": schedule, "pipeline_virtual_stages": virtual}
+    fields = {"pipeline_parallel": pipeline.parallel, "microbatches": pipeline.microbatches}
+    fields |= {"schedule": pipeline.schedule, "pipeline_virtual_stages": pipeline.virtual}
+    return fields | ({"pipeline_regather": True} if pipeline.regather else {})
 
 
-def describe_pipeline(pipeline: tuple[int, int, str, int] | None) -> str:
+def describe_pipeline(pipeline: PipelineFlags | None) -> str:
     if pipeline is None:
         return ""
-    p, m, schedule, virtual = pipeline
-    stages = f" x {virtual} stages each" if virtual > 1 else ""
-    return f", pipeline_parallel={p}{stages}, {m} micro-batches, {schedule}"
+    stages = f" x {pipeline.virtual} stages each" if pipeline.virtual > 1 else ""
+    regather = ", re-gathered per action" if pipeline.regather else ""
+    m, schedule = pipeline.microbatches, pipeline.schedule
+    return f", pipeline_parallel={pipeline.parallel}{stages}, {m} micro-batches, {schedule}{regather}"
