@@ -7,7 +7,7 @@ a fresh group of 4 one-thread processes (``benchmarks.pipeline_worker``; the sys
 and schedule, DeepSpeed's ``PipelineModule`` (its 1F1B), zgraph ZeRO-3 without pipelines, and eager PyTorch in one
 process on the whole batch (the loss reference). The 1F1B and ZB-H1 rows are also run with 4 micro-batches.
 
-    python -m benchmarks.pipeline [--quick] [--systems all|a,b,...] [--microbatches 8] [--steps 5]
+    python -m benchmarks.pipeline [--quick] [--keep-host-memory] [--systems all|a,b,...] [--microbatches 8] [--steps 5]
 
 Reported per system: seconds per step (min / median / max over the timed steps, the slowest rank's), the bubble
 measured from the ranks' timelines (each compute action's span; a pipeline's window runs from its first action's
@@ -18,13 +18,16 @@ times as measured: the bubble of unequal stages), each rank's idle share, peak R
 rank (VmHWM), the bytes all ranks send point to point and the collectives' payload in one step, and the final loss
 against eager's. This 2-core machine runs 4 ranks: a rank waits for a CPU as well as for its neighbours, so the
 measured bubble is what its timeline shows, not the schedule's alone. Writes ``benchmarks/results/pipeline.md`` and
-``.json`` (``pipeline_quick.*`` with ``--quick``). See ``benchmarks/README.md``, "Pipelines".
+``.json`` (``pipeline_quick.*`` with ``--quick``, ``pipeline_kept.*`` with ``--keep-host-memory``: every system's
+processes run with glibc keeping freed memory, ``zgraph.runtime.host_memory``). See ``benchmarks/README.md``,
+"Pipelines".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -40,6 +43,7 @@ from benchmarks.pipeline_systems import SCHEDULES, parse
 from benchmarks.pipeline_timeline import Span, bubble, ideal_bubble
 from benchmarks.pipeline_worker import add_model_args
 from benchmarks.varlen import cause
+from zgraph.runtime.host_memory import GLIBC_TUNABLES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -232,6 +236,12 @@ def markdown_report(args: argparse.Namespace, machine: dict[str, Any], params: i
             "(all-reduce's tensor, all-gather's output, reduce-scatter's input, broadcast), summed over the ranks",
             "- peak MiB per rank: VmHWM, reset after the warm-up; loss: every step's global-batch loss against eager "
             "PyTorch in one process",
+            "- host memory: "
+            + (
+                f"kept between steps in every system's processes (`GLIBC_TUNABLES={GLIBC_TUNABLES}`)"
+                if args.keep_host_memory
+                else "glibc's malloc defaults (freed memory may go back to the system and fault in again)"
+            ),
             f"- machine: {machine['cpu_count']} CPUs ({machine['cpu']}), torch {machine['torch']}, "
             f"zgraph {machine['zgraph']}, {machine['date']}",
             "",
@@ -285,6 +295,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, 1 warm-up and 2 timed steps: a smoke run")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one system's run may take")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--keep-host-memory",
+        action="store_true",
+        help="run every system's processes with glibc keeping freed memory (GLIBC_TUNABLES, what "
+        "zgraph.Config(keep_host_memory=True) sets for its own process); results go to pipeline_kept.*",
+    )
     add_model_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -303,6 +319,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     """Run the systems one after another, writing the results after each."""
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.keep_host_memory:  # inherited by every system's processes (base_env copies the environment)
+        os.environ["GLIBC_TUNABLES"] = GLIBC_TUNABLES
     machine = machine_facts("not run", (float("nan"), None))
     rows: list[Row] = []
     raw: dict[str, list[dict[str, Any]]] = {}
@@ -317,13 +335,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 
 def write_results(args: argparse.Namespace, machine: dict, rows: list[Row], raw: dict[str, list]) -> str:
-    """Compare the rows so far, write ``pipeline.md`` and ``.json`` (``pipeline_quick.*``); returns the report."""
+    """Compare the rows so far, write ``pipeline.md`` and ``.json`` (``pipeline_quick.*``, ``*_kept.*``); returns
+    the report."""
     for row in rows:
         row.notes = [n for n in row.notes if not n.startswith(("FAILED", "LOSS", "other processes"))]
     compare(rows)
     params = next((r["params"] for ranks in raw.values() for r in ranks if r.get("params")), None)
     report = markdown_report(args, machine, params, rows)
-    stem = "pipeline_quick" if args.quick else "pipeline"
+    stem = ("pipeline_quick" if args.quick else "pipeline") + ("_kept" if args.keep_host_memory else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.md").write_text(report)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -69,3 +69,14 @@ def test_measured_action_times_per_stage_place():
     split = [{"rank": 0, "spans": [[["F", 0.0, 1.0, 0.0], ["B", 1.0, 2.0, 0.0], ["W", 2.0, 3.0, 0.0]]]}]
     assert pipeline.measured_costs(split, 1) == [{Kind.F: 1.0, Kind.I: 1.0, Kind.W: 1.0, Kind.B: 1.0}]
     assert pipeline.predicted_bubble("zb_h1", 1, 2, 1, pipeline.measured_costs(split, 1)) == 0.0
+
+
+def test_keep_host_memory_is_said_and_written_apart(tmp_path):
+    """``--keep-host-memory``: the report names the allocator setting every system ran with, and the results go to
+    ``pipeline_kept.*`` beside (not over) the run with glibc's defaults."""
+    machine = {"cpu_count": 2, "cpu": "test", "torch": "x", "zgraph": "y", "date": "z"}
+    for flag, stem in (([], "pipeline_quick"), (["--keep-host-memory"], "pipeline_quick_kept")):
+        args = pipeline.parse_args(["--quick", "--out-dir", str(tmp_path), *flag])
+        report = pipeline.write_results(args, machine, [], {})
+        assert (tmp_path / f"{stem}.md").read_text() in report and (tmp_path / f"{stem}.json").exists()
+        assert ("GLIBC_TUNABLES=" in report) == bool(flag)
