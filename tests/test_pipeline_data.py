@@ -207,6 +207,25 @@ def test_hybrid_sharding_of_one_rank_replicates_and_of_the_whole_group_is_plain_
         assert "over the 1 rank of its shard group" in hybrid and "across the 2 shard groups" in hybrid, hybrid
 
 
+@pytest.mark.parametrize(("run", "stage", "shards"), [(0, 2, 1), (1, 1, 2)])
+def test_the_estimate_of_hybrid_sharding_within_stages_gives_what_the_ranks_held_and_ran(
+    four_ranks, run, stage, shards
+):
+    """``step.estimate`` (in process, 4 ranks planned) of the hybrid runs above: each stage's model state is what its
+    ranks hold (``shard_group_size=1``: the whole optimizer state, unpadded; 2: sharded as without hybrid), and its
+    collectives are the ops the run issued (with 1: a reduce-scatter over the shard group, an all-reduce across)."""
+    runs = [r[run] for r in four_ranks["hybrid_degenerate"]]
+    config = zgraph.Config(backend="eager", pipeline_parallel=2, schedule="1f1b", microbatches=2, stage=stage,
+                           shard_group_size=shards, param_persistence_threshold=0)  # fmt: skip
+    model = Net()
+    e = zgraph.distribute(config)(step).estimate(model, torch.optim.AdamW(model.parameters(), lr=LR), *batches()[0],
+                                                 world_size=4)  # fmt: skip
+    for rank, r in enumerate(runs):
+        assert e.stages[rank % 2].model_state_bytes["total"] == r["state"], (e.stages[rank % 2], r["state"])
+    assert {k: n for k, n in e.comm_ops.items() if k != "isend"} == runs[0]["comm"], (e.comm_ops, runs[0]["comm"])
+    assert ("all_reduce" in e.comm_count) == (shards == 1), e.comm_count
+
+
 def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(four_ranks):
     """Issue 42, item 2: P=2 x D=2 at ZeRO 2, every step clipping (eager's norm above ``max_grad_norm``): the whole
     model (``zgraph.full_state_dict``) equals eager's after 3 SGD steps; the stage's gradients are still

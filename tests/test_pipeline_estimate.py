@@ -159,6 +159,9 @@ def test_bad_input_is_refused_before_anything_changes():
         compiled.estimate(model, opt, x, y, world_size=2, sizes={"s0": 4})
     with pytest.raises(ValueError, match="does not divide the batch"):
         compiled.estimate(model, opt, x[:6], y[:6], world_size=2)
+    hybrid = zgraph.Config(backend="eager", pipeline_parallel=2, microbatches=4, stage=2, shard_group_size=4)
+    with pytest.raises(ValueError, match=r"shard_group_size=4 must divide the 2 ranks of each stage's"):
+        zgraph.distribute(hybrid)(step).estimate(model, opt, x, y, world_size=4)
     assert not opt.state and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
@@ -259,6 +262,20 @@ def test_cli_prints_each_stage_and_the_bubble(capsys):
     assert "blocks.0 .. blocks.1" in table and "blocks.2 .. blocks.3" in table
 
 
+def test_cli_prints_hybrid_sharding_within_stages(capsys):
+    """``--shard-group-size 1`` at ZeRO 2, P=2 x D=2: each stage's optimizer state whole on its ranks (shard groups
+    of one), its gradients reduce-scattered within the shard group and all-reduced across the two."""
+    argv = ["estimate", "--model", "gpt-bench", "--world", "4", "--pipeline-parallel", "2", "--stage", "2"]
+    plain, hybrid = (json.loads(cli_runner.here(capsys, *argv, *extra, "--json").stdout)
+                     for extra in ([], ["--shard-group-size", "1"]))  # fmt: skip
+    assert set(hybrid["comm_bytes"]) == {"send", "reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"}
+    assert "all_reduce" not in plain["comm_bytes"], plain["comm_bytes"]
+    for whole, half in zip(hybrid["stages"], plain["stages"]):
+        optimizer = whole["model_state_bytes"]["optimizer"], half["model_state_bytes"]["optimizer"]
+        assert optimizer[1] * 2 * 0.95 < optimizer[0] <= optimizer[1] * 2, optimizer
+    assert "shard_group_size=1" in cli_runner.here(capsys, *argv, "--shard-group-size", "1").stdout
+
+
 def test_cli_prints_the_stage_3_figures(capsys):
     """``--stage 3`` with pipelines (issue 42, item 4): each rank holds a shard of its stage's larger parameters
     (those over ``param_persistence_threshold`` elements), all-gathers them and reduce-scatters their gradients
@@ -291,7 +308,7 @@ def test_cli_prints_the_stage_3_figures(capsys):
         (["--microbatches", "4"], "--microbatches is a pipeline option: add --pipeline-parallel P"),
         (["--pipeline-parallel", "3"], "--pipeline-parallel 3 must be positive and divide --world 4"),
         (["--pipeline-parallel", "2", "--budget", "1GiB"], "does not combine with --budget yet"),
-        (["--pipeline-parallel", "2", "--shard-group-size", "2"], "does not combine with shard_group_size yet"),
+        (["--pipeline-parallel", "2", "--shard-group-size", "4"], "shard_group_size=4 must divide the 2 ranks of each"),
         (["--pipeline-regather"], "--pipeline-regather is a pipeline option: add --pipeline-parallel P"),
         (["--pipeline-parallel", "2", "--pipeline-regather"], "Config.pipeline_regather re-gathers ZeRO 3's"),
     ],

@@ -40,7 +40,7 @@ from zgraph.errors import MemoryBudgetError
 from zgraph.inspect.budget import MemoryPlan, plan_memory
 from zgraph.inspect.estimate import DEVICES, Estimate, estimate_step
 from zgraph.runtime.cost_model import CostModel, analytical_cost_model, known_cost_model, with_inter_node
-from zgraph.runtime.hybrid import check_group_size
+from zgraph.runtime.hybrid import check_group_size, check_pipeline_groups
 
 
 def _gpt(config: GPTConfig) -> Callable[[int], nn.Module]:
@@ -240,6 +240,8 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
         check_group_size("shard_group_size", groups[0], args.world)
         check_group_size("secondary_shard_group_size", groups[1], args.world)
         check_group_size("sequence_parallel", args.sequence_parallel, args.world)
+        if setting.pipeline is not None:
+            check_pipeline_groups(groups[0], setting.pipeline.parallel, args.world)
     except ValueError as error:
         raise EstimateInputError(str(error).splitlines()[0]) from error
     return setting

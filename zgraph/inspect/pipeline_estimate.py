@@ -46,14 +46,13 @@ from zgraph.config import Config
 from zgraph.graph import INPUT, VAL, CostModel, placeholders, shard_rows
 from zgraph.inspect.liveness import cuda_block_bytes
 from zgraph.inspect.model_state import StatePiece, state_totals
-from zgraph.inspect.shadow import EstimateError
 from zgraph.inspect.stage_parts import PART_OF, PARTS, RESIDENT, StagePart, measure, storage_of, value_bytes, walk
 from zgraph.inspect.stage_zero import ZERO_GROUP, gathers_per_step, zero_context, zero_gather, zero_update
 from zgraph.passes import PassContext
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan
 from zgraph.passes.stage_graphs import StageGraphs
 from zgraph.runtime.cost_model import link_seconds
-from zgraph.runtime.hybrid import crosses_nodes
+from zgraph.runtime.hybrid import check_pipeline_groups, crosses_nodes
 from zgraph.runtime.pipeline_schedule import Action, Schedule
 from zgraph.runtime.pipeline_simulate import simulate
 from zgraph.runtime.timeline import CollectiveTotals
@@ -145,16 +144,17 @@ def pipeline_figures(
 ) -> PipelineFigures:
     """The figures of a pipeline: ``cut``, the graph ``stage_cut`` stamped; ``every``, its stage graphs;
     ``pieces``, the step's model state (module docstring)."""
-    if config.shard_group_size is not None:  # a stage's data-parallel group is planned whole (``zero_context``)
-        raise EstimateError("step.estimate of a pipelined step does not combine with shard_group_size yet")
+    check_pipeline_groups(config.shard_group_size, schedule.ranks, planned.world)
     plan: StagePlan = cut.meta[STAGE_PLAN]
     pipelines = planned.world // schedule.ranks
     sharded = {p.index for p in ctx.params if not p.persistent} if config.stage >= 3 else set()
-    pieces = _sharded_within_stages(pieces, config, pipelines, planned.device, sharded)
+    pieces = _sharded_within_stages(pieces, config, config.shard_group_size or pipelines, planned.device, sharded)
     held = {storage_of(n.meta[VAL]) for n in placeholders(cut) if n.meta[INPUT].kind in RESIDENT}
     zero = None
     if config.stage >= 1 and pipelines > 1:
-        zero = zero_context(ctx, pipelines, planned.backend, planned.device, planned.cost_model)
+        zero = zero_context(
+            ctx, pipelines, planned.backend, planned.device, planned.cost_model, config.shard_group_size
+        )
     parts = [_measured(g, schedule, ctx, zero, config, planned, held) for g in every]
     batch = schedule.microbatches * sum(
         value_bytes(n.meta[VAL], planned.device) for n in placeholders(cut) if n.meta[INPUT].kind == "input"
@@ -222,12 +222,13 @@ def _measured(
 
 
 def _sharded_within_stages(
-    pieces: Sequence[StatePiece], config: Config, pipelines: int, device: str, sharded: set[int]
+    pieces: Sequence[StatePiece], config: Config, shards: int, device: str, sharded: set[int]
 ) -> list[StatePiece]:
-    """``pieces`` as a rank holds them: at ZeRO stage >= 1 over ``pipelines > 1`` data-parallel ranks, the optimizer
-    state of a parameter's shape as its padded dim-0 shard, the parameter in its padded whole
-    (``zgraph.runtime.pipeline_groups``), or at stage 3 where it is ``sharded`` (not persistent), its padded shard."""
-    if config.stage < 1 or pipelines < 2:
+    """``pieces`` as a rank holds them: at ZeRO stage >= 1 in ``shards`` (the stage's data-parallel ranks, or with
+    hybrid sharding its shard group's), the optimizer state of a parameter's shape as its padded dim-0 shard, the
+    parameter in its padded whole (``zgraph.runtime.pipeline_groups``), or at stage 3 where it is ``sharded`` (not
+    persistent), its padded shard."""
+    if config.stage < 1 or shards < 2:
         return list(pieces)
     shapes = {p.spec.index: tuple(p.value.shape) for p in pieces if p.spec.kind == "param"}
     out = []
@@ -235,7 +236,7 @@ def _sharded_within_stages(
         shape, kind = tuple(piece.value.shape), piece.spec.kind
         if kind in ("param", "opt_state") and shape and shape == shapes.get(piece.spec.index):
             whole = kind == "param" and piece.spec.index not in sharded
-            rows = shard_rows(shape[0], pipelines) * (pipelines if whole else 1)
+            rows = shard_rows(shape[0], shards) * (shards if whole else 1)
             nbytes = math.prod((rows, *shape[1:])) * piece.value.element_size()
             piece = piece._replace(nbytes=cuda_block_bytes(nbytes) if device == "cuda" else nbytes)
         out.append(piece)

@@ -6,7 +6,9 @@ parameter shards once per step (``stage_gather``, bucketed), as the pipelined st
 
 The context is a stand-in for the data-parallel group (``ZERO_GROUP``: never created): every parameter of a
 non-zero dimension is cut in ``D`` padded dim-0 shards (``zgraph.graph.ShardSpec``), stage 3 keeping whole those
-the step's plan keeps whole (``Config.param_persistence_threshold``)."""
+the step's plan keeps whole (``Config.param_persistence_threshold``). With hybrid sharding
+(``Config.shard_group_size=N``) in ``N`` shards over its shard groups, replicated across the ``D / N`` of them, as
+``zgraph.runtime.pipeline_groups.zero_within_stages`` cuts the group (``zgraph.runtime.hybrid.planned_group``)."""
 
 from __future__ import annotations
 
@@ -21,19 +23,31 @@ from zgraph.passes import Pass, PassContext, run_passes
 from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs
+from zgraph.runtime.hybrid import planned_group
 from zgraph.runtime.pipeline_schedule import Schedule
+from zgraph.runtime.process_group import ProcessGroupInfo
 
 ZERO_GROUP = "zgraph-estimate-stage-data"  # the stand-in name of a stage's data-parallel group
 
 
 def zero_context(
-    ctx: PassContext, pipelines: int, backend: str | None, device: str, cost_model: CostModel
+    ctx: PassContext,
+    pipelines: int,
+    backend: str | None,
+    device: str,
+    cost_model: CostModel,
+    shard_group_size: int | None = None,
 ) -> PassContext:
     """``ctx`` (the pipeline's cut's: its parameters, which stage 3 keeps whole) over a stage's data-parallel group
-    of ``pipelines`` ranks, served by ``backend``, on ``device``, priced by ``cost_model``."""
-    params = tuple(dataclasses.replace(p, shard=ShardSpec(p.shape, pipelines) if p.shape else None) for p in ctx.params)
-    group = {"world_size": pipelines, "rank": 0, "group_name": ZERO_GROUP, "backend": backend, "shard_group": None}
-    return dataclasses.replace(ctx, **group, device_type=device, cost_model=cost_model, params=params)
+    of ``pipelines`` ranks (hybrid sharding's shard groups of ``shard_group_size`` within it), served by
+    ``backend``, on ``device``, priced by ``cost_model``."""
+    data = ProcessGroupInfo(0, pipelines, ZERO_GROUP, backend)
+    data = planned_group(data, shard_group_size=shard_group_size, secondary_group_size=None)
+    shards = data.shard_axis.size
+    params = tuple(dataclasses.replace(p, shard=ShardSpec(p.shape, shards) if p.shape else None) for p in ctx.params)
+    group = {"world_size": pipelines, "rank": 0, "group_name": ZERO_GROUP, "backend": backend}
+    axes = {"shard_group": data.shard, "replicate_group": data.replicate}
+    return dataclasses.replace(ctx, **group, **axes, device_type=device, cost_model=cost_model, params=params)
 
 
 def zero_update(g: StageGraphs, ctx: PassContext, config: Config) -> fx.GraphModule:
