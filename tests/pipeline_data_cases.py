@@ -266,18 +266,19 @@ def reduced_in_bf16(rank: int, world: int) -> list[dict]:
 def pipeline_by_sequence(rank: int, world: int) -> list[dict]:
     """P=2 x SP=2: sequence_cases' GPT (attention in each of its 2 blocks), 3 SGD steps on each rank's slice of the
     global batch's sequences (``zgraph.pipeline_batch(..., sequence_parallel=2)``), 2 micro-batches, ZeRO 0, 1
-    and 3, and at ZeRO 0 with labels shifted over the whole sequence, its last position ignored (``-100``: the
-    slices count different numbers of labels), against eager on the whole batch: the losses, the largest distance
-    of the parameters (``zgraph.full_state_dict``) from eager's, the parameters each rank's update graphs hold, the
-    sequence all-to-alls in its stage graphs, and (stage 3) the all-gathers in each stage graph, the functional
-    collectives the last step ran and the parameter bytes each rank holds. SGD: linear in the gradients, so the
+    and 3 (and at 3 with hybrid sharding's shard groups of one rank), and at ZeRO 0 with labels shifted over the
+    whole sequence, its last position ignored (``-100``: the slices count different numbers of labels), against
+    eager on the whole batch: the losses, the largest distance of the parameters (``zgraph.full_state_dict``) from
+    eager's, the parameters each rank's update graphs hold, the sequence all-to-alls in its stage graphs, and (stage
+    3) the all-gathers in each stage graph, the functional collectives the last step ran and the parameter bytes
+    each rank holds. SGD: linear in the gradients, so the
     float noise in the key bias's gradient (zero in exact arithmetic: softmax ignores a shift of every key) stays
     small; Adam would scale it up."""
-    runs = [(0, "gpt"), (1, "gpt"), (0, "llama"), (3, "gpt")]  # sequence_cases.batches: "llama" labels are shifted
-    return all_gather_values([_by_sequence(stage, labels) for stage, labels in runs])
+    runs = [(0, "gpt", None), (1, "gpt", None), (0, "llama", None), (3, "gpt", None), (3, "gpt", 1)]
+    return all_gather_values([_by_sequence(*run) for run in runs])  # "llama": labels shifted (sequence_cases)
 
 
-def _by_sequence(stage: int, labels: str) -> dict:
+def _by_sequence(stage: int, labels: str, shard_group_size: int | None) -> dict:
     eager, model = sc.build("gpt")[0], sc.build("gpt")[0]
     eager_opt = torch.optim.SGD(eager.parameters(), lr=SGD_LR)
     want = [float(sc.train_step(eager, eager_opt, *b)) for b in sc.batches(labels)]
@@ -285,6 +286,7 @@ def _by_sequence(stage: int, labels: str) -> dict:
     config = zgraph.Config(
         backend="eager", pipeline_parallel=P, sequence_parallel=2, microbatches=2, stage=stage,
         param_persistence_threshold=0,  # stage 3: every parameter of the tiny model sharded
+        shard_group_size=shard_group_size,
     )  # fmt: skip
     compiled = zgraph.distribute(config)(sc.train_step)
     got, comm, steps = [], FunctionalCollectives(), sc.batches(labels)

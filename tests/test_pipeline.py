@@ -189,7 +189,6 @@ def test_bad_input_is_refused_before_anything_changes(config, error, message):
     "config,message",
     [
         ({"microbatches": 2}, "Config.microbatches is a pipeline parallelism option: set Config.pipeline_parallel"),
-        ({"pipeline_parallel": 2, "shard_group_size": 2, "sequence_parallel": 2}, "with shard_group_size=2 yet"),
         ({"pipeline_parallel": 2, "stage": 3, "secondary_shard_group_size": 2}, "with secondary_shard_group_size=2"),
         ({"pipeline_parallel": 2, "schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
         ({"pipeline_parallel": 2, "pipeline_virtual_stages": 2}, "'1f1b' runs one stage per rank"),

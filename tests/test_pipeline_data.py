@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import sequence_cases as sc
 import torch
 from pipeline_cases import CLIP, LR, SGD, Net, batches, step
 
@@ -278,7 +279,8 @@ def test_explain_and_the_estimate_give_the_state_sharded_within_each_stage(four_
     assert estimate.comm_bytes["reduce_scatter_tensor"] == padded(runs[0]["owned"])
 
 
-BY_SEQUENCE = {"stage 0": 0, "stage 1": 1, "stage 0, uneven labels per slice": 2, "stage 3": 3}
+BY_SEQUENCE = {"stage 0": 0, "stage 1": 1, "stage 0, uneven labels per slice": 2, "stage 3": 3,
+               "stage 3, hybrid": 4}  # fmt: skip
 
 
 @pytest.mark.parametrize("run", list(BY_SEQUENCE))
@@ -301,6 +303,31 @@ def test_two_stages_of_two_sequence_parallel_ranks_equal_eager_on_the_whole_batc
         assert r["explained"].endswith(
             f"this is rank {rank // 2} of the chain of global ranks {chain}, one of 2 (1 pipelines x 2 sequence slices)"
         ), r["explained"]
+
+
+def test_hybrid_sharding_with_sequence_parallelism_within_stages(four_ranks):
+    """P=2 x SP=2 at ZeRO 3 with ``shard_group_size=1``: a stage's state is whole on each of its 2 sequence ranks
+    (shard groups of one rank, replicated across the two), its gradient sums reduced within the shard group and
+    all-reduced across once per step; parameters as eager's (the parametrized test above)."""
+    runs = [rank[BY_SEQUENCE["stage 3, hybrid"]] for rank in four_ranks["pipeline_by_sequence"]]
+    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"], "whole on both"
+    assert runs[0]["params"] + runs[2]["params"] == runs[0]["eager_params"], [r["params"] for r in runs]
+    for rank, r in enumerate(runs):
+        assert r["comm"] == {"all_gather_into_tensor_coalesced": 1, "all_to_all_single": 1, "all_reduce_": 1}, r
+        data = [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["sharding"] == (
+            f"  ZeRO within each stage, hybrid: a stage's parameters sharded over the 1 rank of its shard group "
+            f"(here global ranks [{rank}]) and replicated across the 2 shard groups of its data-parallel group "
+            f"(global ranks {data}); its update graph reduce-scatters the gradient sums within the shard group and "
+            "all-reduces the shards across the groups once per step (the lines `buckets of stageN.update`)"
+        ), r["sharding"]
+    model = sc.build("gpt")[0]  # the estimate, in process: what the ranks held and the ops they ran
+    config = zgraph.Config(backend="eager", pipeline_parallel=2, sequence_parallel=2, microbatches=2, stage=3,
+                           param_persistence_threshold=0, shard_group_size=1)  # fmt: skip
+    rows = zgraph.pipeline_batch(sc.batches("gpt")[0], 2, sequence_parallel=2, rank=0, world=4)
+    e = zgraph.distribute(config)(sc.train_step).estimate(model, SGD(model.parameters()), *rows, world_size=4)
+    assert [s.model_state_bytes["params"] for s in e.stages] == [runs[0]["params"], runs[2]["params"]], e.stages
+    assert {k: n for k, n in e.comm_ops.items() if k != "isend"} == runs[0]["comm"], e.comm_ops
 
 
 def test_zero_3_with_sequence_parallelism_shards_over_the_stages_sequence_ranks_and_gathers_once_per_step(four_ranks):

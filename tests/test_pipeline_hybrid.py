@@ -62,9 +62,9 @@ def test_each_stage_bucket_is_reduce_scattered_in_its_shard_group_and_all_reduce
 
 def test_a_group_size_not_dividing_the_data_parallel_group_and_hpz_are_refused(eight_ranks):
     """``shard_group_size=8`` divides the world (8) but not D (4): refused naming both; hpZ with pipelines: refused
-    saying why (a stage's parameters are gathered once per step, there is no re-gather to serve)."""
+    saying why (a stage's parameters are gathered from the primary shards: no secondary copy to serve)."""
     for too_big, hpz in eight_ranks["refused"]:
         assert "shard_group_size=8 must divide the 4 ranks of each stage's data-parallel group (world size 8 /" in (
             too_big
         ), too_big
-        assert "does not combine with secondary_shard_group_size=2" in hpz and "no re-gather to serve" in hpz, hpz
+        assert "does not combine with secondary_shard_group_size=2" in hpz and "no secondary copy to serve" in hpz, hpz

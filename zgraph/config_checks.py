@@ -349,7 +349,6 @@ def check_pipeline(config: Any) -> None:
             f"stages; got {len(config.pipeline_split)}"
         )
     unsupported = {
-        "shard_group_size": config.shard_group_size is not None and config.sequence_parallel is not None,
         "secondary_shard_group_size": config.secondary_shard_group_size is not None,
         "offload_optimizer": config.offload_optimizer is not None,
         "offload_params": config.offload_params is not None,
@@ -359,8 +358,9 @@ def check_pipeline(config: Any) -> None:
     if named:
         raise ValueError(
             f"Config.pipeline_parallel does not combine with {named[0]}={getattr(config, named[0])!r} yet: pipelines "
-            "run at ZeRO 0-3 within each stage's data-parallel group (sequence parallelism included; hybrid sharding "
-            "without it), without offload or hpZ (parameters are gathered once a step and kept: no re-gather to serve)"
+            "run at ZeRO 0-3 within each stage's data-parallel group (with hybrid sharding and sequence parallelism), "
+            "without offload or hpZ (a stage gathers its parameters once a step, or with pipeline_regather before each "
+            "action from the primary shards: no secondary copy to serve)"
         )
     if config.pipeline_regather and config.stage != 3:
         raise ValueError(

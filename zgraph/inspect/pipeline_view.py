@@ -70,17 +70,18 @@ def _sharding_lines(program: PipelineCompiled) -> list[str]:
     }
     what = " and ".join(_SHARDED[k] for k in _SHARDED if k in kinds) or "nothing"
     shard = program.shard_ranks
+    held = f"a stage's {what} sharded" if kinds else "a stage's state whole, nothing sharded"
     if shard:
         groups = _the(peers.pipelines // len(shard), "shard group")
         return [
-            f"  ZeRO within each stage, hybrid: a stage's {what} sharded over {_the(len(shard), 'rank')} of its "
+            f"  ZeRO within each stage, hybrid: {held} over {_the(len(shard), 'rank')} of its "
             f"shard group (here global ranks {list(shard)}) and replicated across {groups} "
             f"of its data-parallel group (global ranks {list(peers.data_ranks)}); its update graph "
             "reduce-scatters the gradient sums within the shard group and all-reduces the shards across the groups "
             "once per step (the lines `buckets of stageN.update`)"
         ]
     return [
-        f"  ZeRO within each stage: a stage's {what} sharded over {_the(peers.pipelines, 'rank')} of its data-parallel "
+        f"  ZeRO within each stage: {held} over {_the(peers.pipelines, 'rank')} of its data-parallel "
         f"group (here global ranks {list(peers.data_ranks)}); its update graph reduce-scatters the gradient sums "
         "over that group once per step (the lines `buckets of stageN.update`)"
     ]
