@@ -1,11 +1,12 @@
 """Hybrid sharding within pipeline stages (issue 42, item 2): two pipeline stages by four data-parallel ranks (P=2 x
 D=4, eight gloo ranks), ``Config.shard_group_size=2`` at ZeRO 2 and 3 against eager PyTorch on the global batch,
-and what is refused (hpZ, a group size not dividing D): the worker of ``test_pipeline_hybrid.py``."""
+the same with sequence parallelism (P=2 x SP=2 x D=2), and what is refused (hpZ, a group size not dividing D): the
+worker of ``test_pipeline_hybrid.py``."""
 
 from __future__ import annotations
 
 from dist_harness import all_gather_values, run_named
-from pipeline_data_cases import P, train
+from pipeline_data_cases import P, _by_sequence, train
 
 import zgraph
 
@@ -21,6 +22,12 @@ def hybrid(rank: int, world: int) -> list[dict]:
         run.pop("want"), run.pop("got")  # losses: compared through the parameters (and kept small to gather)
         runs.append(run)
     return all_gather_values(runs)
+
+
+def hybrid_by_sequence(rank: int, world: int) -> list[dict]:
+    """P=2 x SP=2 x D=2 at ZeRO 3, ``shard_group_size=2`` of each stage's D x SP = 4 ranks: sequence_cases' GPT,
+    3 SGD steps (``pipeline_data_cases.pipeline_by_sequence``'s run)."""
+    return all_gather_values(_by_sequence(3, "gpt", N))
 
 
 def refused(rank: int, world: int) -> list[str]:

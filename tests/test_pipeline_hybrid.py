@@ -1,7 +1,8 @@
 """Hybrid sharding within pipeline stages (issue 42, item 2): P=2 x D=4 on eight gloo ranks,
 ``Config.shard_group_size=2`` (shard groups of 2 of each stage's 4 data-parallel ranks, replicated across 2) at ZeRO 2
 and 3 against eager PyTorch on the global batch; each stage's state held as 1 / (P x N); one reduce-scatter within
-the shard group and one all-reduce across the groups per bucket per stage per step; what is refused."""
+the shard group and one all-reduce across the groups per bucket per stage per step; with sequence parallelism
+(P=2 x SP=2 x D=2, N=2 of each stage's 4 ranks) the same; what is refused."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def eight_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline_hybrid") / "results.pt"
-    run_ranks(8, "pipeline_hybrid_cases.run", str(path), ["hybrid", "refused"], timeout=300)
+    run_ranks(8, "pipeline_hybrid_cases.run", str(path), ["hybrid", "hybrid_by_sequence", "refused"], timeout=300)
     results = torch.load(path, weights_only=False)
     for result in results.values():
         assert not (isinstance(result, dict) and "error" in result), result.get("error")
@@ -68,3 +69,17 @@ def test_a_group_size_not_dividing_the_data_parallel_group_and_hpz_are_refused(e
             too_big
         ), too_big
         assert "does not combine with secondary_shard_group_size=2" in hpz and "no secondary copy to serve" in hpz, hpz
+
+
+def test_hybrid_sharding_with_sequence_parallelism_shards_over_each_pipelines_slices(eight_ranks):
+    """P=2 x SP=2 x D=2, ``shard_group_size=2`` at ZeRO 3: a stage's parameters sharded over the 2 sequence ranks of
+    its place in one pipeline (its shard group) and replicated across the 2 pipelines: a quarter (1 / (P x N)) per
+    rank; as eager on the whole batch after 3 steps; per step one all-gather, one reduce-scatter within the shard
+    group, one all-reduce across."""
+    for rank, r in enumerate(eight_ranks["hybrid_by_sequence"]):
+        torch.testing.assert_close(torch.tensor(r["got"]), torch.tensor(r["want"]), rtol=1e-6, atol=1e-6)
+        assert r["distance"] < 1e-6, r["distance"]
+        assert r["eager_params"] / 4 * 0.9 < r["params"] < r["eager_params"] / 4 * 1.1, r
+        assert r["comm"] == {"all_gather_into_tensor_coalesced": 1, "all_to_all_single": 1, "all_reduce_": 1}, r
+        shard = [rank - rank % 2, rank - rank % 2 + 1]  # ranks R[(d * P + p) * SP + s]: this pipeline's slices
+        assert f"over the 2 ranks of its shard group (here global ranks {shard})" in r["sharding"], r["sharding"]
