@@ -17,7 +17,7 @@ rewrites them:
 Every stage thus clips by the same global coefficient, and skips (or not) the same step, as eager does.
 ``split_update`` then cuts a stage's update graph in two: the part its partials need (run first, on every stage),
 and the rest, which reads the totals (``GraphInput`` kind ``handed`` for what the first part made and the rest
-reads).
+reads). ``total_inputs`` lists a graph's ``stage_total`` placeholders.
 """
 
 from __future__ import annotations
@@ -132,11 +132,16 @@ def _overflow(gm: fx.GraphModule, check: fx.Node, stage_of: StageOf) -> Partials
     return partials, [total, flag]
 
 
+def total_inputs(gm: fx.GraphModule) -> list[fx.Node]:
+    """``gm``'s placeholders of values combined across stages (``GraphInput`` kind ``stage_total``), in order."""
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[INPUT].kind == "stage_total"]
+
+
 def _total(gm: fx.GraphModule, node: fx.Node, partials: list[tuple[fx.Node, int]], op: str) -> fx.Node:
     """The placeholder of the total the partials combine to (``op`` over them), and the partials returned."""
     graph = gm.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    index = sum(1 for n in graph.nodes if n.op == "placeholder" and n.meta[INPUT].kind == "stage_total")
+    index = len(total_inputs(gm))
     with graph.inserting_after(last):
         total = graph.placeholder(f"stage_total_{node.name}")
     total.meta[INPUT] = GraphInput("stage_total", node.name, index, field=op)

@@ -58,9 +58,8 @@ graph lets each go after its last use (``input_grad``'s stay: its ``weight_grad`
 class Part:
     """One compiled stage graph: ``run(inputs) -> outputs`` (on the eager backend, that of a graph ``CONSUMED``
     names empties the list ``inputs`` as it reads them: each input goes after its last use), what each input and
-    output is, the inputs' example
-    values (shapes and dtypes of what is received), the outputs that are their own input updated in place, the
-    time it took to compile, and the backend that compiled it."""
+    output is, the inputs' example values (shapes and dtypes of what is received), the outputs that are their own
+    input updated in place, the time it took to compile, and the backend that compiled it."""
 
     run: Callable[[Sequence[Tensor]], Sequence]
     inputs: list[GraphInput]

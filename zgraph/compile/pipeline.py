@@ -37,7 +37,7 @@ from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
-from zgraph.passes.stage_totals import split_update
+from zgraph.passes.stage_totals import split_update, total_inputs
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable, run_consuming
 from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
@@ -90,9 +90,7 @@ def compile_pipeline(
     program.update_reduces = zero is not None
     program.regather = config.pipeline_regather
     program.shard_ranks = _shard_ranks(binding.plan.group)
-    program.totals = [
-        (p.meta[INPUT], p.meta[VAL]) for p in placeholders(records[-1].gm) if p.meta[INPUT].kind == "stage_total"
-    ]
+    program.totals = [(p.meta[INPUT], p.meta[VAL]) for p in total_inputs(records[-1].gm)]
     program.state_elsewhere = _state_written(g for g in every if schedule.rank_of(g.stage) != place)
     program.peers = _peers(group, config)
     description = describe_graph(captured.gm) + [str(schedule)]

@@ -51,6 +51,7 @@ from zgraph.inspect.stage_zero import ZERO_GROUP, gathers_per_step, zero_context
 from zgraph.passes import PassContext
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan
 from zgraph.passes.stage_graphs import StageGraphs
+from zgraph.passes.stage_totals import total_inputs
 from zgraph.runtime.cost_model import link_seconds
 from zgraph.runtime.hybrid import check_pipeline_groups, crosses_nodes
 from zgraph.runtime.pipeline_schedule import Action, Schedule
@@ -161,9 +162,7 @@ def pipeline_figures(
     )
     units = simulate(schedule)
     idle = [_idle(row, units.step_time) for row in units.spans]
-    totals = [
-        value_bytes(n.meta[VAL], planned.device) for n in placeholders(cut) if n.meta[INPUT].kind == "stage_total"
-    ]
+    totals = [value_bytes(n.meta[VAL], planned.device) for n in total_inputs(cut)]
     ranked = [
         _rank(place, schedule, parts, pieces, plan, config, planned, batch, totals) for place in range(schedule.ranks)
     ]
