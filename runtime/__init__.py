@@ -37,4 +37,5 @@ Files::
     stage_state.py     pipeline parallelism's state: a rank holds its stages' parameters, others' released to meta
     pipeline_groups.py pipeline parallelism's groups over P x D ranks: each rank's pipeline and data-parallel group
     pipeline_run.py    one rank's actions of a pipelined step: its stages' graphs, point-to-point sends, the update
+    sum_in_graph.py    a pipeline stage's backward adding its gradient contributions into their sums (eager backend)
 """

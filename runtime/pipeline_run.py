@@ -87,6 +87,9 @@ class StageRun:
     update: Part
     gather: Part | None = None  # ZeRO stage 3: the stage's parameter shards all-gathered (``stage_gather``)
     totals: Part | None = None  # what the stage's partials of values across stages need, run before ``update``
+    summing: dict[str, Part] = field(default_factory=dict)
+    """Eager backend: the twins of the graphs returning gradient contributions that add them into their sums
+    instead, by graph name (``zgraph.runtime.sum_in_graph``): run once every sum they add into exists."""
 
 
 @dataclass
@@ -209,9 +212,13 @@ class RankRunner:
                 self.wholes.pop(role.index, None)
 
     def _call(self, part: Part, a: Action, given: dict[str, list[Tensor]]) -> list[tuple[GraphOutput, Tensor]]:
-        """Run ``part`` for ``a`` on what it is ``given`` (by input kind) and reads of the state. The lists of the
-        kinds ``CONSUMED`` names are the rank's only hold on them: emptied, so that each tensor goes once the graph
-        has read it for the last time (an eager graph empties its input list as it reads it)."""
+        """Run ``part`` for ``a`` on what it is ``given`` (by input kind) and reads of the state; its summing twin
+        instead where the stage has one and every sum it adds into exists. The lists of the kinds ``CONSUMED``
+        names are the rank's only hold on them: emptied, so that each tensor goes once the graph has read it for
+        the last time (an eager graph empties its input list as it reads it)."""
+        twin = self.stages[a.stage].summing.get(PART_OF[a.kind])
+        if twin is not None and all((a.stage, s.name) in self.sums for s in twin.inputs if s.kind == "grad_sum"):
+            part, given = twin, {**given, "grad_sum": self._owned_sums(a.stage, twin)}
         inputs = [given[s.kind][s.index] if s.kind in given else self._read(s, a.mb) for s in part.inputs]
         first = any(r.kind == "grad_contribution" and (a.stage, r.name) not in self.sums for r in part.outputs)
         roots = _roots(inputs) if first else None  # a first contribution's sum may be the contribution itself
@@ -220,6 +227,18 @@ class RankRunner:
         outputs = part.run(inputs)
         self.fresh = set() if roots is None else _fresh(roots, outputs)
         return list(zip(part.outputs, outputs))
+
+    def _owned_sums(self, stage: int, twin: Part) -> list[Tensor]:
+        """The sums ``twin`` adds into, by its ``grad_sum`` inputs' order, each made the rank's own buffer first
+        (a copy of a first contribution that shares memory with something else)."""
+        keys = [
+            (stage, s.name) for s in sorted((s for s in twin.inputs if s.kind == "grad_sum"), key=lambda s: s.index)
+        ]
+        for key in keys:
+            if key not in self.owned:
+                self.sums[key] = self.sums[key].clone()
+                self.owned.add(key)
+        return [self.sums[key] for key in keys]
 
     def _read(self, spec: GraphInput, mb: int) -> Tensor:
         whole = spec.kind == "param" and spec.layout == "full"

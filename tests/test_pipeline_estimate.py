@@ -169,7 +169,8 @@ def test_bad_input_is_refused_before_anything_changes():
 def test_a_memory_budget_gives_each_rank_the_lightest_remat_that_fits(zero):
     """1F1B holds two micro-batches on rank 0, one on rank 1: a budget only rank 0 exceeds without remat
     recomputes rank 0's blocks and no others; every rank's planned peak fits. At ZeRO 3 within stages (P=2 x D=2)
-    the peaks it plans by hold each stage's parameters gathered whole."""
+    the peaks it plans by hold each stage's parameters gathered whole during its actions (not at an update: they go
+    before it)."""
     pipeline = {"pipeline_parallel": 2, "microbatches": 4}
     if zero:
         pipeline.update(stage=3, param_persistence_threshold=0)
@@ -182,7 +183,8 @@ def test_a_memory_budget_gives_each_rank_the_lightest_remat_that_fits(zero):
     compiled = zgraph.distribute(zgraph.Config(backend="eager", **pipeline))(step)
     plan = compiled.estimate(model, opt, *batches()[0], world_size=world, memory_budget=budget)
     gathered = "whole parameters gathered for the rank's stages, held until the updates"
-    assert (gathered in dict(plan.chosen.estimate.alive_at_peak)) == bool(zero)
+    at_peak = plan.chosen.estimate.peak_node
+    assert (gathered in dict(plan.chosen.estimate.alive_at_peak)) == (bool(zero) and "update" not in at_peak), at_peak
     assert plan.chosen.changes == {"remat": {f"model.blocks.{i}": "full" if i < 2 else None for i in range(4)}}
     assert all(s.peak_bytes <= budget for s in plan.chosen.estimate.stages)
     assert plan.chosen.estimate.stages[0].saved_bytes == full.stages[0].saved_bytes

@@ -39,7 +39,7 @@ from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
 from zgraph.passes.stage_totals import split_update, total_inputs
 from zgraph.runtime.consistency import describe_graph, digest
-from zgraph.runtime.executor import Executable, run_consuming
+from zgraph.runtime.executor import Executable, compile_graph, run_consuming
 from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
 from zgraph.runtime.pipeline_run import CONSUMED, Part, Peers, RankRunner, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
@@ -47,6 +47,7 @@ from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import release_other_stages, released_state
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
+from zgraph.runtime.sum_in_graph import summing_variant
 
 _PASSES_BEFORE_THE_CUT = ("sequence_parallel", "cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
@@ -183,7 +184,8 @@ def _compile_stage(
     schedule runs, ``"eager"`` for the others: no compile for a graph that never runs); the update graph first
     through the ZeRO passes over the stage's data-parallel group (``zero``, ``_zero_passes``), its partials of
     values across stages first where it has some (``stage_totals``). At ZeRO stage 3, also the graph gathering the
-    stage's parameter shards (``stage_gather``, bucketed: ``PASSES_ON_THE_GATHER``)."""
+    stage's parameter shards (``stage_gather``, bucketed: ``PASSES_ON_THE_GATHER``); on the eager backend, the
+    summing twins of the graphs returning gradient contributions (``zgraph.runtime.sum_in_graph``)."""
     parts, totals = [], None
     for name, backend in backends.items():
         gm, part_ctx = getattr(g, name), ctx
@@ -196,7 +198,14 @@ def _compile_stage(
             gm = split[1]
         parts.append(_lowered(gm, part_ctx, backend, graphs, f"stage{g.stage}.{name}"))
     gather = None if zero is None else _gather(g, zero, stage, backends["forward"], graphs)
-    return StageRun(g.stage, *parts, gather=gather, totals=totals)
+    run = StageRun(g.stage, *parts, gather=gather, totals=totals)
+    for name in ("backward", "input_grad", "weight_grad"):  # the eager ones: their summing twins
+        twin = summing_variant(graphs[f"stage{g.stage}.{name}"]) if getattr(run, name).backend == "eager" else None
+        if twin is not None:
+            call = run_consuming(twin) if name in CONSUMED else compile_graph(twin, "eager").run
+            examples = [p.meta[VAL] for p in placeholders(twin)]
+            run.summing[name] = Part(call, input_specs(twin), output_roles(twin), examples)
+    return run
 
 
 def _gather(

@@ -201,7 +201,8 @@ def _measured(
     planned: Planned,
     held: set[StorageWeakRef],
 ) -> dict[str, StagePart]:
-    """Stage ``g``'s graphs measured (``stage_parts.measure``); with ZeRO within stages (``zero``: the context of
+    """Stage ``g``'s graphs measured (``stage_parts.measure``; on the eager backend with the summing twins of
+    those returning gradient contributions); with ZeRO within stages (``zero``: the context of
     its data-parallel group, ``zgraph.inspect.stage_zero``), its update as that group runs it and at stage 3 its
     gather (``"gather"``)."""
     graphs = {p: getattr(g, p) for p in PARTS}
@@ -214,8 +215,9 @@ def _measured(
     crossing = {ZERO_GROUP: crosses_nodes(group, planned.ranks_per_node)}
     contexts = {} if zero is None else {"update": zero, "gather": zero}
     device, cost_model = planned.device, planned.cost_model
+    summing = {p for p in ("backward", "input_grad", "weight_grad") if config.backend == "eager"}  # their twins
     return {
-        p: measure(gm, f"stage{g.stage}.{p}", contexts.get(p, ctx), device, cost_model, held, crossing)
+        p: measure(gm, f"stage{g.stage}.{p}", contexts.get(p, ctx), device, cost_model, held, crossing, p in summing)
         for p, gm in graphs.items()
     }
 

@@ -1,18 +1,20 @@
 """A pipeline's stage graphs measured, and a rank's actions walked in order (``zgraph.inspect.pipeline_estimate``).
-
 ``measure``: one stage graph lowered as the eager backend runs it, with its liveness (``zgraph.inspect.liveness``),
-its working memory (the liveness peak less the model state and batch it reads, held anyway), the bytes of its
-outputs by kind (storages counted once, none of the model state's or the batch's), and its seconds by the cost
-model's timeline. ``walk``: a rank's compute actions as ``zgraph.runtime.pipeline_run`` runs them, holding a
-micro-batch's saved values from its F to its B (or W; from I to W also the split backward's partial values and
-received gradients), a stage's gradient sums from its first backward to its update, at ZeRO stage 3 a stage's
-parameters gathered whole from its gather (before its first action) until the updates (``Config.pipeline_regather``:
-from a gather before each of its actions to the action's end), and everything the rank sends
-until the step's end (an upper bound: the runtime lets a send go once its peer has received it); its peak is the
-most, over the actions, gathers and updates, of what is held plus the action's working memory."""
+its working memory (the liveness peak less the model state and batch it reads, held anyway), the bytes of its outputs
+by kind (storages counted once, none of the model state's or the batch's), and its seconds by the cost model's
+timeline; with ``summing``, its twin that adds its gradient contributions into their sums
+(``zgraph.runtime.sum_in_graph``: the eager backend runs it once the sums exist) measured too. ``walk``: a rank's
+compute actions as ``zgraph.runtime.pipeline_run`` runs them, holding a micro-batch's saved values from its F to its
+B (or W; from I to W also the split backward's partial values and received gradients), a stage's gradient sums from
+its first backward to its update (the later backwards as their summing twins, where measured), at ZeRO stage 3 a
+stage's parameters gathered whole from its gather (before its first action) until the updates
+(``Config.pipeline_regather``: from a gather before each of its actions to the action's end), and everything the rank
+sends until the step's end (an upper bound: the runtime lets a send go once its peer has received it); its peak is
+the most, over the actions, gathers and updates, of what is held plus the action's working memory."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,11 +29,12 @@ from zgraph.inspect.liveness import Liveness, cuda_block_bytes, liveness
 from zgraph.passes import PassContext
 from zgraph.runtime.pipeline_run import CONSUMED, PART_OF
 from zgraph.runtime.pipeline_schedule import Action, Kind, Schedule
+from zgraph.runtime.sum_in_graph import summing_variant
 from zgraph.runtime.timeline import CollectiveTotals, collective_totals
 from zgraph.runtime.timeline import estimate as timeline
 
 PARTS = (*PART_OF.values(), "update")
-RESIDENT = (*STATE_KINDS, "input")  # graph inputs a rank holds all step anyway: model state and the batch
+RESIDENT = (*STATE_KINDS, "input", "grad_sum")  # graph inputs a rank holds anyway: state, batch, gradient sums
 _SENT = "sent, held until the step's end"
 _GATHERED = "whole parameters gathered for the rank's stages, held until the updates"
 _REGATHERED = "whole parameters gathered for this action (Config.pipeline_regather)"
@@ -53,6 +56,7 @@ class StagePart:
     seconds: float
     nodes: int
     collectives: CollectiveTotals  # the collectives it runs (ZeRO within stages: its update's, its gather's)
+    summing: StagePart | None = None  # its twin adding its gradient contributions into their sums, where measured
 
 
 def measure(
@@ -63,11 +67,30 @@ def measure(
     cost_model: CostModel,
     held: set[StorageWeakRef],
     crossing: Mapping[str, bool] | None = None,
+    summing: bool = False,
 ) -> StagePart:
     """One stage graph lowered and measured; ``held``: the storages of the model state and the batch (a value
     living in one, a weight's transpose a forward saves, is no memory of its own); ``crossing``: whether each
-    group its collectives run on, by name, crosses nodes."""
+    group its collectives run on, by name, crosses nodes; ``summing``: its summing twin measured too."""
     final = lower(gm, ctx, "eager", keep=False)[0][-1].gm
+    part = _measured(final, name, device, cost_model, held, crossing)
+    twin = summing_variant(final) if summing else None
+    return (
+        part
+        if twin is None
+        else dataclasses.replace(part, summing=_measured(twin, name, device, cost_model, held, crossing))
+    )
+
+
+def _measured(
+    final: fx.GraphModule,
+    name: str,
+    device: str,
+    cost_model: CostModel,
+    held: set[StorageWeakRef],
+    crossing: Mapping[str, bool] | None,
+) -> StagePart:
+    """``measure`` of a lowered graph."""
     kinds = CONSUMED.get(name.rsplit(".", 1)[-1], frozenset())  # the runner lets these go as the graph reads them
     consumed = [p for p in placeholders(final) if p.meta[INPUT].kind in kinds and storage_of(p.meta[VAL]) not in held]
     live = liveness(final, device, consumed=consumed)
@@ -154,6 +177,7 @@ def walk(
     sent = 0
     for a in schedule.compute(place):
         part = parts[a.stage][PART_OF[a.kind]]
+        part = part.summing if a.stage in summed and part.summing is not None else part
         others = sum(saved.values()) - saved.get((a.stage, a.mb), 0)
         sums = sum(stage_sums(parts[s]) for s in summed)
         held = {"saved values of other micro-batches": others, "gradient sums": sums, _SENT: sent}
