@@ -1,4 +1,5 @@
 """A pipeline's stage graphs measured, and a rank's actions walked in order (``zgraph.inspect.pipeline_estimate``).
+
 ``measure``: one stage graph lowered as the eager backend runs it, with its liveness (``zgraph.inspect.liveness``),
 its working memory (the liveness peak less the model state and batch it reads, held anyway), the bytes of its outputs
 by kind (storages counted once, none of the model state's or the batch's), and its seconds by the cost model's
