@@ -247,22 +247,14 @@ def test_a_fused_attentions_seed_and_offset_hold_no_samples():
     assert flow[next(n for n in graph.nodes if n.name == "getitem")].dim == 0
 
 
-def clipping_step(model, opt, x, y):
-    """``step`` with the gradients clipped by their norm over every parameter (both stages' gradients)."""
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
 def test_a_norm_over_every_stage_is_cut_into_partials_and_one_total():
     """``passes/stage_totals.py`` through the cut: each stage returns its partial (a sum of squares) and reads the
     one total the runtime combines them to (``total_inputs``: the ``stage_total`` placeholder, field ``sum``)."""
+    from hybrid_cases import clip_step  # the gradients clipped by their norm over every parameter
+
     from zgraph.passes.stage_totals import total_inputs
 
-    gm = cut(captured(Net(), clipping_step).graphs["captured"], 2)
+    gm = cut(captured(Net(), clip_step).graphs["captured"], 2)
     totals = total_inputs(gm)
     assert [(n.meta[INPUT].kind, n.meta[INPUT].field) for n in totals] == [("stage_total", "sum")], totals
     partials = [r for r in output_roles(gm) if r.kind == "stage_partial"]
