@@ -215,7 +215,7 @@ def _measured(
     crossing = {ZERO_GROUP: crosses_nodes(group, planned.ranks_per_node)}
     contexts = {} if zero is None else {"update": zero, "gather": zero}
     device, cost_model = planned.device, planned.cost_model
-    summing = {p for p in ("backward", "input_grad", "weight_grad") if config.backend == "eager"}  # their twins
+    summing = ("backward", "input_grad", "weight_grad") if config.backend == "eager" else ()  # their twins
     return {
         p: measure(gm, f"stage{g.stage}.{p}", contexts.get(p, ctx), device, cost_model, held, crossing, p in summing)
         for p, gm in graphs.items()
