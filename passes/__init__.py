@@ -28,6 +28,7 @@ Files::
     micro_batch_loss.py      ``micro_batch_loss`` (pipeline parallelism): how the loss combines over micro-batches
     sample_flow.py           each forward value's batch dimension; the ops that combine samples
     token_mean.py            a cross_entropy token mean made a sum over another count (sequence, pipeline)
+    token_count.py           a pipelined token mean's count from the step's inputs, before any micro-batch runs
     stage_cut.py             ``stage_cut`` (pipeline parallelism): each node stamped with its stage and part
     stage_balance.py         the cut's balance: blocks' forward flops grouped into stages
     stage_totals.py          a global gradient norm or overflow check cut into per-stage partials and a total

@@ -19,10 +19,18 @@ dim 0 (the runtime concatenates it). Refused (``PassError``, before anything run
 one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by hand), two token means,
 any other way of reaching the loss (a ratio of batch values), an op that combines samples otherwise (batch
 statistics, an in-batch contrastive loss: ``sample_flow``), and random draws (dropout).
+
+Each backward seed is multiplied by the graph input ``loss_share`` (``LOSS_SHARE``, 0-d float32), which the runtime
+feeds with the micro-batch's share of the whole batch (``1 / M`` for a mean, over the counted tokens for a token
+mean: ``zgraph.passes.token_count``): each micro-batch's scaled gradients are then of eager's size on the whole
+batch, and fp16 loss scaling overflows where eager's does, not at ``M`` (or a token count) times lower a scale. Not
+where the backward returns a value of its own (``autograd.grad``'s result, a leaf input's ``.grad``), which the share
+would scale (``LossCombine.shared`` False: the runtime divides the summed gradients instead).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -30,7 +38,19 @@ import torch
 import torch.fx as fx
 
 from zgraph.errors import PassError
-from zgraph.graph import BACKWARD, OUTPUTS, PHASE, VAL, GraphOutput, fake_mode, output_node, output_roles
+from zgraph.graph import (
+    BACKWARD,
+    INPUT,
+    OUTPUTS,
+    PHASE,
+    VAL,
+    GraphInput,
+    GraphOutput,
+    fake_mode,
+    insert,
+    output_node,
+    output_roles,
+)
 from zgraph.passes.pass_list import PassContext
 from zgraph.passes.sample_flow import named_arguments, sample_flow
 from zgraph.passes.token_mean import MEAN, SUM, as_sum_over
@@ -44,17 +64,20 @@ _SCALED = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 _ADDED = {aten.add.Tensor, aten.sub.Tensor}
 _NAMES = {"mean": "mean over samples", "sum": "sum", "token": "cross_entropy token mean"}
 _TOTALS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean", aten.mean.dim: "mean"}
+LOSS_SHARE = GraphInput("loss_share", "loss_share", 0)
+"""The graph input each backward seed is multiplied by: the micro-batch's share of the whole batch."""
 
 
 @dataclass
 class LossCombine:
     """``kind`` of the loss (``mean``, ``sum``, ``token``; ``mean`` for a step without one) and of each 0-d result
     (``results[index]``), which the runtime combines over micro-batches (see the module's docstring); the dtype of
-    a token mean's count."""
+    a token mean's count; whether the backward seeds read ``LOSS_SHARE``."""
 
     kind: str = "mean"
     results: dict[int, str] = field(default_factory=dict)
     count_dtype: torch.dtype = torch.float32
+    shared: bool = False
 
 
 def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -105,9 +128,30 @@ def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         out.args = ((*out.args[0], count),)
         out.meta[OUTPUTS] = [*out.meta[OUTPUTS], GraphOutput("loss_count", count.name, 0)]
     dtype = walk.tokens[0].meta[VAL][1].dtype if walk.tokens else torch.float32
-    gm.meta[LOSS_COMBINE] = LossCombine(kind, results, dtype)
+    gm.meta[LOSS_COMBINE] = LossCombine(kind, results, dtype, shared=_share_seeds(gm, seeds))
     gm.recompile()
     return gm
+
+
+def _share_seeds(gm: fx.GraphModule, seeds: list[fx.Node]) -> bool:
+    """Each seed multiplied by a new ``LOSS_SHARE`` input (in the seed's dtype); False, and nothing changed, where
+    there is no seed or the backward returns a value of its own."""
+    out = output_node(gm)
+    returned = (v for v, r in zip(out.args[0], output_roles(gm)) if r.kind in ("user", "input_grad"))
+    if not seeds or any(isinstance(v, fx.Node) and v.meta.get(PHASE) == BACKWARD for v in returned):
+        return False
+    mode = fake_mode(gm)
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        share = gm.graph.placeholder("loss_share")
+    share.meta.update({INPUT: LOSS_SHARE, VAL: mode.from_tensor(torch.ones(()))})
+    for seed in seeds:
+        factor = share
+        if seed.meta[VAL].dtype != torch.float32:
+            factor = insert(gm, aten._to_copy.default, (share,), {"dtype": seed.meta[VAL].dtype}, after=seed, mode=mode)
+        scaled = insert(gm, aten.mul.Tensor, (seed, factor), after=factor if factor is not share else seed, mode=mode)
+        seed.replace_all_uses_with(scaled, delete_user_cb=functools.partial(operator.is_not, scaled))
+    return True
 
 
 def _named(kinds: set[str], between: str = ", ") -> str:

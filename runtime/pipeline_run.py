@@ -13,9 +13,10 @@ the ranks' schedules run them in.
 
 Gradient contributions are summed per gradient marker over the micro-batches, in place into the rank's own buffer
 (the first contribution where its graph made it afresh, else the second's sum); the update runs once, after the last
-action, on their sum divided by ``divisor(counts)`` (``zgraph.passes.micro_batch_loss``: the micro-batch count for
-a mean over samples, 1 for a sum, the whole batch's counted tokens for a token mean, each micro-batch's count
-being a result of the stage that makes the loss). With ``D`` pipelines the sums are all-reduced over each
+action, on their sum divided by ``divisor(counts)`` (``zgraph.compile.pipeline_call``: what the seeds' shares of
+the batch leave, or, without shares, the micro-batch count for a mean over samples, 1 for a sum, the whole batch's
+counted tokens for a token mean, each micro-batch's count being a result of the stage that makes the loss). With
+``D`` pipelines the sums are all-reduced over each
 stage's data-parallel group first (one flat bucket per stage); or, where the update graphs reduce them themselves
 (``update_reduces``: ZeRO stage >= 1, ``zgraph.passes.stage_grads``), each rank's sums are divided by
 ``divisor(counts) / D`` and the update averages them over the ``D`` pipelines. What a graph reads of the step's

@@ -186,8 +186,10 @@ OVERFLOW = zgraph.DynamicLossScale(init_scale=2.0**127, backoff_factor=2.0**-100
 
 def loss_scaled(rank: int, world: int) -> list[dict]:
     """Dynamic loss scaling with pipelines (issue 42, item 2): on the first step only stage 0's gradients overflow
-    (its input weight's: a large input column; in eager on the whole batch too), so every stage skips the update
-    and the scale backs off on every rank; the next steps update. Against eager scaling by the same rule."""
+    (its input weight's: a large input column; in eager on the whole batch too, and in each micro-batch: each is
+    seeded with its share of the batch, and its contributions unscaled before they are summed), so every stage skips
+    the update and the scale backs off on every rank; the next steps update. Against eager scaling by the same
+    rule."""
     scales: list[float] = []
     skipped: list[bool] = []
 
@@ -208,7 +210,7 @@ def loss_scaled(rank: int, world: int) -> list[dict]:
         return loss.detach()
 
     data = batches()
-    data[0][0][:, 0] *= 10
+    data[0][0][:, 0] *= 1000
     adamw = functools.partial(torch.optim.AdamW, lr=LR)
     config = {"pipeline_parallel": world, "schedule": "1f1b", "microbatches": 2, "loss_scale": OVERFLOW}
     out = against(eager, adamw, data, **config)

@@ -32,7 +32,8 @@ from zgraph.capture.optimizers import drop_state, stateless_pairs
 from zgraph.capture.protocol import Rebind, capture
 from zgraph.capture.size_guards import SizeGuards
 from zgraph.compile.build import collector_paused, compile_step
-from zgraph.compile.pipeline import compile_pipeline, run_pipeline
+from zgraph.compile.pipeline import compile_pipeline
+from zgraph.compile.pipeline_call import run_pipeline
 from zgraph.compile.run import reserve_offload, run
 from zgraph.compile.split_runner import Peers, run_split
 from zgraph.compile.variant import CompiledStep

@@ -1,12 +1,11 @@
 """Pipeline parallelism (``Config.pipeline_parallel``) for one call: the graph captured on one micro-batch
-(``zgraph.binding.micro_batches``) cut into stages (``zgraph.passes.stage_cut``, ``stage_graphs``), this rank's stages
-compiled, and a call run by this rank's schedule (``zgraph.runtime.pipeline_run``) against the live state.
+(``zgraph.binding.micro_batches``) cut into stages (``zgraph.passes.stage_cut``, ``stage_graphs``) and this rank's
+stages compiled; a call runs by this rank's schedule (``zgraph.compile.pipeline_call``).
 
-State is read once per call and written back after the update. Once compiled, a rank holds only its stages'
-parameters, gradients and optimizer state (``zgraph.runtime.stage_state``: the others' are released to meta).
-The step's results are made by one stage each, per micro-batch: a 0-d one (a mean loss) is averaged over the
-micro-batches, another concatenated along dim 0; the rank that makes it broadcasts it to the pipeline, so every
-rank returns what eager returns on the whole batch.
+Once compiled, a rank holds only its stages' parameters, gradients and optimizer state
+(``zgraph.runtime.stage_state``: the others' are released to meta). The step's results are made by one stage each,
+per micro-batch; the rank that makes one broadcasts it to the pipeline, so every rank returns what eager returns on
+the whole batch.
 """
 
 from __future__ import annotations
@@ -21,16 +20,14 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor
 
-from zgraph.capture.as_written import hyperparameters
 from zgraph.capture.captured import CapturedGraph
 from zgraph.compile.build import pass_context
 from zgraph.compile.lower import lower
-from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.config import Config
 from zgraph.config_checks import pipeline_world_error
 from zgraph.errors import CaptureError
-from zgraph.graph import INPUT, VAL, GraphInput, GraphOutput, input_specs, output_node, output_roles, placeholders
+from zgraph.graph import INPUT, VAL, GraphOutput, input_specs, output_node, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
@@ -38,15 +35,15 @@ from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
 from zgraph.passes.stage_totals import split_update, total_inputs
+from zgraph.passes.token_count import count_graph
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable, compile_graph, run_consuming
 from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
-from zgraph.runtime.pipeline_run import CONSUMED, Part, Peers, RankRunner, StageRun
+from zgraph.runtime.pipeline_run import CONSUMED, Part, Peers, StageRun
 from zgraph.runtime.pipeline_schedule import Kind, Schedule, build_schedule
 from zgraph.runtime.process_group import ProcessGroupInfo
-from zgraph.runtime.stage_state import release_other_stages, released_state
+from zgraph.runtime.stage_state import release_other_stages
 from zgraph.runtime.state import Binding
-from zgraph.runtime.state_io import StateIO
 from zgraph.runtime.sum_in_graph import summing_variant
 
 _PASSES_BEFORE_THE_CUT = ("sequence_parallel", "cse", "remat")
@@ -88,6 +85,7 @@ def compile_pipeline(
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
+    program.count = _count(every, count_stage) if combine.shared else None
     program.update_reduces = zero is not None
     program.regather = config.pipeline_regather
     program.shard_ranks = _shard_ranks(binding.plan.group)
@@ -129,6 +127,21 @@ def cut_stages(
     count = config.microbatches or config.pipeline_parallel
     schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
     return records, stage_graphs(records[-1].gm), schedule
+
+
+def _count(every: list[StageGraphs], stage: int) -> Part | None:
+    """A token mean's count from the step's inputs (``token_count``), on every rank (the ranks agree on whether
+    there is one; those of ``stage`` run it); None where there is none or a stage other than ``stage`` reads the
+    seeds' share."""
+    if stage < 0:
+        return None
+    backwards = [gm for g in every for gm in (g.backward, g.input_grad, g.weight_grad) if g.stage != stage]
+    gm = count_graph(every[stage].forward)
+    if gm is None or any(p.meta[INPUT].kind == "loss_share" for b in backwards for p in placeholders(b)):
+        return None
+    run = compile_graph(gm, "eager")
+    assert run is not None
+    return Part(run.run, input_specs(gm), output_roles(gm), [])
 
 
 def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, peers: Peers, place: int) -> None:
@@ -260,119 +273,6 @@ def _results(every: list[StageGraphs]) -> dict[int, tuple[int, Tensor]]:
                 if role.kind == "user":
                     out[role.index] = (g.stage, value.meta[VAL] if isinstance(value, fx.Node) else value)
     return out
-
-
-def run_pipeline(
-    compiled: CompiledStep, binding: Binding, micro: list[list[tuple[str, Tensor]]], group: ProcessGroupInfo
-) -> object:
-    """Run this rank's schedule of ``compiled`` on the live state; ``micro``: each micro-batch's user tensors."""
-    program = compiled.pipeline
-    io = StateIO(binding, binding.plan)
-    hyper: dict[tuple[int, int], dict[str, float]] = {}
-    state: dict[GraphInput, Tensor] = {}
-
-    def feed(spec: GraphInput, mb: int | None) -> Tensor:
-        if spec.kind in ("input", "input_grad"):
-            return io.read(spec, micro[mb or 0], hyper)
-        if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
-            opt = binding.optimizers[spec.optimizer].optimizer
-            hyper[(spec.optimizer, spec.group)] = hyperparameters(opt, opt.param_groups[spec.group])
-        if spec not in state:  # state is read once per call
-            state[spec] = io.read(spec, micro[0], hyper)
-        return state[spec]
-
-    peers = program.peers
-    pending: list[tuple[dist.Work, Tensor]] = []  # the token count's broadcast from its rank, in flight
-    divisor = functools.partial(_divisor, program, peers, pending)
-    runner = RankRunner(
-        program.schedule,
-        program.rank,
-        program.stages,
-        feed,
-        peers,
-        divisor,
-        program.update_reduces,
-        program.totals,
-        program.regather,
-    )
-    results = runner.run()
-    user: dict[int, Tensor] = {}
-    for s, (inputs, outputs) in results.updates.items():
-        part = program.stages[s].update
-        unalias(outputs, inputs, part.updated_inputs)
-        for role, value in zip(part.outputs, outputs):
-            if role.kind == "user":
-                user[role.index] = value
-            else:
-                io.write(role, value, micro[0])
-    released_state(binding, program.state_elsewhere)
-    for (_, index), values in results.user.items():
-        kind = program.combine.results.get(index, "mean")
-        user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
-    values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
-    values = [
-        _over_pipelines(v, program.combine.results.get(i, "mean"), peers)
-        for i, v in zip(sorted(program.results), values)
-    ]
-    for work, _ in pending:
-        work.wait()
-    return finish_call(compiled, binding, micro[0], values)
-
-
-def _combined(values: list[Tensor], kind: str, divisor: Tensor | float) -> Tensor:
-    """A result over the micro-batches: a 0-d one by its kind (``LossCombine``), another concatenated along dim 0."""
-    if values[0].dim():
-        return torch.cat(values)
-    total = torch.stack(values).sum()
-    if kind == "sum":
-        return total
-    return total / (divisor if kind == "token" else len(values))
-
-
-def _divisor(
-    program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]], counts: dict[int, Tensor]
-) -> Tensor | float:
-    """What the summed gradients are divided by: the micro-batch count for a mean, 1 for a sum, the whole batch's
-    counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast: that rank does not
-    wait for the others to receive it, its broadcast joins ``pending``, waited for at the end of the call)."""
-    kind = program.combine.kind
-    if kind != "token":
-        return 1.0 if kind == "sum" else float(program.schedule.microbatches * peers.pipelines)
-    source = peers.ranks[program.schedule.rank_of(program.count_stage)]
-    total = torch.stack([counts[mb] for mb in sorted(counts)]).sum() if counts else None
-    if len(peers.ranks) > 1 and total is None:
-        total = torch.empty((), dtype=program.combine.count_dtype)
-        dist.broadcast(total, source, group=peers.group)
-    elif len(peers.ranks) > 1:
-        sent = total.clone()  # ``total`` goes on: all-reduced over the pipelines below
-        pending.append((dist.broadcast(sent, source, group=peers.group, async_op=True), sent))
-    assert total is not None
-    if peers.data is not None:
-        dist.all_reduce(total, group=peers.data)  # the whole batch's count, over every pipeline's rows
-    return total
-
-
-def _over_pipelines(value: Tensor, kind: str, peers: Peers) -> Tensor:
-    """A 0-d result over the whole batch from each pipeline's (a mean averaged, a sum or a token mean's part
-    summed); another (concatenated along the samples) stays the pipeline's rows."""
-    if peers.data is None or value.dim():
-        return value
-    dist.all_reduce(value, group=peers.data)
-    return value / peers.pipelines if kind == "mean" else value
-
-
-def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers) -> Tensor:
-    """Result ``index`` on every rank of the pipeline: broadcast by the rank whose stage makes it."""
-    stage, example = program.results[index]
-    if len(peers.ranks) == 1:
-        assert value is not None
-        return value
-    if value is None:
-        count = program.schedule.microbatches
-        shape = example.shape if example.dim() == 0 else (example.shape[0] * count, *example.shape[1:])
-        value = torch.empty(shape, dtype=example.dtype, device=example.device)
-    dist.broadcast(value, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
-    return value
 
 
 def _peers(group: ProcessGroupInfo, config: Config) -> Peers:

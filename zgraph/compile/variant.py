@@ -19,7 +19,7 @@ from zgraph.passes.micro_batch_loss import LossCombine
 from zgraph.runtime.executor import Executable
 from zgraph.runtime.host_update import HostRunner
 from zgraph.runtime.offload_store import TierStore
-from zgraph.runtime.pipeline_run import Peers, StageRun
+from zgraph.runtime.pipeline_run import Part, Peers, StageRun
 from zgraph.runtime.pipeline_schedule import Schedule
 
 
@@ -54,6 +54,7 @@ class PipelineCompiled:
     graphs: OrderedDict[str, fx.GraphModule]
     combine: LossCombine = field(default_factory=LossCombine)
     count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
+    count: Part | None = None  # that count from the step's inputs, before any action (``zgraph.passes.token_count``)
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
     shard_ranks: tuple[int, ...] = ()  # hybrid sharding within stages: this rank's shard group's global ranks

@@ -25,8 +25,9 @@ actions run, lowered as the eager backend runs them) and its schedule's action l
   bucket; with ``Config.pipeline_regather`` before each of the stage's actions), both made by the step's own
   passes (``zgraph.inspect.stage_zero``); with ``P > 1``, one ``all_reduce`` over the pipeline per value combined
   across stages (a global gradient norm's partial sums, an fp16 overflow flag: ``zgraph.passes.stage_totals``), on
-  every rank. Not counted: the step's scalars (a token mean's count, the returned loss) broadcast along the
-  pipeline and all-reduced over the pipelines, a few bytes each;
+  every rank. Not counted: the step's scalars (the returned loss broadcast along the pipeline and all-reduced over
+  the pipelines, a token mean's count all-reduced over them by the ranks of the stage that makes it), a few bytes
+  each;
 - the bubble: ``zgraph.runtime.pipeline_simulate`` with unit costs (as ``explain()``); the step's seconds: the same
   schedule simulated with each kind's cost from the cost model's timeline of the costliest stage's graph, plus the
   updates, the gathers and the all-reduces.

@@ -1,0 +1,177 @@
+"""A pipelined step's call (``Config.pipeline_parallel``): this rank's schedule of its compiled stages
+(``zgraph.compile.pipeline``) run against the live state (``zgraph.runtime.pipeline_run``), and the step's results
+combined over the micro-batches: state is read once per call and written back after the updates; a 0-d result (a
+mean loss) is combined over the micro-batches by its kind (``zgraph.passes.micro_batch_loss``), another
+concatenated along dim 0.
+
+Each backward is seeded with its micro-batch's share of the whole batch (the graph input ``loss_share``,
+``zgraph.passes.micro_batch_loss``): ``1 / M`` for a mean over samples, 1 for a sum, and for a token mean the
+pipelines over the whole batch's counted tokens, counted before any action on the ranks of the stage that makes the
+loss (``zgraph.passes.token_count``, summed over the pipelines), as Hugging Face's gradient accumulation divides by
+the batch's items. Each value a backward makes per sample is then eager's on the whole batch (each sum over its
+samples a part of eager's sum), so fp16 loss scaling overflows where eager's does per sample; where eager's
+overflows only in a sum over the whole batch, the micro-batches' parts may not (a dynamic scale settles up to ``M``
+times higher). The gradients summed over the micro-batches are then divided by the pipelines (what their
+reduction sums over), 1 for a sum.
+Without shares (``LossCombine.shared`` False, or a token mean whose count needs the forward) every seed is 1 and the
+summed gradients are divided by the whole batch's division: ``M`` x pipelines, or the counted tokens, summed from
+each micro-batch's forward by the rank whose stage counts them and broadcast over the pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zgraph.capture.as_written import hyperparameters
+from zgraph.compile.run import finish_call, unalias
+from zgraph.compile.variant import CompiledStep, PipelineCompiled
+from zgraph.graph import GraphInput
+from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankRunner
+from zgraph.runtime.process_group import ProcessGroupInfo
+from zgraph.runtime.stage_state import released_state
+from zgraph.runtime.state import Binding
+from zgraph.runtime.state_io import StateIO
+
+
+def run_pipeline(
+    compiled: CompiledStep, binding: Binding, micro: list[list[tuple[str, Tensor]]], group: ProcessGroupInfo
+) -> object:
+    """Run this rank's schedule of ``compiled`` on the live state; ``micro``: each micro-batch's user tensors."""
+    program = compiled.pipeline
+    io = StateIO(binding, binding.plan)
+    hyper: dict[tuple[int, int], dict[str, float]] = {}
+    state: dict[GraphInput, Tensor] = {}
+
+    def feed(spec: GraphInput, mb: int | None) -> Tensor:
+        if spec.kind == "loss_share":
+            return share
+        if spec.kind in ("input", "input_grad"):
+            return io.read(spec, micro[mb or 0], hyper)
+        if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
+            opt = binding.optimizers[spec.optimizer].optimizer
+            hyper[(spec.optimizer, spec.group)] = hyperparameters(opt, opt.param_groups[spec.group])
+        if spec not in state:  # state is read once per call
+            state[spec] = io.read(spec, micro[0], hyper)
+        return state[spec]
+
+    peers = program.peers
+    pending: list[tuple[dist.Work, Tensor]] = []  # the token count's broadcast from its rank, in flight
+    share, divisor, tokens = _shares(program, peers, pending, feed)
+    runner = RankRunner(
+        program.schedule,
+        program.rank,
+        program.stages,
+        feed,
+        peers,
+        divisor,
+        program.update_reduces,
+        program.totals,
+        program.regather,
+    )
+    results = runner.run()
+    user: dict[int, Tensor] = {}
+    for s, (inputs, outputs) in results.updates.items():
+        part = program.stages[s].update
+        unalias(outputs, inputs, part.updated_inputs)
+        for role, value in zip(part.outputs, outputs):
+            if role.kind == "user":
+                user[role.index] = value
+            else:
+                io.write(role, value, micro[0])
+    released_state(binding, program.state_elsewhere)
+    for (_, index), values in results.user.items():
+        kind = program.combine.results.get(index, "mean")
+        whole = results.divisor if tokens is None else tokens
+        user[index] = _combined([values[mb] for mb in sorted(values)], kind, whole)
+    values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
+    values = [
+        _over_pipelines(v, program.combine.results.get(i, "mean"), peers)
+        for i, v in zip(sorted(program.results), values)
+    ]
+    for work, _ in pending:
+        work.wait()
+    return finish_call(compiled, binding, micro[0], values)
+
+
+def _shares(
+    program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]], feed: Feed
+) -> tuple[Tensor, Divisor, Tensor | None]:
+    """The seeds' share, what the summed gradients are divided by, and (a token mean counted before the actions,
+    on the ranks of the stage that counts it) the whole batch's counted tokens."""
+    one = torch.ones(())
+    kind, pipelines = program.combine.kind, float(peers.pipelines)
+    if not program.combine.shared or (kind == "token" and program.count is None):
+        return one, functools.partial(_divisor, program, peers, pending), None
+    if kind == "sum":
+        return one, lambda counts: 1.0, None
+    if kind == "mean":
+        return one / program.schedule.microbatches, lambda counts: pipelines, None
+    if program.schedule.rank_of(program.count_stage) != program.rank:
+        return one, lambda counts: pipelines, None
+    count = program.count
+    assert count is not None
+    per = [count.run([feed(spec, mb) for spec in count.inputs])[0] for mb in range(program.schedule.microbatches)]
+    tokens = torch.stack(per).sum()
+    if peers.data is not None:
+        dist.all_reduce(tokens, group=peers.data)  # the whole batch's count, over every pipeline's rows
+    return pipelines / tokens.float(), lambda counts: pipelines, tokens
+
+
+def _combined(values: list[Tensor], kind: str, divisor: Tensor | float) -> Tensor:
+    """A result over the micro-batches: a 0-d one by its kind (``LossCombine``), another concatenated along dim 0."""
+    if values[0].dim():
+        return torch.cat(values)
+    total = torch.stack(values).sum()
+    if kind == "sum":
+        return total
+    return total / (divisor if kind == "token" else len(values))
+
+
+def _divisor(
+    program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]], counts: dict[int, Tensor]
+) -> Tensor | float:
+    """What the summed gradients are divided by: the micro-batch count for a mean, 1 for a sum, the whole batch's
+    counted tokens for a token mean (summed on the rank whose stage counts them, and broadcast: that rank does not
+    wait for the others to receive it, its broadcast joins ``pending``, waited for at the end of the call)."""
+    kind = program.combine.kind
+    if kind != "token":
+        return 1.0 if kind == "sum" else float(program.schedule.microbatches * peers.pipelines)
+    source = peers.ranks[program.schedule.rank_of(program.count_stage)]
+    total = torch.stack([counts[mb] for mb in sorted(counts)]).sum() if counts else None
+    if len(peers.ranks) > 1 and total is None:
+        total = torch.empty((), dtype=program.combine.count_dtype)
+        dist.broadcast(total, source, group=peers.group)
+    elif len(peers.ranks) > 1:
+        sent = total.clone()  # ``total`` goes on: all-reduced over the pipelines below
+        pending.append((dist.broadcast(sent, source, group=peers.group, async_op=True), sent))
+    assert total is not None
+    if peers.data is not None:
+        dist.all_reduce(total, group=peers.data)  # the whole batch's count, over every pipeline's rows
+    return total
+
+
+def _over_pipelines(value: Tensor, kind: str, peers: Peers) -> Tensor:
+    """A 0-d result over the whole batch from each pipeline's (a mean averaged, a sum or a token mean's part
+    summed); another (concatenated along the samples) stays the pipeline's rows."""
+    if peers.data is None or value.dim():
+        return value
+    dist.all_reduce(value, group=peers.data)
+    return value / peers.pipelines if kind == "mean" else value
+
+
+def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers) -> Tensor:
+    """Result ``index`` on every rank of the pipeline: broadcast by the rank whose stage makes it."""
+    stage, example = program.results[index]
+    if len(peers.ranks) == 1:
+        assert value is not None
+        return value
+    if value is None:
+        count = program.schedule.microbatches
+        shape = example.shape if example.dim() == 0 else (example.shape[0] * count, *example.shape[1:])
+        value = torch.empty(shape, dtype=example.dtype, device=example.device)
+    dist.broadcast(value, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
+    return value
