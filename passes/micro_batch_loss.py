@@ -8,22 +8,29 @@ batch), each of one *kind*:
 - ``mean``: a mean over every element (``.mean()``, ``mse_loss``, ...): micro-batches hold equal shares, so the
   whole batch's value is the micro-batches' average, and the gradient their gradients' sum over ``M``;
 - ``sum``: a sum (``reduction="sum"``): the micro-batches' sum, gradients summed as they are;
-- ``token``: ``cross_entropy`` / ``nll_loss``'s mean over the labels not ``ignore_index``, of which micro-batches
-  hold different counts. It is rewritten (``zgraph.passes.token_mean``) to each micro-batch's sum, and the count is
-  returned (``GraphOutput`` kind ``loss_count``): the whole batch's value is the sum of the sums over the sum of the
-  counts, the gradient likewise (the runtime divides once all micro-batches' counts are known).
+- a mean over tokens: ``cross_entropy`` / ``nll_loss``'s mean over the labels not ``ignore_index`` (of which
+  micro-batches hold different counts), or a sum divided by a count of labels (``cross_entropy``'s
+  ``label_smoothing`` term, a masked mean written by hand). Where the count is made from the batch's inputs alone
+  (``zgraph.passes.token_count``), the graph divides by the whole batch's count instead, a new input (kind
+  ``batch_count``) the runtime counts before any micro-batch runs: each micro-batch's value is then its part of
+  eager's sum, of kind ``sum``, and a step may add several (their counts counted apart) and sums. Else (labels made
+  from activations) one ``nll_loss`` mean, kind ``token``: rewritten (``zgraph.passes.token_mean``) to each
+  micro-batch's sum, and the count returned (``GraphOutput`` kind ``loss_count``): the whole batch's value is the
+  sum of the sums over the sum of the counts, the gradient likewise (the runtime divides once all micro-batches'
+  counts are known).
 
 A value made without the batch (of parameters only) is the same on every micro-batch (kind ``same``). The step's
 0-d results are combined by the same rule (``gm.meta[LOSS_COMBINE]``); another result must hold the samples along
 dim 0 (the runtime concatenates it). Refused (``PassError``, before anything runs): losses of different kinds in
-one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by hand), two token means,
-any other way of reaching the loss (a ratio of batch values), an op that combines samples otherwise (batch
-statistics, an in-batch contrastive loss: ``sample_flow``), and random draws (dropout).
+one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by hand), two token means
+counted only by the forward, any other way of reaching the loss (a ratio of batch values not over a count of
+labels), an op that combines samples otherwise (batch statistics, an in-batch contrastive loss: ``sample_flow``),
+and random draws (dropout).
 
 Each backward seed is multiplied by the graph input ``loss_share`` (``LOSS_SHARE``, 0-d float32), which the runtime
-feeds with the micro-batch's share of the whole batch (``1 / M`` for a mean, over the counted tokens for a token
-mean: ``zgraph.passes.token_count``): each micro-batch's scaled gradients are then of eager's size on the whole
-batch, and fp16 loss scaling overflows where eager's does, not at ``M`` (or a token count) times lower a scale. Not
+feeds with the micro-batch's share of the whole batch (``1 / M`` for a mean, 1 otherwise): each value a
+micro-batch's backward makes per sample is then eager's on the whole batch, and fp16 loss scaling overflows where
+eager's does per sample (not at ``M``, or for a token mean a micro-batch's token count, times lower a scale). Not
 where the backward returns a value of its own (``autograd.grad``'s result, a leaf input's ``.grad``), which the share
 would scale (``LossCombine.shared`` False: the runtime divides the summed gradients instead).
 """
@@ -53,6 +60,7 @@ from zgraph.graph import (
 )
 from zgraph.passes.pass_list import PassContext
 from zgraph.passes.sample_flow import named_arguments, sample_flow
+from zgraph.passes.token_count import count_dtype, count_graph
 from zgraph.passes.token_mean import MEAN, SUM, as_sum_over
 
 aten = torch.ops.aten
@@ -62,7 +70,7 @@ _LINEAR = {aten.detach.default, aten.clone.default, aten.alias.default, aten._to
            aten.view.default, aten.reshape.default, aten.squeeze.default, aten.lift_fresh_copy.default}  # fmt: skip
 _SCALED = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 _ADDED = {aten.add.Tensor, aten.sub.Tensor}
-_NAMES = {"mean": "mean over samples", "sum": "sum", "token": "cross_entropy token mean"}
+_NAMES = {"mean": "mean over samples", "sum": "sum", "token": "cross_entropy token mean", "counted": "token mean"}
 _TOTALS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean", aten.mean.dim: "mean"}
 LOSS_SHARE = GraphInput("loss_share", "loss_share", 0)
 """The graph input each backward seed is multiplied by: the micro-batch's share of the whole batch."""
@@ -72,18 +80,20 @@ LOSS_SHARE = GraphInput("loss_share", "loss_share", 0)
 class LossCombine:
     """``kind`` of the loss (``mean``, ``sum``, ``token``; ``mean`` for a step without one) and of each 0-d result
     (``results[index]``), which the runtime combines over micro-batches (see the module's docstring); the dtype of
-    a token mean's count; whether the backward seeds read ``LOSS_SHARE``."""
+    a token mean's count; whether the backward seeds read ``LOSS_SHARE``; each whole batch's count the graph reads
+    (an input of kind ``batch_count``) with the graph counting it on a micro-batch (``zgraph.passes.token_count``)."""
 
     kind: str = "mean"
     results: dict[int, str] = field(default_factory=dict)
     count_dtype: torch.dtype = torch.float32
     shared: bool = False
+    counts: list[tuple[GraphInput, fx.GraphModule]] = field(default_factory=list)
 
 
 def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Classify the loss and the 0-d results; a token mean becomes a sum with its count returned."""
     flow, mixing = sample_flow(gm)
-    walk = _Walk(flow, mixing)
+    walk = _Walk(gm, flow, mixing)
     seeds = [n for n in gm.graph.nodes if n.target is aten.ones_like.default and n.meta.get(PHASE) == BACKWARD]
     if not seeds and any(n.meta.get(PHASE) == BACKWARD for n in gm.graph.nodes):
         raise PassError(
@@ -128,7 +138,8 @@ def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         out.args = ((*out.args[0], count),)
         out.meta[OUTPUTS] = [*out.meta[OUTPUTS], GraphOutput("loss_count", count.name, 0)]
     dtype = walk.tokens[0].meta[VAL][1].dtype if walk.tokens else torch.float32
-    gm.meta[LOSS_COMBINE] = LossCombine(kind, results, dtype, shared=_share_seeds(gm, seeds))
+    counts = _counted_first(gm, walk.counted)
+    gm.meta[LOSS_COMBINE] = LossCombine(kind, results, dtype, shared=_share_seeds(gm, seeds), counts=counts)
     gm.recompile()
     return gm
 
@@ -154,6 +165,43 @@ def _share_seeds(gm: fx.GraphModule, seeds: list[fx.Node]) -> bool:
     return True
 
 
+def _counted_first(gm: fx.GraphModule, counted: dict[fx.Node, fx.GraphModule]) -> list:
+    """Each mean over a count of labels made a sum over the whole batch's count, a new input (kind
+    ``batch_count``): an ``nll_loss_forward``'s total over it (in the forward and the backward: ``as_sum_over``),
+    a ratio's denominator replaced by it. Returns the inputs with their counting graphs."""
+    mode = fake_mode(gm)
+    counts = []
+    for node, counter in counted.items():
+        spec = GraphInput("batch_count", node.name, len(counts))
+        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        with gm.graph.inserting_after(last):
+            whole = gm.graph.placeholder(f"batch_count_{node.name}")
+        whole.meta.update({INPUT: spec, VAL: mode.from_tensor(torch.zeros((), dtype=count_dtype(node)))})
+        if node.target is aten.nll_loss_forward.default:
+            as_sum_over(gm, node, functools.partial(_read_after, gm, whole, mode=mode), mode)
+        else:
+            node.replace_all_uses_with(whole)
+        counts.append((spec, counter))
+    return counts
+
+
+def _read_after(gm: fx.GraphModule, value: fx.Node, count: fx.Node, *, mode: object) -> fx.Node:
+    """``value`` (an input) read right after ``count``: what ``as_sum_over`` divides by in its place."""
+    return insert(gm, aten.clone.default, (value,), after=count, mode=mode)
+
+
+def _reduced_numel(node: fx.Node) -> int | None:
+    """The number of elements the reduction making ``node`` reduces over (through ``_LINEAR`` ops), if known."""
+    while node.target in _LINEAR:
+        node = node.args[0]
+    if node.target is operator.getitem and node.args[0].target is aten.nll_loss_forward.default:
+        node = node.args[0].args[1]  # the labels
+    elif node.target in _TOTALS or named_arguments(node).get("reduction") is not None:
+        node = node.args[0]
+    value = node.meta.get(VAL)
+    return value.numel() if isinstance(value, torch.Tensor) and isinstance(value.numel(), int) else None
+
+
 def _named(kinds: set[str], between: str = ", ") -> str:
     return between.join(_NAMES[k] for k in sorted(kinds))
 
@@ -165,10 +213,11 @@ def _is_scalar(node: fx.Node) -> bool:
 class _Walk:
     """Follows a 0-d value back to the reductions over the batch that make it."""
 
-    def __init__(self, flow: dict, mixing: dict):
-        self.flow, self.mixing = flow, mixing
+    def __init__(self, gm: fx.GraphModule, flow: dict, mixing: dict):
+        self.gm, self.flow, self.mixing = gm, flow, mixing
         self.terms: set[fx.Node] = set()
-        self.tokens: list[fx.Node] = []
+        self.tokens: list[fx.Node] = []  # token means counted only by their forward (``token``)
+        self.counted: dict[fx.Node, fx.GraphModule] = {}  # means over a count of labels, counted first (``sum``)
         self.dependent: dict[fx.Node, bool] = {}
         self.size = next((b.size for b in flow.values()), 1)
 
@@ -181,6 +230,12 @@ class _Walk:
         return self.dependent[node]
 
     def kind(self, node: fx.Node) -> str:
+        """``node``'s kind (``same``, ``mean``, ``sum``, ``token``); a mean over a count of labels counted first
+        (``counted`` inside the walk: a constant factor on it is no batch size) is a ``sum``."""
+        kind = self._kind(node)
+        return "sum" if kind == "counted" else kind
+
+    def _kind(self, node: fx.Node) -> str:
         if not self.depends(node):
             return "same"
         target = node.target
@@ -189,21 +244,27 @@ class _Walk:
         if node in self.mixing and _is_scalar(node):
             return self._total(node)
         if target in _LINEAR:
-            return self.kind(node.args[0])
+            return self._kind(node.args[0])
         if target in _SCALED:
             return self._scaled(node)
         if target in _ADDED:
-            kinds = {self.kind(a) for a in node.args[:2] if isinstance(a, fx.Node)} | {"same"}
-            if kinds <= {"same", "mean"}:
-                return "mean"
-            if len(kinds - {"same"}) == 1 and all(self.depends(a) for a in node.args[:2]):
-                return (kinds - {"same"}).pop()
-            if len(kinds - {"same"}) > 1:
-                raise PassError(
-                    f"{node.name} adds a {_named(kinds - {'same'}, ' and a ')}, which combine over "
-                    "micro-batches differently; pipeline parallelism needs the loss's terms to be of one kind (all "
-                    "means over samples, all sums, or one cross_entropy token mean)"
-                )
+            return self._added(node)
+        raise self._undecomposable(node)
+
+    def _added(self, node: fx.Node) -> str:
+        kinds = {self._kind(a) for a in node.args[:2] if isinstance(a, fx.Node)} | {"same"}
+        if kinds <= {"same", "mean"}:
+            return "mean"
+        if "counted" in kinds and kinds <= {"same", "counted", "sum"}:
+            kinds = (kinds - {"counted"}) | ({"sum"} if "sum" in kinds else {"counted"})
+        if len(kinds - {"same"}) == 1 and all(self.depends(a) for a in node.args[:2]):
+            return (kinds - {"same"}).pop()
+        if len(kinds - {"same"}) > 1:
+            raise PassError(
+                f"{node.name} adds a {_named(kinds - {'same'}, ' and a ')}, which combine over "
+                "micro-batches differently; pipeline parallelism needs the loss's terms to be of one kind (all "
+                "means over samples, all sums, or one cross_entropy token mean)"
+            )
         raise self._undecomposable(node)
 
     def _nll(self, loss: fx.Node) -> str:
@@ -211,6 +272,10 @@ class _Walk:
         if loss.args[3] == SUM:
             return "sum"
         assert loss.args[3] == MEAN
+        counter = self.counted.get(loss) or count_graph(self.gm, loss)
+        if counter is not None:
+            self.counted[loss] = counter
+            return "counted"
         if loss not in self.tokens:
             self.tokens.append(loss)
         return "token"
@@ -226,13 +291,15 @@ class _Walk:
 
     def _scaled(self, node: fx.Node) -> str:
         a, b = node.args[:2]
+        if node.target is aten.div.Tensor and self.depends(a) and self.depends(b):
+            return self._over_count(node)
         if self.depends(b):
             if node.target in (aten.div.Tensor, aten.div.Scalar) or self.depends(a):
                 raise self._undecomposable(node)
             a, b = b, a
-        kind = self.kind(a)
+        kind = self._kind(a)
         factor = b if node.target in (aten.mul.Tensor, aten.mul.Scalar) else 1 / b if isinstance(b, (int, float)) else b
-        if kind in ("sum", "mean") and isinstance(factor, (int, float)) and self._by_batch_size(factor, kind):
+        if kind in ("sum", "mean") and isinstance(factor, (int, float)) and self._by_batch_size(factor, kind, a):
             how = f"divides a sum by {1 / factor:g}" if kind == "sum" else f"multiplies a mean by {factor:g}"
             raise PassError(
                 f"{node.name} {how}, a multiple of the micro-batch's size ({self.size}; the batch size written as a "
@@ -240,9 +307,25 @@ class _Walk:
             )
         return kind
 
-    def _by_batch_size(self, factor: float, kind: str) -> bool:
-        ratio = 1 / factor if kind == "sum" else factor
-        return self.size > 1 and ratio != 0 and abs(ratio) >= self.size and float(abs(ratio)) % self.size == 0
+    def _over_count(self, node: fx.Node) -> str:
+        """``a / b``: a sum over a count of labels, counted first (``cross_entropy``'s ``label_smoothing`` term), a
+        sum over the micro-batches once ``b`` is the whole batch's count; else undecomposable."""
+        a, b = node.args[:2]
+        if b not in self.counted:
+            counter = count_graph(self.gm, b) if b in self.mixing and _is_scalar(b) else None
+            if counter is None or self._total(b) != "sum" or self._kind(a) != "sum":
+                raise self._undecomposable(node)
+            self.counted[b] = counter
+        return "counted"
+
+    def _by_batch_size(self, factor: float, kind: str, value: fx.Node) -> bool:
+        """Whether ``factor`` on ``value`` looks like the micro-batch's size written as a number: a multiple of it
+        that divides the number of elements ``value`` reduces over (``x.sum() / (B * T)``; not ``1e-3 * x.sum()``)."""
+        ratio = abs(1 / factor if kind == "sum" else factor)
+        if self.size <= 1 or ratio < self.size or float(ratio) % self.size:
+            return False
+        numel = _reduced_numel(value)
+        return numel is None or numel % round(ratio) == 0
 
     def _undecomposable(self, node: fx.Node) -> PassError:
         return PassError(

@@ -59,7 +59,7 @@ STAGE = "zgraph_stage"
 STAGE_PLAN = "zgraph_stage_plan"
 """``gm.meta``: the ``StagePlan``."""
 PARTS = ("forward", "backward", "update")
-FREE_KINDS = ("input", "hparam", "loss_scale", "stage_total", "loss_share")
+FREE_KINDS = ("input", "hparam", "loss_scale", "stage_total", "loss_share", "batch_count")
 PER_MICRO_BATCH_RESULTS = ("user", "loss_count")  # output kinds made per micro-batch (``micro_batch_loss``)
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.t, aten.transpose, aten.permute, aten.expand,
           aten.unsqueeze, aten.squeeze, aten.alias}  # fmt: skip

@@ -1,6 +1,6 @@
 """A ``cross_entropy`` / ``nll_loss`` mean over tokens rewritten as a sum over another count: what sequence
-parallelism (each rank's tokens, divided by the global count) and pipeline parallelism (each micro-batch's sum,
-divided by the whole batch's count after the last micro-batch) share.
+parallelism (each rank's tokens, divided by the global count) and pipeline parallelism (each micro-batch's sum over
+the whole batch's count, counted first; or divided by it after the last micro-batch) share.
 
 ``nll_loss_forward`` with reduction mean returns ``(total, count)``: the mean over ``count`` counted tokens (those
 whose label is not ``ignore_index``; with class weights, the sum of their weights). Its backward reads ``count`` as

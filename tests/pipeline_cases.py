@@ -65,6 +65,10 @@ LOSSES = {
     "sum": lambda logits, y: F.cross_entropy(logits, y, reduction="sum"),
     "token_mean": lambda logits, y: F.cross_entropy(logits, y.masked_fill(y == 0, -100)),  # uneven counts
     "scaled_mean": lambda logits, y: 0.5 * F.mse_loss(logits, F.one_hot(y, 3).float()) + logits.pow(2).mean(),
+    # a token mean and a masked sum over the labels' count (its smoothing term): both counted before the schedule
+    "label_smoothing": lambda logits, y: F.cross_entropy(logits, y.masked_fill(y == 0, -100), label_smoothing=0.1),
+    "masked_mean": lambda logits, y: (logits.sum(-1) * (y > 0)).sum() / (y > 0).sum(),  # a ratio over a count
+    "token_mean_plus_sum": lambda logits, y: F.cross_entropy(logits, y) + 1e-3 * logits.pow(2).sum(),
 }
 
 

@@ -47,12 +47,16 @@ def _forward(labels_from_activation: bool = False, weighted: bool = False) -> fx
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
+def _nll(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.target is aten.nll_loss_forward.default)
+
+
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])
 def test_the_count_graph_counts_from_the_labels_alone_what_the_loss_counts(weighted):
     """The count graph reads only the labels (and the class weights) and gives ``nll_loss_forward``'s count of the
-    labels not ignored (their weights' sum), in its dtype."""
+    labels not ignored (their weights' sum), wider (summed over micro-batches before it is cast)."""
     forward = _forward(weighted=weighted)
-    counter = count_graph(forward)
+    counter = count_graph(forward, _nll(forward))
     assert counter is not None
     read = [n.meta[INPUT].kind for n in counter.graph.nodes if n.op == "placeholder"]
     assert read == (["input", "buffer"] if weighted else ["input"])
@@ -62,11 +66,23 @@ def test_the_count_graph_counts_from_the_labels_alone_what_the_loss_counts(weigh
     inputs = [y, w] if weighted else [y]
     want = forward(logp, *inputs)[1]
     (got,) = counter(*inputs)
-    assert got.dtype == want.dtype and got.item() == want.item() and want.item() == (11.0 if weighted else 6.0)
+    assert got.dtype == (torch.float64 if weighted else torch.int64)
+    assert got.item() == want.item() == (11.0 if weighted else 6.0)
 
 
-def test_labels_made_from_activations_have_no_count_graph():
-    assert count_graph(_forward(labels_from_activation=True)) is None
+def test_a_count_of_labels_is_copied_and_labels_made_from_activations_have_no_count_graph():
+    forward = _forward()
+    graph = forward.graph
+    y = next(n for n in graph.nodes if n.name == "y")
+    with graph.inserting_after(y):
+        kept = graph.call_function(aten.ne.Scalar, (y, IGNORE))
+    with graph.inserting_after(kept):
+        count = graph.call_function(aten.sum.default, (kept,))
+    counter = count_graph(forward, count)
+    assert counter is not None
+    assert counter(torch.tensor([0, IGNORE, 2]))[0].item() == 2
+    derived = _forward(labels_from_activation=True)
+    assert count_graph(derived, _nll(derived)) is None
 
 
 def _train(loss: str, init_scale: float, **pipeline: object) -> tuple[list[float], list[float], dict]:
@@ -123,6 +139,7 @@ def test_a_token_mean_of_labels_made_from_activations_still_equals_eager():
     compiled = zgraph.distribute(zgraph.Config(backend="eager", **ONE_RANK))(step)
     for x, y in data:
         torch.testing.assert_close(compiled(model, opt, x, y), step(eager_model, eager_opt, x, y))
-    assert compiled._dispatch.last.pipeline.count is None
+    combine = compiled._dispatch.last.pipeline.combine
+    assert combine.kind == "token" and not combine.counts
     for n, p in eager_model.named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[n], p, rtol=1e-6, atol=1e-6)

@@ -226,10 +226,14 @@ def test_explain_shows_each_blocks_stage_and_the_schedules_timeline():
     assert e.bubble == 0.0 and not e.comm_bytes, "stages on one rank: no idle time, nothing sent"
 
 
-@pytest.mark.parametrize("loss", ["sum", "token_mean", "scaled_mean"])
+@pytest.mark.parametrize(
+    "loss", ["sum", "token_mean", "scaled_mean", "label_smoothing", "masked_mean", "token_mean_plus_sum"]
+)
 def test_losses_combine_over_micro_batches_as_eager_on_the_whole_batch(loss):
     """A sum is summed, a cross_entropy mean over the labels not ignored (micro-batches count 0 to 2 of them) is
-    the whole batch's sum over its count, a mean (times a constant, plus another) is averaged."""
+    the whole batch's sum over its count (with label smoothing, its smoothing term too: a masked sum over the
+    labels' count), as is a masked sum over a count of labels, and such a mean plus a sum; a mean (times a constant,
+    plus another) is averaged."""
     config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "microbatches": 4}
     assert_equals_eager([train(pipeline_parallel=1, loss=loss, **config)])
 
@@ -248,7 +252,7 @@ def _batch_norm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out.sum(-1) * (y > 0)).sum() / (y > 0).sum()
+    return (out.sum(-1) * (y > 0)).sum() / out.detach().abs().sum()  # over a sum of activations, not of labels
 
 
 @pytest.mark.parametrize(
@@ -260,7 +264,10 @@ def _ratio(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         (lambda out, y: F.cross_entropy(F.dropout(out, 0.1), y), r"the forward draws random numbers \(bernoulli"),
         (lambda out, y: F.cross_entropy(out, y, reduction="sum") / len(out), "div divides a sum by 4, a multiple of"),
         (_ratio, r"div \(aten.div.Tensor\) makes a loss or 0-d result zgraph cannot split into micro-batches"),
-        (lambda out, y: F.cross_entropy(out, y) + out.pow(2).sum(), "adds a sum and a cross_entropy token mean, which"),
+        (
+            lambda out, y: F.mse_loss(out, F.one_hot(y, 3).float()) + out.pow(2).sum(),
+            "adds a mean over samples and a sum, which",
+        ),
     ],
     ids=["contrastive", "batch_statistics", "batch_norm", "dropout", "sum_over_batch_size", "ratio", "mixed_kinds"],
 )

@@ -35,7 +35,6 @@ from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
 from zgraph.passes.stage_graphs import StageGraphs, build_graph, stage_graphs
 from zgraph.passes.stage_totals import split_update, total_inputs
-from zgraph.passes.token_count import count_graph
 from zgraph.runtime.consistency import describe_graph, digest
 from zgraph.runtime.executor import Executable, compile_graph, run_consuming
 from zgraph.runtime.pipeline_groups import layout, pipeline_groups, place_of
@@ -85,7 +84,7 @@ def compile_pipeline(
     combine = records[0].gm.meta[LOSS_COMBINE]
     count_stage = next((g.stage for g in every if "loss_count" in {r.kind for r in output_roles(g.forward)}), -1)
     program = PipelineCompiled(schedule, place, mine, _results(every), graphs, combine, count_stage)
-    program.count = _count(every, count_stage) if combine.shared else None
+    program.counts = [(spec, _counting(gm)) for spec, gm in combine.counts]
     program.update_reduces = zero is not None
     program.regather = config.pipeline_regather
     program.shard_ranks = _shard_ranks(binding.plan.group)
@@ -129,19 +128,11 @@ def cut_stages(
     return records, stage_graphs(records[-1].gm), schedule
 
 
-def _count(every: list[StageGraphs], stage: int) -> Part | None:
-    """A token mean's count from the step's inputs (``token_count``), on every rank (the ranks agree on whether
-    there is one; those of ``stage`` run it); None where there is none or a stage other than ``stage`` reads the
-    seeds' share."""
-    if stage < 0:
-        return None
-    backwards = [gm for g in every for gm in (g.backward, g.input_grad, g.weight_grad) if g.stage != stage]
-    gm = count_graph(every[stage].forward)
-    if gm is None or any(p.meta[INPUT].kind == "loss_share" for b in backwards for p in placeholders(b)):
-        return None
-    run = compile_graph(gm, "eager")
-    assert run is not None
-    return Part(run.run, input_specs(gm), output_roles(gm), [])
+def _counting(gm: fx.GraphModule) -> Part:
+    """A whole batch's count's graph (``token_count``), compiled eager: a few ops on the labels."""
+    executable = compile_graph(gm, "eager")
+    assert executable is not None
+    return Part(executable.run, input_specs(gm), output_roles(gm), [])
 
 
 def _release_other_stages(binding: Binding, plan: StagePlan, schedule: Schedule, peers: Peers, place: int) -> None:

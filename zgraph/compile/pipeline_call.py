@@ -5,15 +5,15 @@ mean loss) is combined over the micro-batches by its kind (``zgraph.passes.micro
 concatenated along dim 0.
 
 Each backward is seeded with its micro-batch's share of the whole batch (the graph input ``loss_share``,
-``zgraph.passes.micro_batch_loss``): ``1 / M`` for a mean over samples, 1 for a sum, and for a token mean the
-pipelines over the whole batch's counted tokens, counted before any action on the ranks of the stage that makes the
-loss (``zgraph.passes.token_count``, summed over the pipelines), as Hugging Face's gradient accumulation divides by
-the batch's items. Each value a backward makes per sample is then eager's on the whole batch (each sum over its
-samples a part of eager's sum), so fp16 loss scaling overflows where eager's does per sample; where eager's
-overflows only in a sum over the whole batch, the micro-batches' parts may not (a dynamic scale settles up to ``M``
-times higher). The gradients summed over the micro-batches are then divided by the pipelines (what their
-reduction sums over), 1 for a sum.
-Without shares (``LossCombine.shared`` False, or a token mean whose count needs the forward) every seed is 1 and the
+``zgraph.passes.micro_batch_loss``): ``1 / M`` for a mean over samples, else 1; a mean over tokens divides by the
+whole batch's count (inputs of kind ``batch_count``), counted before any action by the ranks whose stages read it
+(``zgraph.passes.token_count``, summed over the micro-batches and the pipelines), as Hugging Face's gradient
+accumulation divides by the batch's items. Each value a backward makes per sample is then eager's on the whole
+batch (each sum over its samples a part of eager's sum), so fp16 loss scaling overflows where eager's does per
+sample; where eager's overflows only in a sum over the whole batch, the micro-batches' parts may not (a dynamic
+scale settles up to ``M`` times higher). The gradients summed over the micro-batches are then divided by the
+pipelines for a mean (what their reduction sums over), else by 1. Without shares (``LossCombine.shared`` False) or
+for a token mean counted by its forward (labels made from activations: kind ``token``) every seed is 1 and the
 summed gradients are divided by the whole batch's division: ``M`` x pipelines, or the counted tokens, summed from
 each micro-batch's forward by the rank whose stage counts them and broadcast over the pipeline.
 """
@@ -30,6 +30,7 @@ from zgraph.capture.as_written import hyperparameters
 from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.graph import GraphInput
+from zgraph.passes.micro_batch_loss import LOSS_SHARE
 from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankRunner
 from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import released_state
@@ -47,8 +48,6 @@ def run_pipeline(
     state: dict[GraphInput, Tensor] = {}
 
     def feed(spec: GraphInput, mb: int | None) -> Tensor:
-        if spec.kind == "loss_share":
-            return share
         if spec.kind in ("input", "input_grad"):
             return io.read(spec, micro[mb or 0], hyper)
         if spec.kind == "hparam" and (spec.optimizer, spec.group) not in hyper:
@@ -60,7 +59,9 @@ def run_pipeline(
 
     peers = program.peers
     pending: list[tuple[dist.Work, Tensor]] = []  # the token count's broadcast from its rank, in flight
-    share, divisor, tokens = _shares(program, peers, pending, feed)
+    share, divisor = _shares(program, peers, pending)
+    state[LOSS_SHARE] = share
+    state.update(_batch_counts(program, peers, feed))
     runner = RankRunner(
         program.schedule,
         program.rank,
@@ -85,8 +86,7 @@ def run_pipeline(
     released_state(binding, program.state_elsewhere)
     for (_, index), values in results.user.items():
         kind = program.combine.results.get(index, "mean")
-        whole = results.divisor if tokens is None else tokens
-        user[index] = _combined([values[mb] for mb in sorted(values)], kind, whole)
+        user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
     values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
     values = [
         _over_pipelines(v, program.combine.results.get(i, "mean"), peers)
@@ -97,28 +97,29 @@ def run_pipeline(
     return finish_call(compiled, binding, micro[0], values)
 
 
-def _shares(
-    program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]], feed: Feed
-) -> tuple[Tensor, Divisor, Tensor | None]:
-    """The seeds' share, what the summed gradients are divided by, and (a token mean counted before the actions,
-    on the ranks of the stage that counts it) the whole batch's counted tokens."""
+def _shares(program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]]) -> tuple[Tensor, Divisor]:
+    """The seeds' share and what the summed gradients are divided by."""
     one = torch.ones(())
-    kind, pipelines = program.combine.kind, float(peers.pipelines)
-    if not program.combine.shared or (kind == "token" and program.count is None):
-        return one, functools.partial(_divisor, program, peers, pending), None
-    if kind == "sum":
-        return one, lambda counts: 1.0, None
-    if kind == "mean":
-        return one / program.schedule.microbatches, lambda counts: pipelines, None
-    if program.schedule.rank_of(program.count_stage) != program.rank:
-        return one, lambda counts: pipelines, None
-    count = program.count
-    assert count is not None
-    per = [count.run([feed(spec, mb) for spec in count.inputs])[0] for mb in range(program.schedule.microbatches)]
-    tokens = torch.stack(per).sum()
-    if peers.data is not None:
-        dist.all_reduce(tokens, group=peers.data)  # the whole batch's count, over every pipeline's rows
-    return pipelines / tokens.float(), lambda counts: pipelines, tokens
+    if program.combine.kind == "mean" and program.combine.shared:
+        pipelines = float(peers.pipelines)
+        return one / program.schedule.microbatches, lambda counts: pipelines
+    return one, functools.partial(_divisor, program, peers, pending)
+
+
+def _batch_counts(program: PipelineCompiled, peers: Peers, feed: Feed) -> dict[GraphInput, Tensor]:
+    """Each whole batch's count this rank's stage graphs read (``batch_count``): its graph run on every
+    micro-batch, summed, summed over the pipelines, and cast to the dtype the graphs read."""
+    parts = [p for s in program.stages.values() for p in (s.forward, s.backward, s.input_grad, s.weight_grad)]
+    examples = {spec: e for p in parts for spec, e in zip(p.inputs, p.examples) if spec.kind == "batch_count"}
+    counts = {}
+    for spec, part in program.counts:
+        if spec in examples:
+            per = [part.run([feed(s, mb) for s in part.inputs])[0] for mb in range(program.schedule.microbatches)]
+            total = torch.stack(per).sum()
+            if peers.data is not None:
+                dist.all_reduce(total, group=peers.data)  # the whole batch's, over every pipeline's rows
+            counts[spec] = total.to(examples[spec].dtype)
+    return counts
 
 
 def _combined(values: list[Tensor], kind: str, divisor: Tensor | float) -> Tensor:

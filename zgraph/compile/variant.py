@@ -54,7 +54,8 @@ class PipelineCompiled:
     graphs: OrderedDict[str, fx.GraphModule]
     combine: LossCombine = field(default_factory=LossCombine)
     count_stage: int = -1  # the stage whose forward counts a token mean's tokens (``LossCombine.kind == "token"``)
-    count: Part | None = None  # that count from the step's inputs, before any action (``zgraph.passes.token_count``)
+    # each whole batch's count the stage graphs read (``batch_count``), with the graph counting it on a micro-batch
+    counts: list[tuple[GraphInput, Part]] = field(default_factory=list)
     peers: Peers | None = None  # this rank's pipeline and data-parallel groups
     update_reduces: bool = False  # the update graphs reduce the gradients over the pipelines (ZeRO >= 1)
     shard_ranks: tuple[int, ...] = ()  # hybrid sharding within stages: this rank's shard group's global ranks
