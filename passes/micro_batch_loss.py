@@ -91,7 +91,8 @@ class LossCombine:
 
 
 def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Classify the loss and the 0-d results; a token mean becomes a sum with its count returned."""
+    """Classify the loss and the 0-d results; a mean over tokens becomes a sum over the whole batch's count (an
+    input), or returns its count; the backward seeds read the micro-batch's share."""
     flow, mixing = sample_flow(gm)
     walk = _Walk(gm, flow, mixing)
     seeds = [n for n in gm.graph.nodes if n.target is aten.ones_like.default and n.meta.get(PHASE) == BACKWARD]
@@ -104,7 +105,8 @@ def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if len(losses) > 1:
         raise PassError(
             f"the step's losses combine over micro-batches differently ({_named(losses)}); pipeline parallelism "
-            "needs one kind: all means over samples, all sums, or one cross_entropy token mean"
+            "needs one kind: all means over samples, or sums and means over labels counted from the batch (or one "
+            "cross_entropy token mean)"
         )
     out = output_node(gm)
     results = {}
@@ -263,7 +265,7 @@ class _Walk:
             raise PassError(
                 f"{node.name} adds a {_named(kinds - {'same'}, ' and a ')}, which combine over "
                 "micro-batches differently; pipeline parallelism needs the loss's terms to be of one kind (all "
-                "means over samples, all sums, or one cross_entropy token mean)"
+                "means over samples, or sums and means over labels counted from the batch)"
             )
         raise self._undecomposable(node)
 
