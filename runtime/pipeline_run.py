@@ -30,6 +30,7 @@ total, in one order), and each update reads the total.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -390,7 +391,7 @@ class RankRunner:
                 key = (s, spec.name)
                 if key not in self.grad_means:
                     total = self.sums.pop(key)
-                    self.grad_means[key] = total.div_(self.scale) if key in self.owned else total / self.scale
+                    self.grad_means[key] = self._divided(key, total)
                 inputs.append(self.grad_means[key])
             elif spec.kind == "stage_total":
                 inputs.append(totals[spec.name])
@@ -399,6 +400,13 @@ class RankRunner:
             else:
                 inputs.append(self.feed(spec, None))
         return inputs, list(part.run(inputs))
+
+    def _divided(self, key: tuple[int, str], total: Tensor) -> Tensor:
+        """A gradient's sum over the micro-batches divided by ``self.scale``: in place in the rank's own buffer,
+        not at all by 1."""
+        if isinstance(self.scale, float) and self.scale == 1.0:
+            return total
+        return total.div_(self.scale) if key in self.owned else total / self.scale
 
     def _stage_totals(self) -> dict[str, Tensor]:
         """Each value across stages (``zgraph.passes.stage_totals``: a global gradient norm's sum of powers, an
@@ -425,14 +433,25 @@ class RankRunner:
         return totals
 
 
-def _roots(inputs: Sequence[object]) -> Counter[int]:
-    """How many of ``inputs`` are, or are views of, each tensor (by id)."""
-    return Counter(id(v._base if v._base is not None else v) for v in inputs if isinstance(v, Tensor))
+def _roots(inputs: Sequence[object]) -> dict[int, weakref.ref]:
+    """The tensors ``inputs`` are, or are views of: weak references by id (an input a consuming graph lets go during
+    the call then no longer counts, though a tensor it makes may take its id)."""
+    return {id(b): weakref.ref(b) for b in map(_base, inputs) if isinstance(b, Tensor)}
 
 
-def _fresh(inputs: Counter[int], outputs: Sequence[object]) -> set[int]:
-    """The ids of the tensors of ``outputs`` whose memory no input (``inputs``: ``_roots`` of the graph's inputs,
-    taken before the call) and no other output shares (by the tensor a view is of): a graph made them afresh, so
-    they may be written."""
-    roots = inputs + _roots(outputs)
-    return {id(v) for v in outputs if isinstance(v, Tensor) and roots[id(v._base if v._base is not None else v)] == 1}
+def _fresh(inputs: dict[int, weakref.ref], outputs: Sequence[object]) -> set[int]:
+    """The ids of the tensors of ``outputs`` whose memory no input still alive (``inputs``: ``_roots`` of the
+    graph's inputs, taken before the call) and no other output shares (by the tensor a view is of): a graph made
+    them afresh, so they may be written."""
+    bases = Counter(id(_base(v)) for v in outputs if isinstance(v, Tensor))
+    fresh = set()
+    for v in outputs:
+        base = _base(v)
+        held = inputs.get(id(base))
+        if isinstance(v, Tensor) and bases[id(base)] == 1 and (held is None or held() is not base):
+            fresh.add(id(v))
+    return fresh
+
+
+def _base(value: object) -> object:
+    return value._base if isinstance(value, Tensor) and value._base is not None else value

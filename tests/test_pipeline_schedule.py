@@ -239,7 +239,8 @@ def test_a_rank_posts_the_next_actions_receives_before_computing_and_waits_only_
 def test_a_rank_sums_gradient_contributions_without_writing_what_a_graph_returned():
     """A micro-batch's gradient contribution may be what its graph read or sent on: the runner sums contributions
     into its own buffer (the second's sum, added into in place after that) and never writes the first one, unless
-    the graph made it afresh (no input or other output shares its memory), which it then sums into."""
+    the graph made it afresh (no input still alive or other output shares its memory), which it then sums into: an
+    input a consuming graph let go during the call no longer counts, though what the graph made took its id."""
     import torch
 
     from zgraph.runtime.pipeline_run import RankRunner, _fresh, _roots
@@ -247,6 +248,11 @@ def test_a_rank_sums_gradient_contributions_without_writing_what_a_graph_returne
     received = torch.ones(3)
     made, view_of_made = torch.full((3,), 2.0), torch.zeros(3, 1)
     assert _fresh(_roots([received]), [received, made, view_of_made.view(3), view_of_made]) == {id(made)}
+    consumed = [torch.zeros(3)]
+    roots = _roots(consumed)
+    consumed.clear()
+    made_after = [torch.zeros(3) for _ in range(4)]  # CPython hands the let-go tensor's id to a new one
+    assert _fresh(roots, made_after) == {id(t) for t in made_after}
     for first, owned in ((received, False), (made, True)):
         runner = types.SimpleNamespace(sums={}, owned=set(), fresh=_fresh(_roots([received]), [received, made]))
         before = first.clone()
