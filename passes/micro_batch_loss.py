@@ -47,12 +47,12 @@ import torch.fx as fx
 from zgraph.errors import PassError
 from zgraph.graph import (
     BACKWARD,
-    INPUT,
     OUTPUTS,
     PHASE,
     VAL,
     GraphInput,
     GraphOutput,
+    add_input,
     fake_mode,
     insert,
     output_node,
@@ -154,10 +154,7 @@ def _share_seeds(gm: fx.GraphModule, seeds: list[fx.Node]) -> bool:
     if not seeds or any(isinstance(v, fx.Node) and v.meta.get(PHASE) == BACKWARD for v in returned):
         return False
     mode = fake_mode(gm)
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
-        share = gm.graph.placeholder("loss_share")
-    share.meta.update({INPUT: LOSS_SHARE, VAL: mode.from_tensor(torch.ones(()))})
+    share = add_input(gm, "loss_share", LOSS_SHARE, mode.from_tensor(torch.ones(())))
     for seed in seeds:
         factor = share
         if seed.meta[VAL].dtype != torch.float32:
@@ -175,10 +172,8 @@ def _counted_first(gm: fx.GraphModule, counted: dict[fx.Node, fx.GraphModule]) -
     counts = []
     for node, counter in counted.items():
         spec = GraphInput("batch_count", node.name, len(counts))
-        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-        with gm.graph.inserting_after(last):
-            whole = gm.graph.placeholder(f"batch_count_{node.name}")
-        whole.meta.update({INPUT: spec, VAL: mode.from_tensor(torch.zeros((), dtype=count_dtype(node)))})
+        value = mode.from_tensor(torch.zeros((), dtype=count_dtype(node)))
+        whole = add_input(gm, f"batch_count_{node.name}", spec, value)
         if node.target is aten.nll_loss_forward.default:
             as_sum_over(gm, node, functools.partial(_read_after, gm, whole, mode=mode), mode)
         else:

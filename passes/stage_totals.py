@@ -30,7 +30,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from zgraph.graph import INPUT, OUTPUTS, PHASE, VAL, GraphInput, GraphOutput, fake_mode, insert, output_node
+from zgraph.graph import (
+    INPUT,
+    OUTPUTS,
+    PHASE,
+    VAL,
+    GraphInput,
+    GraphOutput,
+    add_input,
+    fake_mode,
+    insert,
+    output_node,
+)
 from zgraph.ops import GRAD_CONTRIBUTION, NONFINITE
 
 aten = torch.ops.aten
@@ -139,13 +150,8 @@ def total_inputs(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _total(gm: fx.GraphModule, node: fx.Node, partials: list[tuple[fx.Node, int]], op: str) -> fx.Node:
     """The placeholder of the total the partials combine to (``op`` over them), and the partials returned."""
-    graph = gm.graph
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    index = len(total_inputs(gm))
-    with graph.inserting_after(last):
-        total = graph.placeholder(f"stage_total_{node.name}")
-    total.meta[INPUT] = GraphInput("stage_total", node.name, index, field=op)
-    total.meta[VAL] = partials[0][0].meta[VAL]
+    spec = GraphInput("stage_total", node.name, len(total_inputs(gm)), field=op)
+    total = add_input(gm, f"stage_total_{node.name}", spec, partials[0][0].meta[VAL])
     out = output_node(gm)
     roles = [GraphOutput("stage_partial", node.name, stage) for _, stage in partials]
     out.args = ((*out.args[0], *(p for p, _ in partials)),)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zgraph.graph import INPUT, OUTPUTS, VAL, GraphInput, output_node, placeholders
+from zgraph.graph import OUTPUTS, VAL, GraphInput, add_input, output_node, placeholders
 from zgraph.graph_copy import copy_graph_module
 
 aten = torch.ops.aten
@@ -40,10 +40,7 @@ def summing_variant(gm: fx.GraphModule) -> fx.GraphModule | None:
             kept_values.append(value)
             kept_roles.append(role)
             continue
-        with graph.inserting_after(last_input):
-            total = graph.placeholder(f"grad_sum_{sums}")
-        total.meta[INPUT] = GraphInput("grad_sum", role.name, sums)
-        total.meta[VAL] = value.meta[VAL]
+        total = add_input(out, f"grad_sum_{sums}", GraphInput("grad_sum", role.name, sums), value.meta[VAL])
         last_input, sums = total, sums + 1
         with graph.inserting_after(value if order[value] > made else last_input):
             graph.call_function(aten.add_.Tensor, (total, value)).meta[VAL] = total.meta[VAL]

@@ -355,6 +355,14 @@ def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def add_input(gm: fx.GraphModule, name: str, spec: GraphInput, value: object) -> fx.Node:
+    """A new placeholder after ``gm``'s others, standing for ``spec``, with ``value`` its fake value."""
+    with gm.graph.inserting_after(placeholders(gm)[-1]):
+        node = gm.graph.placeholder(name)
+    node.meta[INPUT], node.meta[VAL] = spec, value
+    return node
+
+
 def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
