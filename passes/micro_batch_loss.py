@@ -10,8 +10,9 @@ batch), each of one *kind*:
 - ``sum``: a sum (``reduction="sum"``): the micro-batches' sum, gradients summed as they are;
 - a mean over tokens: ``cross_entropy`` / ``nll_loss``'s mean over the labels not ``ignore_index`` (of which
   micro-batches hold different counts), or a sum divided by a count of labels (``cross_entropy``'s
-  ``label_smoothing`` term, a masked mean written by hand). Where the count is made from the batch's inputs alone
-  (``zgraph.passes.token_count``), the graph divides by the whole batch's count instead, a new input (kind
+  ``label_smoothing`` term, a masked mean written by hand; or over the number of labels less a count of ignored
+  ones, ``m.numel() - m.sum()``: Hugging Face's ``LabelSmoother``). Where the count is made from the batch's inputs
+  alone (``zgraph.passes.token_count``), the graph divides by the whole batch's count instead, a new input (kind
   ``batch_count``) the runtime counts before any micro-batch runs: each micro-batch's value is then its part of
   eager's sum, of kind ``sum``, and a step may add several (their counts counted apart) and sums. Else (labels made
   from activations) one ``nll_loss`` mean, kind ``token``: rewritten (``zgraph.passes.token_mean``) to each
@@ -191,12 +192,43 @@ def _reduced_numel(node: fx.Node) -> int | None:
     """The number of elements the reduction making ``node`` reduces over (through ``_LINEAR`` ops), if known."""
     while node.target in _LINEAR:
         node = node.args[0]
+    numel = _summed_numel(node)
+    return numel if isinstance(numel, int) else None
+
+
+def _summed_numel(node: fx.Node) -> object:
+    """The number of elements the reduction ``node`` reduces over (an int, a ``SymInt``), None if not a tensor's."""
     if node.target is operator.getitem and node.args[0].target is aten.nll_loss_forward.default:
         node = node.args[0].args[1]  # the labels
     elif node.target in _TOTALS or named_arguments(node).get("reduction") is not None:
         node = node.args[0]
     value = node.meta.get(VAL)
-    return value.numel() if isinstance(value, torch.Tensor) and isinstance(value.numel(), int) else None
+    return value.numel() if isinstance(value, torch.Tensor) else None
+
+
+def _count_in(node: object) -> object:
+    """The count a denominator is made of: ``node`` without the casts and constant factors around it."""
+    while isinstance(node, fx.Node):
+        if node.target in _LINEAR:
+            node = node.args[0]
+        elif node.target in _SCALED and isinstance(node.args[1], (int, float)):
+            node = node.args[0]
+        elif node.target in (aten.mul.Tensor, aten.mul.Scalar) and isinstance(node.args[0], (int, float)):
+            node = node.args[1]
+        else:
+            break
+    return node
+
+
+def _same_size(given: object, numel: object) -> bool:
+    """Whether ``given`` (a graph argument: a number, or a node of a symbolic size) is ``numel``."""
+    if isinstance(given, fx.Node):
+        given = given.meta.get(VAL)
+    if isinstance(given, int) and isinstance(numel, int):
+        return given == numel
+    if isinstance(given, torch.SymInt) and isinstance(numel, torch.SymInt):
+        return bool(given.node.expr == numel.node.expr)
+    return False
 
 
 def _named(kinds: set[str], between: str = ", ") -> str:
@@ -305,15 +337,27 @@ class _Walk:
         return kind
 
     def _over_count(self, node: fx.Node) -> str:
-        """``a / b``: a sum over a count of labels, counted first (``cross_entropy``'s ``label_smoothing`` term), a
-        sum over the micro-batches once ``b`` is the whole batch's count; else undecomposable."""
+        """``a / b``: a sum over a count of labels, counted first (``cross_entropy``'s ``label_smoothing`` term,
+        Hugging Face's ``LabelSmoother``), a sum over the micro-batches once ``b``'s count is the whole batch's;
+        else undecomposable. ``b``: the count, cast or times a constant (``_count_in``)."""
         a, b = node.args[:2]
-        if b not in self.counted:
-            counter = count_graph(self.gm, b) if b in self.mixing and _is_scalar(b) else None
-            if counter is None or self._total(b) != "sum" or self._kind(a) != "sum":
+        count = _count_in(b)
+        if count not in self.counted:
+            counter = count_graph(self.gm, count) if self._is_count(count) else None
+            if counter is None:
                 raise self._undecomposable(node)
-            self.counted[b] = counter
+            self.counted[count] = counter
+        if self._kind(a) != "sum":
+            raise self._undecomposable(node)
         return "counted"
+
+    def _is_count(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a sum over the micro-batch that adds up over micro-batches: a sum (``m.sum()``), or
+        the number of elements it sums less it (``m.numel() - m.sum()``: the sum of ``1 - m``)."""
+        if node.target is aten.rsub.Scalar and named_arguments(node).get("alpha", 1) == 1:
+            summed = node.args[0]
+            return self._is_count(summed) and _same_size(node.args[1], _summed_numel(summed))
+        return node in self.mixing and _is_scalar(node) and self._total(node) == "sum"
 
     def _by_batch_size(self, factor: float, kind: str, value: fx.Node) -> bool:
         """Whether ``factor`` on ``value`` looks like the micro-batch's size written as a number: a multiple of it

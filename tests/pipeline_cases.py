@@ -69,7 +69,19 @@ LOSSES = {
     "label_smoothing": lambda logits, y: F.cross_entropy(logits, y.masked_fill(y == 0, -100), label_smoothing=0.1),
     "masked_mean": lambda logits, y: (logits.sum(-1) * (y > 0)).sum() / (y > 0).sum(),  # a ratio over a count
     "token_mean_plus_sum": lambda logits, y: F.cross_entropy(logits, y) + 1e-3 * logits.pow(2).sum(),
+    "complement_count": lambda logits, y: _smoothed_over_kept(logits, y.masked_fill(y == 0, -100)),
 }
+
+
+def _smoothed_over_kept(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Label smoothing as Hugging Face's ``LabelSmoother`` writes it: sums over the labels kept, divided by the
+    number of labels less the number ignored (``m.numel() - m.sum()``), and by it times the classes."""
+    ignored = labels.eq(-100).unsqueeze(-1)
+    log_probs = -F.log_softmax(logits, dim=-1)
+    nll = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).masked_fill(ignored, 0.0)
+    smooth = log_probs.sum(-1, keepdim=True).masked_fill(ignored, 0.0)
+    kept = ignored.numel() - ignored.long().sum()
+    return 0.9 * nll.sum() / kept + 0.1 * smooth.sum() / (kept * logits.shape[-1])
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -143,3 +143,23 @@ def test_a_token_mean_of_labels_made_from_activations_still_equals_eager():
     assert combine.kind == "token" and not combine.counts
     for n, p in eager_model.named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[n], p, rtol=1e-6, atol=1e-6)
+
+
+def test_the_labels_number_less_the_ignored_is_counted_at_symbolic_batch_sizes():
+    """A loss over ``m.numel() - m.sum()`` (Hugging Face's ``LabelSmoother``) at batch sizes 8, 12, 16: the
+    second size captures the step again with a symbolic batch, whose micro-batch's number of labels is a size in
+    the graph; each step equals eager's, its count the whole batch's."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(b, 4, generator=g), torch.randint(0, 3, (b,), generator=g)) for b in (8, 12, 16)]
+    eager_model = Net()
+    model = copy.deepcopy(eager_model)
+    eager_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager_model, model))
+    step = step_of(LOSSES["complement_count"])
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", **ONE_RANK))(step)
+    for x, y in data:
+        torch.testing.assert_close(compiled(model, opt, x, y), step(eager_model, eager_opt, x, y))
+    counted = compiled._dispatch.last.pipeline.combine.counts[0][1]
+    sizes = [n for n in counted.graph.nodes if isinstance(n.meta.get("val"), torch.SymInt)]
+    assert sizes, "the last capture's count reads a symbolic size"
+    for n, p in eager_model.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[n], p, rtol=1e-6, atol=1e-6)

@@ -227,13 +227,15 @@ def test_explain_shows_each_blocks_stage_and_the_schedules_timeline():
 
 
 @pytest.mark.parametrize(
-    "loss", ["sum", "token_mean", "scaled_mean", "label_smoothing", "masked_mean", "token_mean_plus_sum"]
+    "loss",
+    ["sum", "token_mean", "scaled_mean", "label_smoothing", "masked_mean", "token_mean_plus_sum", "complement_count"],
 )
 def test_losses_combine_over_micro_batches_as_eager_on_the_whole_batch(loss):
     """A sum is summed, a cross_entropy mean over the labels not ignored (micro-batches count 0 to 2 of them) is
     the whole batch's sum over its count (with label smoothing, its smoothing term too: a masked sum over the
-    labels' count), as is a masked sum over a count of labels, and such a mean plus a sum; a mean (times a constant,
-    plus another) is averaged."""
+    labels' count), as is a masked sum over a count of labels (also counted as the labels' number less the ignored:
+    Hugging Face's ``LabelSmoother``), and such a mean plus a sum; a mean (times a constant, plus another) is
+    averaged."""
     config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "microbatches": 4}
     assert_equals_eager([train(pipeline_parallel=1, loss=loss, **config)])
 
@@ -255,6 +257,16 @@ def _ratio(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out.sum(-1) * (y > 0)).sum() / out.detach().abs().sum()  # over a sum of activations, not of labels
 
 
+def _mean_over_count(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    count = (y > 0).sum()  # one count, a sum over it, then a mean over it
+    return (out.sum(-1) * (y > 0)).sum() / count + out.pow(2).mean() / count
+
+
+def _not_a_count(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    kept = y > 0
+    return (out.sum(-1) * kept).sum() / (kept.numel() + 1 - kept.sum())  # not the number of labels less a sum
+
+
 @pytest.mark.parametrize(
     "loss,message",
     [
@@ -264,12 +276,24 @@ def _ratio(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         (lambda out, y: F.cross_entropy(F.dropout(out, 0.1), y), r"the forward draws random numbers \(bernoulli"),
         (lambda out, y: F.cross_entropy(out, y, reduction="sum") / len(out), "div divides a sum by 4, a multiple of"),
         (_ratio, r"div \(aten.div.Tensor\) makes a loss or 0-d result zgraph cannot split into micro-batches"),
+        (_mean_over_count, r"div_1 \(aten.div.Tensor\) makes a loss or 0-d result zgraph cannot split"),
+        (_not_a_count, r"div \(aten.div.Tensor\) makes a loss or 0-d result zgraph cannot split"),
         (
             lambda out, y: F.mse_loss(out, F.one_hot(y, 3).float()) + out.pow(2).sum(),
             "adds a mean over samples and a sum, which",
         ),
     ],
-    ids=["contrastive", "batch_statistics", "batch_norm", "dropout", "sum_over_batch_size", "ratio", "mixed_kinds"],
+    ids=[
+        "contrastive",
+        "batch_statistics",
+        "batch_norm",
+        "dropout",
+        "sum_over_batch_size",
+        "ratio",
+        "mean_over_a_count",
+        "not_a_count",
+        "mixed_kinds",
+    ],
 )
 def test_what_micro_batches_cannot_combine_exactly_is_refused_before_anything_changes(loss, message):
     model = Net()

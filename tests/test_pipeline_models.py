@@ -1,6 +1,7 @@
 """Pipeline parallelism on unmodified models (issue 42's exactness target): Hugging Face Llama and the demo GPT cut
-into 2 stages on 2 gloo ranks, and 4 stages on 4, equal eager PyTorch on the whole batch (``pipeline_models_cases``).
-Needs transformers (the hf mark: run by ``.ci/run`` with ``-m hf``)."""
+into 2 stages on 2 gloo ranks, and 4 stages on 4, equal eager PyTorch on the whole batch (``pipeline_models_cases``);
+Hugging Face's ``LabelSmoother`` as a pipelined loss. Needs transformers (the hf mark: run by ``.ci/run`` with
+``-m hf``)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def test_an_unmodified_model_in_stages_equals_eager_on_the_whole_batch(ranks, ca
     for r in result:
         torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-5, atol=1e-6)
         assert max(r["distance"].values()) <= 5 * yardstick, (r["distance"], yardstick)
+
+
+def test_hugging_faces_label_smoother_combines_over_micro_batches_as_eager(monkeypatch):
+    """``LabelSmoother`` (what ``Trainer`` runs with ``label_smoothing_factor``) divides by the labels' number less
+    the ignored ones' (``numel() - sum()``): counted over the whole batch before the micro-batches run, so the
+    losses and parameters are eager's on the whole batch (stages on one rank, 4 micro-batches of uneven counts)."""
+    import pipeline_cases
+    from test_pipeline import assert_equals_eager
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    smoother = LabelSmoother(epsilon=0.1)
+    loss = lambda logits, y: smoother({"logits": logits}, y.masked_fill(y == 0, -100))  # noqa: E731
+    monkeypatch.setitem(pipeline_cases.LOSSES, "hf_label_smoother", loss)
+    config = {"schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "microbatches": 4}
+    assert_equals_eager([pipeline_cases.train(pipeline_parallel=1, loss="hf_label_smoother", **config)])
