@@ -125,24 +125,36 @@ class Peers:
     sequence: int = 1
 
 
-class RankRunner:
-    """Runs one rank's actions of one step (a new runner per step)."""
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """What one rank of a pipeline runs each step (``zgraph.compile.pipeline_call`` makes it from the compiled
+    variant)."""
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        rank: int,
-        stages: dict[int, StageRun],
-        feed: Feed,
-        peers: Peers,
-        divisor: Divisor,
-        update_reduces: bool = False,
-        totals: Sequence[tuple[GraphInput, Tensor]] = (),
-        regather: bool = False,
-    ):
-        self.schedule, self.rank, self.stages, self.feed, self.peers = schedule, rank, stages, feed, peers
-        self.divisor, self.update_reduces, self.totals = divisor, update_reduces, list(totals)
-        self.regather = regather  # ZeRO 3: gather a stage's parameters for each action (``Config.pipeline_regather``)
+    schedule: Schedule
+    """Every rank's actions."""
+    rank: int
+    """This rank's place in its pipeline (``schedule.actions[rank]``)."""
+    stages: dict[int, StageRun]
+    """The stages this rank runs, compiled."""
+    peers: Peers
+    """The pipeline's process groups."""
+    update_reduces: bool = False
+    """The update graphs reduce the gradient sums over the pipelines themselves (ZeRO stage >= 1)."""
+    totals: tuple[tuple[GraphInput, Tensor], ...] = ()
+    """The values across stages (``zgraph.passes.stage_totals``), in the order every rank combines them, with an
+    example of each."""
+    regather: bool = False
+    """ZeRO 3: gather a stage's parameters for each of its actions (``Config.pipeline_regather``)."""
+
+
+class RankRunner:
+    """Runs one rank's actions of one step (a new runner per step): ``plan``'s, reading the state and the
+    micro-batches through ``feed``; the gradient sums divided by ``divisor(counts)``."""
+
+    def __init__(self, plan: RankPlan, feed: Feed, divisor: Divisor):
+        self.schedule, self.rank, self.stages, self.peers = plan.schedule, plan.rank, plan.stages, plan.peers
+        self.feed, self.divisor, self.update_reduces = feed, divisor, plan.update_reduces
+        self.totals, self.regather = plan.totals, plan.regather
         self.grad_means: dict[tuple[int, str], Tensor] = {}
         self.handed: dict[int, list[Tensor]] = {}
         self.scale: Tensor | float = 1.0  # what the summed gradients the update reads are divided by

@@ -188,7 +188,7 @@ def test_a_rank_posts_the_next_actions_receives_before_computing_and_waits_only_
 
     from zgraph.graph import GraphInput, GraphOutput
     from zgraph.runtime import pipeline_run
-    from zgraph.runtime.pipeline_run import Part, Peers, RankRunner, StageRun
+    from zgraph.runtime.pipeline_run import Part, Peers, RankPlan, RankRunner, StageRun
 
     events: list[str] = []
 
@@ -225,7 +225,8 @@ def test_a_rank_posts_the_next_actions_receives_before_computing_and_waits_only_
         *(part(n, "saved", []) for n in ("I", "W", "update")),
     )
     schedule = build_schedule("1f1b", 2, 3)
-    runner = RankRunner(schedule, 1, {1: stage}, lambda spec, mb: one, Peers(None, [0, 1]), lambda counts: 1.0)
+    plan = RankPlan(schedule=schedule, rank=1, stages={1: stage}, peers=Peers(None, [0, 1]))
+    runner = RankRunner(plan, lambda spec, mb: one, lambda counts: 1.0)
     runner.run()
     tags = [runner._tag("F", 0, mb, 0) for mb in range(3)]
     computes = [i for i, e in enumerate(events) if e in ("F", "B")]

@@ -31,7 +31,7 @@ from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.graph import GraphInput
 from zgraph.passes.micro_batch_loss import LOSS_SHARE
-from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankRunner
+from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankPlan, RankRunner
 from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import released_state
 from zgraph.runtime.state import Binding
@@ -62,18 +62,16 @@ def run_pipeline(
     share, divisor = _shares(program, peers, pending)
     state[LOSS_SHARE] = share
     state.update(_batch_counts(program, peers, feed))
-    runner = RankRunner(
-        program.schedule,
-        program.rank,
-        program.stages,
-        feed,
-        peers,
-        divisor,
-        program.update_reduces,
-        program.totals,
-        program.regather,
+    plan = RankPlan(
+        schedule=program.schedule,
+        rank=program.rank,
+        stages=program.stages,
+        peers=peers,
+        update_reduces=program.update_reduces,
+        totals=tuple(program.totals),
+        regather=program.regather,
     )
-    results = runner.run()
+    results = RankRunner(plan, feed, divisor).run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
         part = program.stages[s].update
