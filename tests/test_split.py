@@ -55,7 +55,7 @@ def test_split_backward_matches_eager(results, world, stage, name):
         assert _rel(got[key], value) <= REL, f"{name} stage {stage} world {world}: {key}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS[1:])  # 4 ranks with the matrix they run in (extended)
 def test_stage3_backward_keeps_shards_not_whole_parameters(results, world):
     """The backward gathers the parameters again (recomputed from the shards) instead of keeping the forward's
     whole copies alive between the two calls."""
