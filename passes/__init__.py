@@ -29,6 +29,7 @@ Files::
     sample_flow.py           each forward value's batch dimension; the ops that combine samples
     token_mean.py            a cross_entropy token mean made a sum over another count (sequence, pipeline)
     token_count.py           a pipelined token mean's count from the step's inputs, before any micro-batch runs
+    sizes_from_inputs.py     ``sizes_from_inputs`` (pipelines): symbolic sizes computed from the step's arguments
     stage_cut.py             ``stage_cut`` (pipeline parallelism): each node stamped with its stage and part
     stage_balance.py         the cut's balance: blocks' forward flops grouped into stages
     stage_totals.py          a global gradient norm or overflow check cut into per-stage partials and a total

@@ -49,6 +49,7 @@ from zgraph.graph import BACKWARD, FORWARD, INPUT, OPTIMIZER, PHASE, VAL, output
 from zgraph.ops import FLAG_TO_HOST, GRAD_CONTRIBUTION
 from zgraph.passes.pass_list import PassContext
 from zgraph.passes.remat import block_of, blocks_in
+from zgraph.passes.sizes_from_inputs import size_arithmetic
 from zgraph.passes.stage_balance import balance, block_flops, node_flops
 from zgraph.passes.stage_totals import split_across_stages
 
@@ -158,8 +159,8 @@ def free_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def _copyable(node: fx.Node) -> bool:
-    if node.target in (operator.getitem, FLAG_TO_HOST):  # a copy of the overflow flag for host state: deterministic
-        return True
+    if node.target in (operator.getitem, FLAG_TO_HOST) or size_arithmetic(node):  # deterministic (an overflow flag
+        return True  # copied for host state, a size)
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
         return False

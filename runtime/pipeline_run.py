@@ -46,6 +46,7 @@ Feed = Callable[[GraphInput, int | None], Tensor]
 PART_OF = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad", Kind.W: "weight_grad"}
 """The stage graph each compute action runs."""
 Divisor = Callable[[dict[int, Tensor]], Tensor | float]
+Shape = Callable[[Sequence], tuple[int, ...]]
 _TAG_SPAN = 1 << 12  # tensors one boundary may carry: a message's tag numbers its position below this
 CONSUMED: dict[str, frozenset[str]] = {
     "forward": frozenset({"activation"}),
@@ -149,11 +150,13 @@ class RankPlan:
 
 class RankRunner:
     """Runs one rank's actions of one step (a new runner per step): ``plan``'s, reading the state and the
-    micro-batches through ``feed``; the gradient sums divided by ``divisor(counts)``."""
+    micro-batches through ``feed``; the gradient sums divided by ``divisor(counts)``; what it receives shaped as
+    ``shape`` makes the graphs' example shapes at the call's sizes."""
 
-    def __init__(self, plan: RankPlan, feed: Feed, divisor: Divisor):
+    def __init__(self, plan: RankPlan, feed: Feed, divisor: Divisor, shape: Shape = tuple):
         self.schedule, self.rank, self.stages, self.peers = plan.schedule, plan.rank, plan.stages, plan.peers
         self.feed, self.divisor, self.update_reduces = feed, divisor, plan.update_reduces
+        self.shape = shape  # an example's shape at this call's sizes (captured with symbolic sizes)
         self.totals, self.regather = plan.totals, plan.regather
         self.grad_means: dict[tuple[int, str], Tensor] = {}
         self.handed: dict[int, list[Tensor]] = {}
@@ -359,7 +362,7 @@ class RankRunner:
         examples = (
             stage.forward.received("activation") if direction == "F" else stage.backward.received("activation_grad")
         )
-        buffers = [torch.empty(e.shape, dtype=e.dtype, device=e.device) for e in examples]
+        buffers = [torch.empty(self.shape(e.shape), dtype=e.dtype, device=e.device) for e in examples]
         src = self.peers.ranks[self.schedule.rank_of(source)]
         works = [
             dist.irecv(b, src, self.peers.group, self._tag(direction, source, a.mb, i)) for i, b in enumerate(buffers)
@@ -436,7 +439,8 @@ class RankRunner:
             self.handed[s] = [v for _, v in handed]
         totals = {}
         for spec, example in self.totals:
-            values = partials.get(spec.name) or [torch.zeros(example.shape, dtype=example.dtype, device=example.device)]
+            zero = torch.zeros(self.shape(example.shape), dtype=example.dtype, device=example.device)
+            values = partials.get(spec.name) or [zero]
             total = torch.stack(values).amax(0) if spec.field == "max" else torch.stack(values).sum(0)
             if len(self.peers.ranks) > 1:
                 op = dist.ReduceOp.MAX if spec.field == "max" else dist.ReduceOp.SUM

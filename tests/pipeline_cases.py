@@ -263,6 +263,33 @@ def against(eager: Callable, make_opt: Callable, data: list, **config: object) -
     return {"want": want, "got": got, "owned": owned, "distance": distance, "scales": scales, "state_dtypes": dtypes}
 
 
+def varying_lengths(rank: int, world: int) -> list[dict]:
+    """The demo GPT (2 blocks, a stage each, 1F1B, 2 micro-batches) on sequences of 8, 12, 5 and 12 tokens (a
+    quarter of the labels ignored): each step's loss and the parameters a rank's stage owns against eager's, and
+    how many times the step was captured."""
+    from zgraph.demos.models import GPT, GPTConfig, lm_loss
+
+    torch.manual_seed(0)
+    eager_model = GPT(GPTConfig(vocab=32, d_model=16, layers=2, heads=2, seq=16))
+    model = copy.deepcopy(eager_model)
+    eager_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager_model, model))
+    run = step_of(lm_loss)
+    config = zgraph.Config(backend="eager", pipeline_parallel=world, schedule="1f1b", microbatches=2)
+    compiled = zgraph.distribute(config)(run)
+    g = torch.Generator().manual_seed(1)
+    want, got = [], []
+    for length in (8, 12, 5, 12):
+        ids = torch.randint(0, 32, (4, length), generator=g)
+        labels = ids.masked_fill(torch.rand(4, length, generator=g) < 0.25, -100)
+        want.append(run(eager_model, eager_opt, ids, labels))
+        got.append(compiled(model, opt, ids, labels))
+    eager = dict(eager_model.named_parameters())
+    owned = {n: p for n, p in model.named_parameters() if p.device.type != "meta"}
+    distance = max((p - eager[n]).abs().max().item() for n, p in owned.items())
+    result = {"want": want, "got": got, "owned": sorted(owned), "distance": distance}
+    return all_gather_values({**result, "variants": compiled._dispatch.variants()})
+
+
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
     """Worker: run the named cases; rank 0 saves ``{name: result}``."""
     run_named(rank, world, out_path, names, globals())

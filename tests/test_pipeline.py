@@ -26,7 +26,7 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline") / "results.pt"
-    run_ranks(2, "pipeline_cases.run", str(path), [*CASES, *COMPOSED, "stage_state"], timeout=300)
+    run_ranks(2, "pipeline_cases.run", str(path), [*CASES, *COMPOSED, "stage_state", "varying_lengths"], timeout=300)
     return torch.load(path, weights_only=False)
 
 
@@ -43,6 +43,19 @@ def test_two_stages_on_two_ranks_equal_eager_on_the_whole_batch(two_ranks, case)
     result = two_ranks[case]
     assert not (isinstance(result, dict) and "error" in result), result.get("error")
     assert_equals_eager(result)
+
+
+def test_a_sequence_length_that_changes_captures_once_more_with_symbolic_sizes(two_ranks):
+    """The demo GPT in two stages on two ranks, its sequence 8, 12, 5 and 12 tokens long: the second length
+    captures the step with a symbolic length (sizes its reshapes read on one stage and use on the other are
+    computed from the arguments' sizes in each; receive buffers shaped at the call's sizes), which serves every
+    later length; each loss is eager's on the whole batch, each stage's parameters eager's after the 4 steps."""
+    ranks = two_ranks["varying_lengths"]
+    assert sorted(n for r in ranks for n in r["owned"]) == sorted(set(n for r in ranks for n in r["owned"]))
+    for r in ranks:
+        torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-5, atol=1e-6)
+        assert r["distance"] < 1e-4, r["distance"]
+        assert r["variants"] == 2, r["variants"]
 
 
 @pytest.mark.inductor

@@ -100,6 +100,21 @@ def size_symbols(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
     return {str(symbol): (getattr(node.meta.get(INPUT), "name", node.name), dim) for symbol, (node, dim) in sources}
 
 
+def input_sizes(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[int, int]]:
+    """Each size symbol that is a dimension of one of the step's tensor arguments (``GraphInput`` kind ``input``):
+    the argument's index among them and the dimension (what ``concrete_shape`` reads a call's sizes from)."""
+    return {
+        symbol: (node.meta[INPUT].index, dim)
+        for symbol, (node, dim) in _size_sources(gm).items()
+        if node.meta[INPUT].kind == "input"
+    }
+
+
+def concrete_shape(shape: Sequence[int | torch.SymInt], sizes: dict[sympy.Symbol, int]) -> tuple[int, ...]:
+    """``shape`` at a call's sizes: each symbolic dimension evaluated with ``sizes`` (a value per size symbol)."""
+    return tuple(int(d.node.expr.xreplace(sizes)) if isinstance(d, torch.SymInt) else int(d) for d in shape)
+
+
 def _size_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, tuple[fx.Node, int]]:
     """Each size symbol that is a dimension of a graph input: the placeholder and the dimension."""
     sources: dict[sympy.Symbol, tuple[fx.Node, int]] = {}

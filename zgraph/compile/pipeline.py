@@ -30,6 +30,7 @@ from zgraph.errors import CaptureError
 from zgraph.graph import INPUT, VAL, GraphOutput, input_specs, output_node, output_roles, placeholders
 from zgraph.passes import Pass, PassContext, PassRecord, run_passes
 from zgraph.passes.micro_batch_loss import LOSS_COMBINE, micro_batch_loss
+from zgraph.passes.sizes_from_inputs import sizes_from_inputs
 from zgraph.passes.stage_cut import STAGE_PLAN, StagePlan, stage_cut
 from zgraph.passes.stage_gather import stage_gather
 from zgraph.passes.stage_grads import stage_grads
@@ -44,6 +45,7 @@ from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import release_other_stages
 from zgraph.runtime.state import Binding
 from zgraph.runtime.sum_in_graph import summing_variant
+from zgraph.sizes import input_sizes
 
 _PASSES_BEFORE_THE_CUT = ("sequence_parallel", "cse", "remat")
 _KINDS = {"forward": Kind.F, "backward": Kind.B, "input_grad": Kind.I, "weight_grad": Kind.W, "update": None}
@@ -91,6 +93,7 @@ def compile_pipeline(
     program.totals = [(p.meta[INPUT], p.meta[VAL]) for p in total_inputs(records[-1].gm)]
     program.state_elsewhere = _state_written(g for g in every if schedule.rank_of(g.stage) != place)
     program.peers = _peers(group, config)
+    program.sizes = input_sizes(records[-1].gm)
     description = describe_graph(captured.gm) + [str(schedule)]
     seconds = sum(p.compile_seconds for s in mine.values() for p in _parts(s))
     executable = Executable(_runs_by_schedule, config.backend, seconds)
@@ -122,7 +125,8 @@ def cut_stages(
     cut = functools.partial(stage_cut, stages=stages, split=config.pipeline_split)
     passes = [p for p in config.passes() if p.name in _PASSES_BEFORE_THE_CUT]
     loss = Pass("micro_batch_loss", micro_batch_loss, requires={"phases"})
-    records = run_passes(gm, ctx, [loss, *passes, Pass("stage_cut", cut, requires={"phases"})], keep=keep)
+    sizes = Pass("sizes_from_inputs", sizes_from_inputs, requires={"phases"})
+    records = run_passes(gm, ctx, [loss, *passes, sizes, Pass("stage_cut", cut, requires={"phases"})], keep=keep)
     count = config.microbatches or config.pipeline_parallel
     schedule = build_schedule(config.schedule, config.pipeline_parallel, count, config.pipeline_virtual_stages)
     return records, stage_graphs(records[-1].gm), schedule

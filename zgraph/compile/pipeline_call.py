@@ -31,11 +31,12 @@ from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
 from zgraph.graph import GraphInput
 from zgraph.passes.micro_batch_loss import LOSS_SHARE
-from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankPlan, RankRunner
+from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankPlan, RankRunner, Shape
 from zgraph.runtime.process_group import ProcessGroupInfo
 from zgraph.runtime.stage_state import released_state
 from zgraph.runtime.state import Binding
 from zgraph.runtime.state_io import StateIO
+from zgraph.sizes import concrete_shape
 
 
 def run_pipeline(
@@ -71,7 +72,9 @@ def run_pipeline(
         totals=tuple(program.totals),
         regather=program.regather,
     )
-    results = RankRunner(plan, feed, divisor).run()
+    sizes = {symbol: micro[0][index][1].shape[dim] for symbol, (index, dim) in program.sizes.items()}
+    shape = functools.partial(concrete_shape, sizes=sizes)
+    results = RankRunner(plan, feed, divisor, shape).run()
     user: dict[int, Tensor] = {}
     for s, (inputs, outputs) in results.updates.items():
         part = program.stages[s].update
@@ -85,7 +88,7 @@ def run_pipeline(
     for (_, index), values in results.user.items():
         kind = program.combine.results.get(index, "mean")
         user[index] = _combined([values[mb] for mb in sorted(values)], kind, results.divisor)
-    values = [_shared(index, user.get(index), program, peers) for index in sorted(program.results)]
+    values = [_shared(index, user.get(index), program, peers, shape) for index in sorted(program.results)]
     values = [
         _over_pipelines(v, program.combine.results.get(i, "mean"), peers)
         for i, v in zip(sorted(program.results), values)
@@ -162,15 +165,15 @@ def _over_pipelines(value: Tensor, kind: str, peers: Peers) -> Tensor:
     return value / peers.pipelines if kind == "mean" else value
 
 
-def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers) -> Tensor:
-    """Result ``index`` on every rank of the pipeline: broadcast by the rank whose stage makes it."""
+def _shared(index: int, value: Tensor | None, program: PipelineCompiled, peers: Peers, shape: Shape) -> Tensor:
+    """Result ``index`` on every rank of the pipeline: broadcast by the rank whose stage makes it (``shape``: its
+    example's shape at the call's sizes)."""
     stage, example = program.results[index]
     if len(peers.ranks) == 1:
         assert value is not None
         return value
     if value is None:
-        count = program.schedule.microbatches
-        shape = example.shape if example.dim() == 0 else (example.shape[0] * count, *example.shape[1:])
-        value = torch.empty(shape, dtype=example.dtype, device=example.device)
+        count, one = program.schedule.microbatches, shape(example.shape)
+        value = torch.empty(one if not one else (one[0] * count, *one[1:]), dtype=example.dtype, device=example.device)
     dist.broadcast(value, peers.ranks[program.schedule.rank_of(stage)], group=peers.group)
     return value

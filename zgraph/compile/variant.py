@@ -64,6 +64,9 @@ class PipelineCompiled:
     # the ``.grad`` and optimizer state other ranks' stages' updates write (``zero_grad(set_to_none=False)``, state
     # an optimizer makes in its first step, as SGD's momentum buffers), with their shapes and dtypes
     state_elsewhere: tuple[tuple[GraphOutput, torch.Size, torch.dtype], ...] = ()
+    # captured with symbolic sizes: each size symbol's argument (index among the step's tensors) and dimension, from
+    # which a call's sizes give the shapes of what is received (``zgraph.sizes.concrete_shape``)
+    sizes: dict = field(default_factory=dict)
 
 
 @dataclass
