@@ -21,12 +21,13 @@ batch), each of one *kind*:
   counts are known).
 
 A value made without the batch (of parameters only) is the same on every micro-batch (kind ``same``). The step's
-0-d results are combined by the same rule (``gm.meta[LOSS_COMBINE]``); another result must hold the samples along
-dim 0 (the runtime concatenates it). Refused (``PassError``, before anything runs): losses of different kinds in
-one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by hand), two token means
-counted only by the forward, any other way of reaching the loss (a ratio of batch values not over a count of
-labels), an op that combines samples otherwise (batch statistics, an in-batch contrastive loss: ``sample_flow``),
-and random draws (dropout).
+0-d results are combined by the same rule (``gm.meta[LOSS_COMBINE]``), but for one made by the optimizer phase
+(the norm ``clip_grad_norm_`` returns: kind ``step``, made once, from the summed gradients); another result must
+hold the samples along dim 0 (the runtime concatenates it). Refused (``PassError``, before anything runs): losses
+of different kinds in one step, a sum scaled by the micro-batch size (``x.sum() / len(x)``, a mean written by
+hand), two token means counted only by the forward, any other way of reaching the loss (a ratio of batch values not
+over a count of labels), an op that combines samples otherwise (batch statistics, an in-batch contrastive loss:
+``sample_flow``), and random draws (dropout).
 
 Each backward seed is multiplied by the graph input ``loss_share`` (``LOSS_SHARE``, 0-d float32), which the runtime
 feeds with the micro-batch's share of the whole batch (``1 / M`` for a mean, 1 otherwise): each value a
@@ -48,6 +49,7 @@ import torch.fx as fx
 from zgraph.errors import PassError
 from zgraph.graph import (
     BACKWARD,
+    OPTIMIZER,
     OUTPUTS,
     PHASE,
     VAL,
@@ -80,9 +82,10 @@ LOSS_SHARE = GraphInput("loss_share", "loss_share", 0)
 @dataclass
 class LossCombine:
     """``kind`` of the loss (``mean``, ``sum``, ``token``; ``mean`` for a step without one) and of each 0-d result
-    (``results[index]``), which the runtime combines over micro-batches (see the module's docstring); the dtype of
-    a token mean's count; whether the backward seeds read ``LOSS_SHARE``; each whole batch's count the graph reads
-    (an input of kind ``batch_count``) with the graph counting it on a micro-batch (``zgraph.passes.token_count``)."""
+    (``results[index]``; also ``same`` and ``step``), which the runtime combines over micro-batches (see the
+    module's docstring); the dtype of a token mean's count; whether the backward seeds read ``LOSS_SHARE``; each
+    whole batch's count the graph reads (an input of kind ``batch_count``) with the graph counting it on a
+    micro-batch (``zgraph.passes.token_count``)."""
 
     kind: str = "mean"
     results: dict[int, str] = field(default_factory=dict)
@@ -113,7 +116,7 @@ def micro_batch_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     results = {}
     for value, role in zip(out.args[0], output_roles(gm)):
         if role.kind == "user" and isinstance(value, fx.Node) and _is_scalar(value):
-            results[role.index] = walk.kind(value)
+            results[role.index] = "step" if value.meta.get(PHASE) == OPTIMIZER else walk.kind(value)
         elif role.kind == "user" and isinstance(value, fx.Node) and getattr(flow.get(value), "dim", None) != 0:
             raise PassError(
                 f"the step returns {value.name}, which is not 0-d and does not hold the samples along dim 0; a "

@@ -26,7 +26,7 @@ not update; rotary tables, masks, the optimizer's scalars).
   gradient crosses once, not once per view of it.
 - Update: a node runs in the one stage whose state it reads. A global gradient norm (``clip_grad_norm_``) or
   overflow check (fp16 loss scaling) over several stages is cut into per-stage partials and a total the runtime
-  combines over the pipeline (``stage_totals``); what reads only the total is free.
+  combines over the pipeline (``stage_totals``); what reads only the total is free (a copy the step returns, stage 0's).
 
 Refused (``PassError``, before anything runs): fewer blocks than stages; a ``split`` name that is not one of the
 step's blocks, or names out of order; a parameter the forwards of two stages read themselves (an embedding's weight
@@ -51,7 +51,7 @@ from zgraph.passes.pass_list import PassContext
 from zgraph.passes.remat import block_of, blocks_in
 from zgraph.passes.sizes_from_inputs import size_arithmetic
 from zgraph.passes.stage_balance import balance, block_flops, node_flops
-from zgraph.passes.stage_totals import split_across_stages
+from zgraph.passes.stage_totals import returned_totals, split_across_stages
 
 aten = torch.ops.aten
 
@@ -327,6 +327,7 @@ def _place_update(
             continue
         where.update({new: Placement(stage, "update") for new, stage in split[0].items()})
         free.update(split[1])
+    where.update((copy, Placement(0, "update")) for copy in returned_totals(gm, free))
 
 
 def _one_stage(

@@ -12,7 +12,8 @@ rewrites them:
   (name: the total's, index: the stage);
 - the total is a placeholder, ``GraphInput`` kind ``stage_total`` (``field``: ``"sum"`` or ``"max"``), which the
   runtime fills by combining every stage's partial over the pipeline (``zgraph.runtime.pipeline_run``); the norm
-  (its ``1/ord`` power) or the flag made from it is a free node, copied into every stage's update that reads it.
+  (its ``1/ord`` power) or the flag made from it is a free node, copied into every stage's update that reads it
+  (``returned_totals``: what the step returns of them, a copy).
 
 Every stage thus clips by the same global coefficient, and skips (or not) the same step, as eager does.
 ``split_update`` then cuts a stage's update graph in two: the part its partials need (run first, on every stage),
@@ -32,6 +33,7 @@ import torch.fx as fx
 
 from zgraph.graph import (
     INPUT,
+    OPTIMIZER,
     OUTPUTS,
     PHASE,
     VAL,
@@ -41,6 +43,7 @@ from zgraph.graph import (
     fake_mode,
     insert,
     output_node,
+    output_roles,
 )
 from zgraph.ops import GRAD_CONTRIBUTION, NONFINITE
 
@@ -141,6 +144,21 @@ def _overflow(gm: fx.GraphModule, check: fx.Node, stage_of: StageOf) -> Partials
     check.replace_all_uses_with(flag)
     gm.graph.erase_node(check)
     return partials, [total, flag]
+
+
+def returned_totals(gm: fx.GraphModule, free: set[fx.Node]) -> list[fx.Node]:
+    """A value made of totals alone that the step returns as a result (the norm ``clip_grad_norm_`` returns) is
+    free, copied into every update that reads it: the step returns a copy of it instead, for one stage to make.
+    The copies."""
+    out, copies = output_node(gm), {}
+    values = [v for v, role in zip(out.args[0], output_roles(gm)) if role.kind == "user" and v in free]
+    for node in values:
+        if node.op == "call_function" and node.meta.get(PHASE) == OPTIMIZER and node not in copies:
+            with gm.graph.inserting_after(node):
+                copies[node] = gm.graph.node_copy(node)
+    roles = output_roles(gm)
+    out.args = (tuple(copies.get(v, v) if r.kind == "user" else v for v, r in zip(out.args[0], roles)),)
+    return list(copies.values())
 
 
 def total_inputs(gm: fx.GraphModule) -> list[fx.Node]:

@@ -223,6 +223,31 @@ def zero_clipped(rank: int, world: int) -> list[dict]:
     return all_gather_values({**out, "graph_all_reduces": reduces, "totals_all_reduced": sizes})
 
 
+def step_results(rank: int, world: int) -> list[dict]:
+    """A step that clips with ``clip_grad_norm_`` itself and returns the loss, the norm and a value of the
+    parameters alone (as ``ZGraphTrainer``'s step returns its grad norm), P=2 x D=2 at ZeRO 1, against eager on the
+    whole batch: each result as eager's (the norm made once, from the gradients over every stage and pipeline)."""
+
+    def clipping(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), norm, model.head.weight.detach().pow(2).sum()
+
+    eager_model = Net()
+    model = copy.deepcopy(eager_model)
+    eager_opt, opt = SGD(eager_model.parameters()), SGD(model.parameters())
+    config = zgraph.Config(backend="eager", pipeline_parallel=P, schedule="1f1b", microbatches=2, stage=1)
+    compiled = zgraph.distribute(config)(clipping)
+    want, got = [], []
+    for batch in batches():
+        want.append(torch.stack(clipping(eager_model, eager_opt, *batch)))
+        got.append(torch.stack(compiled(model, opt, *zgraph.pipeline_batch(batch, P))))
+    return all_gather_values({"want": want, "got": got})
+
+
 @contextlib.contextmanager
 def _totals_counted(sizes: list[int]) -> Iterator[None]:
     """The sizes of the all-reduces ``RankRunner._stage_totals`` makes inside, appended to ``sizes``."""

@@ -25,7 +25,7 @@ def four_ranks(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("pipeline_data") / "results.pt"
     cases = ["two_by_two", "zero_within_stages", "stage_three", "stage_three_regathered", "hybrid_degenerate"]
-    cases += ["zero_clipped", "reduced_in_bf16"]
+    cases += ["zero_clipped", "reduced_in_bf16", "step_results"]
     cases += ["pipeline_by_sequence", "pipeline_by_sequence_refused"]
     run_ranks(4, "pipeline_data_cases.run", str(path), cases, timeout=300)
     results = torch.load(path, weights_only=False)
@@ -249,6 +249,14 @@ def test_max_grad_norm_at_zero_2_clips_by_the_norm_over_every_stage_and_shard(fo
     e = zgraph.distribute(config)(step).estimate(model, SGD(model.parameters()), *batches()[0], world_size=4)
     ran = four_ranks["zero_clipped"][0]
     assert e.comm_count["all_reduce"] == ran["graph_all_reduces"] + len(ran["totals_all_reduced"]) == 2, e.comm_count
+
+
+def test_a_steps_own_clip_norm_and_a_value_of_the_parameters_are_returned_as_eager_returns_them(four_ranks):
+    """P=2 x D=2: ``clip_grad_norm_``'s norm, made once a step from the gradients of every stage and pipeline (a
+    result of stage 0's update), and a value of the parameters alone (the same on every micro-batch and pipeline:
+    not summed over the pipelines) equal eager's on the whole batch, with the loss, on every rank."""
+    for r in four_ranks["step_results"]:
+        torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-5, atol=1e-6)
 
 
 def test_reduce_dtype_is_what_each_stages_gradients_cross_the_pipelines_in(four_ranks):

@@ -251,3 +251,33 @@ def test_bf16_is_autocast_in_the_step(tmp_path):
     got = cases.bf16_losses("llama", str(tmp_path))
     for a, b in zip(got["zgraph"], got["plain"], strict=True):
         assert abs(a - b) <= 2**-8 * abs(b), (got["zgraph"], got["plain"])
+
+
+def test_pipeline_parallelism_in_the_trainers_step_trains_as_without_it(tmp_path):
+    """``zgraph_config=Config(pipeline_parallel=...)``: the Llama's layers cut into 2 stages (on one process), each
+    of the step's 2 accumulated batches in 2 micro-batches: the logged losses and gradient norms (the step's own
+    ``clip_grad_norm_``, made once from every stage's gradients) and the final state equal ZGraphTrainer's without
+    pipelines (the same arithmetic, summed in another order)."""
+    import hf_cases
+    from transformers import LlamaForCausalLM
+
+    import zgraph
+    from zgraph.integrations.transformers import ZGraphTrainer
+
+    config = hf_cases._llama_config()
+    config.num_hidden_layers = 2  # a layer per stage
+    pipelined = dict(pipeline_parallel=1, pipeline_virtual_stages=2, schedule="interleaved_1f1b", microbatches=2)
+    runs = []
+    for options in ({}, pipelined):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        args = cases.arguments(str(tmp_path / str(len(runs))), per_device=4)
+        step = zgraph.Config(backend="eager", **options)
+        trainer = ZGraphTrainer(model=model, args=args, train_dataset=cases.dataset(), zgraph_config=step)
+        trainer.train()
+        runs.append((cases.history(trainer), cases.whole_state(trainer.model)))
+    (want, want_state), (got, got_state) = runs
+    for key in ("loss", "grad_norm", "learning_rate"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=1e-5, atol=0)
+    for name, value in want_state.items():
+        torch.testing.assert_close(got_state[name], value, rtol=1e-5, atol=1e-5)

@@ -159,7 +159,7 @@ def _divisor(
 def _over_pipelines(value: Tensor, kind: str, peers: Peers) -> Tensor:
     """A 0-d result over the whole batch from each pipeline's (a mean averaged, a sum or a token mean's part
     summed); another (concatenated along the samples) stays the pipeline's rows."""
-    if peers.data is None or value.dim():
+    if peers.data is None or value.dim() or kind in ("same", "step"):
         return value
     dist.all_reduce(value, group=peers.data)
     return value / peers.pipelines if kind == "mean" else value
