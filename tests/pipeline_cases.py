@@ -290,6 +290,25 @@ def varying_lengths(rank: int, world: int) -> list[dict]:
     return all_gather_values({**result, "variants": compiled._dispatch.variants()})
 
 
+def different_rows(rank: int, world: int) -> list[str]:
+    """Each rank of the pipeline passes rows of its own (a sampler's share per rank): the error each raises, and
+    whether the parameters it holds are as they were and its optimizer's state a fresh one's."""
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    compiled = zgraph.distribute(zgraph.Config(backend="eager", pipeline_parallel=world, microbatches=2))(step)
+    x, y = batches()[rank]
+    try:
+        compiled(model, opt, x, y)
+        error = "no error"
+    except zgraph.RankMismatchError as e:
+        error = str(e)
+    kept = all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.device.type != "meta")
+    held = [v for state in opt.state.values() for v in state.values() if v.device.type != "meta"]
+    fresh = not any(v.any() for v in held)  # zgraph binds its stage's state as zeros, step 0
+    return all_gather_values({"error": error, "kept": kept and fresh})
+
+
 def run(rank: int, world: int, out_path: str, names: list[str]) -> None:
     """Worker: run the named cases; rank 0 saves ``{name: result}``."""
     run_named(rank, world, out_path, names, globals())

@@ -26,7 +26,13 @@ def two_ranks(tmp_path_factory):
     from dist_harness import run_ranks
 
     path = tmp_path_factory.mktemp("pipeline") / "results.pt"
-    run_ranks(2, "pipeline_cases.run", str(path), [*CASES, *COMPOSED, "stage_state", "varying_lengths"], timeout=300)
+    run_ranks(
+        2,
+        "pipeline_cases.run",
+        str(path),
+        [*CASES, *COMPOSED, "stage_state", "varying_lengths", "different_rows"],
+        timeout=300,
+    )
     return torch.load(path, weights_only=False)
 
 
@@ -56,6 +62,14 @@ def test_a_sequence_length_that_changes_captures_once_more_with_symbolic_sizes(t
         torch.testing.assert_close(torch.stack(r["got"]), torch.stack(r["want"]), rtol=1e-5, atol=1e-6)
         assert r["distance"] < 1e-4, r["distance"]
         assert r["variants"] == 2, r["variants"]
+
+
+def test_ranks_of_a_pipeline_passing_different_rows_are_refused_before_anything_changes(two_ranks):
+    """Stage 0 would run one rank's inputs and the last stage score them against another's labels: each rank
+    raises ``RankMismatchError`` naming the arguments, its parameters as they were and no step taken."""
+    for r in two_ranks["different_rows"]:
+        assert "passed different values of x, y" in r["error"] and "zgraph.pipeline_batch" in r["error"], r
+        assert r["kept"]
 
 
 @pytest.mark.inductor

@@ -29,6 +29,7 @@ from torch import Tensor
 from zgraph.capture.as_written import hyperparameters
 from zgraph.compile.run import finish_call, unalias
 from zgraph.compile.variant import CompiledStep, PipelineCompiled
+from zgraph.errors import RankMismatchError
 from zgraph.graph import GraphInput
 from zgraph.passes.micro_batch_loss import LOSS_SHARE
 from zgraph.runtime.pipeline_run import Divisor, Feed, Peers, RankPlan, RankRunner, Shape
@@ -59,6 +60,7 @@ def run_pipeline(
         return state[spec]
 
     peers = program.peers
+    _same_rows(micro, peers)
     pending: list[tuple[dist.Work, Tensor]] = []  # the token count's broadcast from its rank, in flight
     share, divisor = _shares(program, peers, pending)
     state[LOSS_SHARE] = share
@@ -96,6 +98,36 @@ def run_pipeline(
     for work, _ in pending:
         work.wait()
     return finish_call(compiled, binding, micro[0], values)
+
+
+def _same_rows(micro: list[list[tuple[str, Tensor]]], peers: Peers) -> None:
+    """Every rank of a pipeline (of one sequence slice) must pass the same rows: its first stage reads the inputs,
+    its last the labels. Each argument tensor's fingerprint (its sum and a position-weighted sum of up to 1024 of
+    its elements, in float64) is compared over the pipeline's ranks, one all-gather a step; where they differ every
+    rank of the pipeline raises ``RankMismatchError`` naming the arguments, before anything runs."""
+    if len(peers.ranks) == 1 or not micro[0]:
+        return
+    parts = []
+    for rows in micro:
+        for _, t in rows:
+            flat = t.detach().reshape(-1).double()
+            sample = flat[:: max(1, flat.numel() // 1024)]
+            weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=flat.device)
+            parts.append(
+                torch.stack([flat.sum(), (sample * weights).sum()]).nan_to_num(nan=0.5, posinf=1.5, neginf=-1.5)
+            )
+    mine = torch.stack(parts)
+    every = torch.empty((len(peers.ranks) * len(parts), 2), dtype=mine.dtype, device=mine.device)
+    dist.all_gather_into_tensor(every, mine, group=peers.group)
+    differ = (every.view(-1, *mine.shape) != mine).any(0).any(-1).reshape(len(micro), -1).any(0).tolist()
+    if any(differ):
+        names = [path for (path, _), d in zip(micro[0], differ) if d]
+        raise RankMismatchError(
+            f"the ranks of a pipeline (global ranks {peers.ranks}) passed different values of {', '.join(names)}: "
+            "every rank of a pipeline must pass the same rows (its first stage reads the inputs, its last the "
+            "labels). Give each rank its pipeline's rows with zgraph.pipeline_batch(batch, P), not a sampler's "
+            "share per rank"
+        )
 
 
 def _shares(program: PipelineCompiled, peers: Peers, pending: list[tuple[dist.Work, Tensor]]) -> tuple[Tensor, Divisor]:
