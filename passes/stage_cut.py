@@ -26,7 +26,7 @@ not update; rotary tables, masks, the optimizer's scalars).
   gradient crosses once, not once per view of it.
 - Update: a node runs in the one stage whose state it reads. A global gradient norm (``clip_grad_norm_``) or
   overflow check (fp16 loss scaling) over several stages is cut into per-stage partials and a total the runtime
-  combines over the pipeline (``stage_totals``); what reads only the total is free (a copy the step returns, stage 0's).
+  combines over the pipeline (``stage_totals``); what reads only it is free (what the step returns: stage 0's).
 
 Refused (``PassError``, before anything runs): fewer blocks than stages; a ``split`` name that is not one of the
 step's blocks, or names out of order; a parameter the forwards of two stages read themselves (an embedding's weight
@@ -159,8 +159,8 @@ def free_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def _copyable(node: fx.Node) -> bool:
-    if node.target in (operator.getitem, FLAG_TO_HOST) or size_arithmetic(node):  # deterministic (an overflow flag
-        return True  # copied for host state, a size)
+    if node.target in (operator.getitem, FLAG_TO_HOST) or size_arithmetic(node):  # the overflow flag, sizes: pure
+        return True
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
         return False

@@ -150,13 +150,11 @@ def returned_totals(gm: fx.GraphModule, free: set[fx.Node]) -> list[fx.Node]:
     """A value made of totals alone that the step returns as a result (the norm ``clip_grad_norm_`` returns) is
     free, copied into every update that reads it: the step returns a copy of it instead, for one stage to make.
     The copies."""
-    out, copies = output_node(gm), {}
-    values = [v for v, role in zip(out.args[0], output_roles(gm)) if role.kind == "user" and v in free]
-    for node in values:
-        if node.op == "call_function" and node.meta.get(PHASE) == OPTIMIZER and node not in copies:
+    out, roles, copies = output_node(gm), output_roles(gm), {}
+    for node, role in zip(out.args[0], roles):
+        if role.kind == "user" and node in free and node.meta.get(PHASE) == OPTIMIZER and node not in copies:
             with gm.graph.inserting_after(node):
                 copies[node] = gm.graph.node_copy(node)
-    roles = output_roles(gm)
     out.args = (tuple(copies.get(v, v) if r.kind == "user" else v for v, r in zip(out.args[0], roles)),)
     return list(copies.values())
 

@@ -64,7 +64,7 @@ def test_estimate_matches_a_real_step_on_one_process():
     "world, cases",
     [
         (2, [(3, "bf16")]),
-        (4, [(3, "fp32")]),
+        pytest.param(4, [(3, "fp32")], marks=pytest.mark.extended),  # 4 ranks: with the other long runs in .ci/run
         (2, [(1, "bf16"), (2, "bf16")]),  # the updated shards' all-gather holds its inputs until its waits
         (2, [(3, "nvme")]),  # parameter shards and optimizer states offloaded: in files, reloaded per phase
     ],
