@@ -65,6 +65,7 @@ from zgraph.passes.pass_list import PassContext
 from zgraph.passes.sample_flow import named_arguments, sample_flow
 from zgraph.passes.token_count import count_dtype, count_graph
 from zgraph.passes.token_mean import MEAN, SUM, as_sum_over
+from zgraph.sizes import same_size
 
 aten = torch.ops.aten
 LOSS_COMBINE = "zgraph_loss_combine"
@@ -224,14 +225,10 @@ def _count_in(node: object) -> object:
 
 
 def _same_size(given: object, numel: object) -> bool:
-    """Whether ``given`` (a graph argument: a number, or a node of a symbolic size) is ``numel``."""
-    if isinstance(given, fx.Node):
-        given = given.meta.get(VAL)
-    if isinstance(given, int) and isinstance(numel, int):
-        return given == numel
-    if isinstance(given, torch.SymInt) and isinstance(numel, torch.SymInt):
-        return bool(given.node.expr == numel.node.expr)
-    return False
+    """Whether ``given`` (a graph argument: a number, or a node of a symbolic size) is ``numel`` at every size."""
+    given = given.meta.get(VAL) if isinstance(given, fx.Node) else given
+    sizes = (int, torch.SymInt)
+    return isinstance(given, sizes) and isinstance(numel, sizes) and same_size(given, numel)
 
 
 def _named(kinds: set[str], between: str = ", ") -> str:

@@ -110,12 +110,11 @@ def _same_rows(micro: list[list[tuple[str, Tensor]]], peers: Peers) -> None:
     parts = []
     for rows in micro:
         for _, t in rows:
-            flat = t.detach().reshape(-1).double()
-            sample = flat[:: max(1, flat.numel() // 1024)]
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 1024)].double()
             weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=flat.device)
-            parts.append(
-                torch.stack([flat.sum(), (sample * weights).sum()]).nan_to_num(nan=0.5, posinf=1.5, neginf=-1.5)
-            )
+            fingerprint = torch.stack([flat.sum(dtype=torch.float64), (sample * weights).sum()])
+            parts.append(fingerprint.nan_to_num(nan=0.5, posinf=1.5, neginf=-1.5))
     mine = torch.stack(parts)
     every = torch.empty((len(peers.ranks) * len(parts), 2), dtype=mine.dtype, device=mine.device)
     dist.all_gather_into_tensor(every, mine, group=peers.group)
